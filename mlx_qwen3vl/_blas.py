@@ -1,0 +1,1 @@
+"""Placeholder; the optimized-BLAS loader arrives with the benchmarks issue."""

@@ -1,0 +1,97 @@
+"""The Qwen3 decoder of Qwen3-VL: q/k RMSNorm on the head dim, GQA, SwiGLU, interleaved mRoPE, and
+DeepStack (vision features from early ViT blocks added after the first decoder layers)."""
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .config import TextConfig
+from .rope import TextRotary
+
+
+class Attention(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def __call__(self, x, rotary: TextRotary, position_ids, mask, cache=None):
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = rotary.apply(q, k, position_ids)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def __call__(self, x, rotary, position_ids, mask, cache=None):
+        h = x + self.self_attn(self.input_layernorm(x), rotary, position_ids, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def attention_mask_for(key_mask, query_len: int):
+    """Boolean (B, 1, L, S) mask: causal (lower-right aligned, so it holds with a KV cache) and
+    hiding padded keys. Each query may always see itself, so a padding row never becomes an
+    all-masked row (NaN) that could leak into real rows through 0 * NaN."""
+    S = key_mask.shape[-1]
+    q_pos = mx.arange(S - query_len, S)[:, None]
+    k_pos = mx.arange(S)[None, :]
+    allowed = (k_pos <= q_pos) & key_mask[:, None, None, :].astype(mx.bool_)
+    return allowed | (k_pos == q_pos)
+
+
+class TextModel(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = [DecoderLayer(config) for _ in range(config.num_hidden_layers)]
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary = TextRotary(config.head_dim, config.rope_theta, config.mrope_section)
+
+    def __call__(self, inputs_embeds, position_ids, mask=None, cache=None, deepstack_embeds=None):
+        """inputs_embeds (B, L, D); position_ids (3, B, L), or (B,) for a text-only chunk (see
+        TextRotary.apply); mask None / "causal" / boolean (B, 1, L, S); deepstack_embeds: list of
+        (B, L, D) arrays, zero except at visual positions.
+
+        DeepStack: the k-th tapped vision feature is added right after decoder layer k, i.e. to
+        layers 0, 1, 2 for three taps — the LLM layer index, not the ViT block index it came from.
+        Adding zeros elsewhere is exact, which keeps this correct across prefill chunks."""
+        h = inputs_embeds
+        cache = cache or [None] * len(self.layers)
+        deepstack_embeds = deepstack_embeds or []
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+            h = layer(h, self.rotary, position_ids, mask, c)
+            if i < len(deepstack_embeds):
+                h = h + deepstack_embeds[i].astype(h.dtype)
+        return self.norm(h)

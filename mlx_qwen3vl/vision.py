@@ -1,0 +1,210 @@
+"""The Qwen3-VL vision tower: patch embedding, resampled learned positions, 2D RoPE, ViT blocks
+with per-image/per-frame attention, the 2x2 patch merger and the DeepStack mergers.
+
+Patches arrive from the processor already flattened as [C, T=2, 16, 16] rows, in 2x2-merge-block
+order (the four patches that merge into one LLM token are consecutive). Everything positional
+here (learned grid, rotary) is laid out in that same order.
+"""
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .config import VisionConfig
+from .rope import VisionRotary, apply_rotary
+
+
+def _as_grids(grid_thw):
+    return [tuple(int(v) for v in g) for g in np.asarray(grid_thw).reshape(-1, 3)]
+
+
+def merge_order_rows_cols(h: int, w: int, merge: int):
+    """Row and column of every patch of an (h, w) grid, listed in merge-block order."""
+    rows = np.arange(h).reshape(h // merge, merge, 1, 1)
+    cols = np.arange(w).reshape(1, 1, w // merge, merge)
+    rows = np.broadcast_to(rows, (h // merge, merge, w // merge, merge)).transpose(0, 2, 1, 3)
+    cols = np.broadcast_to(cols, (h // merge, merge, w // merge, merge)).transpose(0, 2, 1, 3)
+    return rows.reshape(-1), cols.reshape(-1)
+
+
+def _bilinear_taps(index: np.ndarray, size: int, side: int):
+    """Two taps and weights per output index resampling a `side`-long axis to `size` samples with
+    align_corners=True: the first and last samples land exactly on the table's corner entries.
+    float32 throughout, as transformers computes it, so the weights agree to the bit."""
+    index = index.astype(np.float32)
+    src = index * np.float32(side - 1) / np.float32(max(size - 1, 1))
+    floor = np.floor(src)
+    taps = np.clip(floor.astype(np.int64)[:, None] + np.arange(2), 0, side - 1)
+    weights = np.clip(1 - np.abs(src[:, None] - floor[:, None] - np.arange(2, dtype=np.float32)), 0, None)
+    return taps, weights.astype(np.float32)
+
+
+@dataclass
+class VisionLayout:
+    """Host-side bookkeeping derived from grid_thw (input metadata, never model outputs)."""
+
+    hw_positions: mx.array  # (N, 2) rotary row/col per patch
+    interp_indices: mx.array  # (N, 4) rows of the learned 48x48 grid to blend
+    interp_weights: mx.array  # (N, 4)
+    segments: list  # [(start, count, length)]: `count` consecutive attention windows of `length`
+    merged_sizes: list  # LLM tokens per image/video
+
+    @classmethod
+    def from_grids(cls, grid_thw, merge: int, side: int):
+        grids = _as_grids(grid_thw)
+        hw, idx, wts, segments, sizes = [], [], [], [], []
+        start = 0
+        for t, h, w in grids:
+            rows, cols = merge_order_rows_cols(h, w, merge)
+            hw.append(np.tile(np.stack([rows, cols], -1), (t, 1)))
+            h_taps, h_w = _bilinear_taps(rows, h, side)
+            w_taps, w_w = _bilinear_taps(cols, w, side)
+            i = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
+            wt = (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4)
+            idx.append(np.tile(i, (t, 1)))
+            wts.append(np.tile(wt, (t, 1)))
+            # Attention never crosses an image or a video frame. Consecutive windows of one
+            # length are batched into one call, so cost and memory stay linear in images.
+            if segments and segments[-1][2] == h * w and segments[-1][0] + segments[-1][1] * h * w == start:
+                s0, c0, l0 = segments[-1]
+                segments[-1] = (s0, c0 + t, l0)
+            else:
+                segments.append((start, t, h * w))
+            start += t * h * w
+            sizes.append(t * h * w // (merge * merge))
+        return cls(
+            mx.array(np.concatenate(hw).astype(np.int32)),
+            mx.array(np.concatenate(idx).astype(np.int32)),
+            mx.array(np.concatenate(wts)),
+            segments,
+            sizes,
+        )
+
+
+class PatchEmbed(nn.Module):
+    """Conv3d with kernel == stride == [2, 16, 16] is one matmul over flattened patches; the
+    checkpoint's (E, C, 2, 16, 16) kernel is stored here reshaped to (E, C*2*16*16)."""
+
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        in_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
+        self.proj = nn.Linear(in_dim, config.hidden_size, bias=True)
+
+    def __call__(self, x):
+        return self.proj(x)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
+        self.proj = nn.Linear(dim, dim, bias=True)
+
+    def __call__(self, x, cos, sin, segments):
+        n, dim = x.shape
+        q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).transpose(1, 0, 2, 3)
+        q = apply_rotary(q.astype(mx.float32), cos, sin).astype(x.dtype)
+        k = apply_rotary(k.astype(mx.float32), cos, sin).astype(x.dtype)
+        outs = []
+        for start, count, length in segments:
+            end = start + count * length
+            window = lambda a: a[start:end].reshape(count, length, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
+            o = mx.fast.scaled_dot_product_attention(
+                window(q), window(k), window(v), scale=self.head_dim**-0.5
+            )
+            outs.append(o.transpose(0, 2, 1, 3).reshape(count * length, dim))
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+        return self.proj(out)
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(dim, hidden, bias=True)
+        self.linear_fc2 = nn.Linear(hidden, dim, bias=True)
+
+    def __call__(self, x):
+        return self.linear_fc2(nn.gelu_approx(self.linear_fc1(x)))  # gelu_pytorch_tanh
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.hidden_size, eps=1e-6)
+        self.norm2 = nn.LayerNorm(config.hidden_size, eps=1e-6)
+        self.attn = VisionAttention(config.hidden_size, config.num_heads)
+        self.mlp = VisionMLP(config.hidden_size, config.intermediate_size)
+
+    def __call__(self, x, cos, sin, segments):
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """Concatenates each 2x2 block of patches into one token and projects it to the LLM width.
+    The main merger normalizes each patch before the concat; DeepStack mergers normalize after
+    (use_postshuffle_norm), over the concatenated 4*hidden features."""
+
+    def __init__(self, config: VisionConfig, use_postshuffle_norm: bool):
+        super().__init__()
+        self.merged_dim = config.hidden_size * config.spatial_merge_size**2
+        self.use_postshuffle_norm = use_postshuffle_norm
+        self.norm = nn.LayerNorm(self.merged_dim if use_postshuffle_norm else config.hidden_size, eps=1e-6)
+        self.linear_fc1 = nn.Linear(self.merged_dim, self.merged_dim, bias=True)
+        self.linear_fc2 = nn.Linear(self.merged_dim, config.out_hidden_size, bias=True)
+
+    def __call__(self, x):
+        if self.use_postshuffle_norm:
+            x = self.norm(x.reshape(-1, self.merged_dim))
+        else:
+            x = self.norm(x).reshape(-1, self.merged_dim)
+        return self.linear_fc2(nn.gelu(self.linear_fc1(x)))
+
+
+class VisionModel(nn.Module):
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        self.config = config
+        self.patch_embed = PatchEmbed(config)
+        self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
+        self.num_grid_per_side = int(math.isqrt(config.num_position_embeddings))
+        self.blocks = [VisionBlock(config) for _ in range(config.depth)]
+        self.merger = PatchMerger(config, use_postshuffle_norm=False)
+        self.deepstack_visual_indexes = list(config.deepstack_visual_indexes)
+        self.deepstack_merger_list = [
+            PatchMerger(config, use_postshuffle_norm=True) for _ in self.deepstack_visual_indexes
+        ]
+        self._rotary = VisionRotary(config.hidden_size // config.num_heads, config.rope_theta)
+
+    def layout(self, grid_thw) -> VisionLayout:
+        return VisionLayout.from_grids(grid_thw, self.config.spatial_merge_size, self.num_grid_per_side)
+
+    def __call__(self, pixel_values: mx.array, grid_thw):
+        """pixel_values (N, C*2*16*16), grid_thw (num_images, 3) ->
+        (merged (N/4, out_hidden), [DeepStack features (N/4, out_hidden)] in deepstack index order)."""
+        layout = self.layout(grid_thw)
+        if pixel_values.shape[0] != layout.interp_indices.shape[0]:
+            from .errors import InputError
+
+            raise InputError(
+                f"pixel_values has {pixel_values.shape[0]} patches but grid_thw describes "
+                f"{layout.interp_indices.shape[0]}: pass the processor's pixel_values and grid together"
+            )
+        dtype = self.patch_embed.proj.weight.dtype
+        x = self.patch_embed(pixel_values.astype(dtype))
+        # The 48x48 learned grid resampled (bilinear, align_corners=True) to this image's grid.
+        table = self.pos_embed.weight
+        pos = (table[layout.interp_indices] * layout.interp_weights[..., None].astype(table.dtype)).sum(axis=1)
+        x = x + pos.astype(x.dtype)
+        cos, sin = self._rotary.cos_sin(layout.hw_positions)
+        deepstack = []
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, layout.segments)
+            if i in self.deepstack_visual_indexes:
+                deepstack.append(self.deepstack_merger_list[self.deepstack_visual_indexes.index(i)](x))
+        return self.merger(x), deepstack
