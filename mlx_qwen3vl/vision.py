@@ -199,7 +199,7 @@ class VisionModel(nn.Module):
         x = self.patch_embed(pixel_values.astype(dtype))
         # The 48x48 learned grid resampled (bilinear, align_corners=True) to this image's grid.
         table = self.pos_embed.weight
-        pos = (table[layout.interp_indices] * layout.interp_weights[..., None].astype(table.dtype)).sum(axis=1)
+        pos = (table[layout.interp_indices] * layout.interp_weights[..., None]).sum(axis=1)  # fp32 weights, as transformers
         x = x + pos.astype(x.dtype)
         cos, sin = self._rotary.cos_sin(layout.hw_positions)
         deepstack = []
