@@ -1,14 +1,30 @@
-"""mlx_qwen3vl: exact, fast Qwen3-VL inference on MLX."""
+"""mlx_qwen3vl: exact, fast Qwen3-VL inference on MLX.
+
+    from mlx_qwen3vl import load, generate
+    model, processor = load("Qwen/Qwen3-VL-2B-Instruct")
+    print(generate(model, processor, "Describe this image.", images=["examples/screenshot.png"]).text)
+"""
 
 from . import _blas  # noqa: F401  (must run before mlx.core is first imported)
-from .weights import load_model
+import warnings
+
+# `python -m mlx_qwen3vl.generate` runs a module this package has already imported (for the
+# public `generate` function, as mlx-lm does); runpy's warning about that is harmless here.
+warnings.filterwarnings("ignore", message=r"'mlx_qwen3vl\.generate' found in sys\.modules", category=RuntimeWarning)
+
+from .generate import (ChatSession, GenerationResponse, GenerationResult, PromptCache,  # noqa: E402
+                       batch_generate, generate, stream_generate)
+from .hub import resolve_model_path  # noqa: E402
+from .processor import Processor  # noqa: E402
+from .weights import load_model  # noqa: E402
 
 __version__ = "0.1.0"
+__all__ = ["load", "generate", "stream_generate", "batch_generate", "ChatSession", "PromptCache",
+           "GenerationResult", "GenerationResponse", "Processor", "load_model"]
 
 
 def load(path_or_hub_id, dtype=None):
-    """Load a checkpoint → (model, processor)."""
-    from .processor import Processor
-
-    model = load_model(path_or_hub_id, dtype)
-    return model, Processor.from_pretrained(path_or_hub_id)
+    """A local checkpoint folder or a hub repo id → (model, processor). dtype defaults to float32
+    on the CPU backend and to the checkpoint's dtype on a GPU."""
+    path = resolve_model_path(path_or_hub_id)
+    return load_model(path, dtype), Processor.from_pretrained(path)

@@ -87,6 +87,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     torch_dtype: Optional[str] = None
     quantization: Optional[dict] = None
+    eos_token_ids: list = field(default_factory=list)  # from generation_config.json
 
     @classmethod
     def from_dict(cls, raw: dict, where: str = "config.json") -> "ModelConfig":
@@ -121,6 +122,8 @@ class ModelConfig:
         params["tie_word_embeddings"] = bool(tie)
         params["torch_dtype"] = raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype")
         params["quantization"] = raw.get("quantization") or raw.get("quantization_config")
+        eos = raw.get("eos_token_ids", text.get("eos_token_id"))
+        params["eos_token_ids"] = [eos] if isinstance(eos, int) else list(eos or [])
         params["text_config"] = _from_dict(TextConfig, text, f"{where} text_config")
         params["vision_config"] = _from_dict(VisionConfig, vision, f"{where} vision_config")
         return _from_dict(cls, params, where)
@@ -134,4 +137,10 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON ({e})") from None
-        return cls.from_dict(raw, str(path))
+        config = cls.from_dict(raw, str(path))
+        generation = path.parent / "generation_config.json"
+        if generation.is_file():
+            eos = json.loads(generation.read_text()).get("eos_token_id")
+            if eos is not None:
+                config.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
+        return config

@@ -104,9 +104,13 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         mm_token_type_ids=None,
         image_features: Optional[VisualFeatures] = None,
         video_features: Optional[VisualFeatures] = None,
+        start: int = 0,
     ) -> PreparedInputs:
-        """Embeddings, positions and DeepStack tensors of a full prompt. Image/video features may be
-        passed precomputed (prefix reuse encodes only new images)."""
+        """Embeddings, positions and DeepStack tensors of prompt positions [start, L).
+
+        Positions always come from the whole prompt (they depend on every earlier image). With
+        start > 0 (a cached prefix), the features passed must be those of the images/videos whose
+        placeholders lie at or after `start`; they may be passed precomputed."""
         ids_np = np.asarray(input_ids)
         if ids_np.ndim == 1:
             ids_np = ids_np[None]
@@ -114,15 +118,17 @@ class Qwen3VLForConditionalGeneration(nn.Module):
             image_features = self.get_image_features(pixel_values, image_grid_thw)
         if video_features is None and pixel_values_videos is not None:
             video_features = self.get_video_features(pixel_values_videos, video_grid_thw)
-        self._check_placeholders(ids_np, self.config.image_token_id, image_features, "image")
-        self._check_placeholders(ids_np, self.config.video_token_id, video_features, "video")
+        suffix = ids_np[:, start:]
+        self._check_placeholders(suffix, self.config.image_token_id, image_features, "image")
+        self._check_placeholders(suffix, self.config.video_token_id, video_features, "video")
 
-        ids = mx.array(ids_np)
+        ids = mx.array(suffix)
         embeds = self.language_model.embed_tokens(ids)
         n_taps = len(self.config.vision_config.deepstack_visual_indexes)
-        deepstack = [mx.zeros_like(embeds) for _ in range(n_taps)] if (image_features or video_features) else []
+        visual = [f for f in (image_features, video_features) if f is not None and f.embeds.shape[0] > 0]
+        deepstack = [mx.zeros_like(embeds) for _ in range(n_taps)] if visual else []
         for token_id, feats in ((self.config.image_token_id, image_features), (self.config.video_token_id, video_features)):
-            if feats is None:
+            if feats is None or feats.embeds.shape[0] == 0:
                 continue
             embeds = _scatter(embeds, ids, token_id, feats.embeds)
             deepstack = [_scatter(d, ids, token_id, f) for d, f in zip(deepstack, feats.deepstack)]
@@ -130,10 +136,10 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         position_ids, rope_deltas = self.get_rope_index(
             ids_np, mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask
         )
-        return PreparedInputs(embeds, position_ids, rope_deltas, deepstack)
+        return PreparedInputs(embeds, position_ids[:, :, start:], rope_deltas, deepstack)
 
     def decode_hidden(self, prepared: PreparedInputs, attention_mask=None, cache=None, start=0, end=None):
-        """Run prompt positions [start, end) through the decoder (one prefill chunk)."""
+        """Run positions [start, end) of `prepared` through the decoder (one prefill chunk)."""
         end = prepared.inputs_embeds.shape[1] if end is None else end
         embeds = prepared.inputs_embeds[:, start:end]
         positions = prepared.position_ids[:, :, start:end]
@@ -141,6 +147,11 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         offset = cache[0].offset if cache else 0
         mask = self.make_mask(attention_mask, end - start, offset + end - start)
         return self.language_model(embeds, positions, mask, cache, deepstack)
+
+    def make_cache(self):
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache() for _ in self.language_model.layers]
 
     @staticmethod
     def make_mask(attention_mask, query_len: int, key_len: int):

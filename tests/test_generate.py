@@ -1,0 +1,208 @@
+"""Generation against transformers' recorded greedy continuations, chunked prefill, multi-turn
+prefix reuse, sampling, stopping, streaming and the CLI."""
+
+import json
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.sample_utils import make_sampler
+from PIL import Image
+
+import mlx_qwen3vl as M
+from conftest import CASES, FIXTURES, case_inputs, load_fixture_model, reference, rel_err
+from mlx_qwen3vl.generate import generate_tokens
+
+ROOT = FIXTURES.parents[1]
+
+
+def fixture_messages(case):
+    """The case's chat messages with media loaded from tests/fixtures/media."""
+    data = json.loads((FIXTURES / "cases" / f"{case}.json").read_text())
+    fps = []
+    for conversation in data["messages"]:
+        for message in conversation:
+            for block in message["content"] if isinstance(message["content"], list) else []:
+                if block["type"] == "image":
+                    block["image"] = Image.open(FIXTURES / "media" / block["image"])
+                elif block["type"] == "video":
+                    block["video"] = np.load(FIXTURES / "media" / block["video"])
+                    fps.append(block.pop("fps"))
+    return data["messages"], fps
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return {name: (load_fixture_model(name), M.Processor.from_pretrained(FIXTURES / name))
+            for name in ("tiny-a", "tiny-b")}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_equals_transformers(checkpoint, case):
+    """From the recorded inputs, with a tiny prefill chunk so chunks split images and DeepStack spans."""
+    model = load_fixture_model(checkpoint)
+    inputs = case_inputs(case)
+    tokens = [np.array(y) for y in generate_tokens(model, inputs, model.make_cache(), sampler=make_sampler(0.0),
+                                                    max_tokens=16, prefill_step_size=7)]
+    np.testing.assert_array_equal(np.stack(tokens, 1), reference(checkpoint, case)["greedy"])
+
+
+@pytest.mark.parametrize("case", ["text", "image", "two_images"])
+def test_generate_end_to_end_from_messages(loaded, checkpoint, case):
+    """Messages → our processor → generate() gives transformers' tokens."""
+    model, processor = loaded[checkpoint]
+    messages, _ = fixture_messages(case)
+    result = M.generate(model, processor, messages=messages[0], max_tokens=16)
+    assert result.token_ids == reference(checkpoint, case)["greedy"][0].tolist()
+    assert result.finish_reason == "length" and result.generation_tokens == 16
+    assert result.prompt_tokens == case_inputs(case)["input_ids"].shape[1]
+    assert result.text == processor.tokenizer.decode(result.token_ids)  # as mlx-lm: specials but EOS shown
+    assert result.prompt_tps > 0 and result.generation_tps > 0 and result.peak_memory_gb > 0
+
+
+def test_batch_generate_equals_single_runs(loaded, checkpoint):
+    model, processor = loaded[checkpoint]
+    messages, _ = fixture_messages("batch")
+    results = M.batch_generate(model, processor, [dict(messages=m) for m in messages], max_tokens=16)
+    greedy = reference(checkpoint, "batch")["greedy"]
+    for i, (r, m) in enumerate(zip(results, messages)):
+        assert r.token_ids == greedy[i].tolist()
+        assert r.token_ids == M.generate(model, processor, messages=m, max_tokens=16).token_ids
+
+
+def test_chunked_prefill_equals_one_pass(checkpoint):
+    """All-position logits with chunks of 5 (image placeholders and DeepStack spans cross chunk
+    boundaries) equal one pass."""
+    model = load_fixture_model(checkpoint)
+    inputs = case_inputs("two_images")
+    prepared = model.prepare_inputs(**inputs)
+    whole = model.logits(model.decode_hidden(prepared, None, model.make_cache()))
+    cache, parts = model.make_cache(), []
+    L = inputs["input_ids"].shape[1]
+    image_positions = np.flatnonzero(inputs["mm_token_type_ids"][0])
+    assert any(s in image_positions and s - 1 in image_positions for s in range(0, L, 5))
+    for s in range(0, L, 5):
+        parts.append(model.logits(model.decode_hidden(prepared, None, cache, s, min(L, s + 5))))
+    chunked = mx.concatenate(parts, axis=1)
+    assert rel_err(chunked, whole) < 1e-5
+    assert rel_err(chunked, reference(checkpoint, "two_images")["logits"]) < 1e-4
+
+
+def test_multi_turn_reuses_prefix_and_matches_from_scratch(loaded, checkpoint, monkeypatch):
+    model, processor = loaded[checkpoint]
+    img1 = Image.open(FIXTURES / "media" / "img_300x200.png")
+    img2 = Image.open(FIXTURES / "media" / "img_90x260.png")
+    encoded = []
+    original = model.get_image_features
+    monkeypatch.setattr(model, "get_image_features",
+                        lambda px, grid: encoded.append(np.asarray(grid).tolist()) or original(px, grid))
+    session = M.ChatSession(model, processor, system="You are a GUI agent.", max_tokens=8)
+    session.send("Where is the search box?", images=[img1])
+    first = session.last
+    assert first.cached_tokens == 0
+    turn2_tokens = [piece.token for piece in session.stream("Now click it.", images=[img2])]
+    second = session.last
+
+    # Turn 2 computed only what turn 1 had not: the new image and text.
+    history = session.messages[:-1]
+    full = processor.apply_chat_template(history, tokenize=True)
+    n_full = full["input_ids"].shape[1]
+    assert second.prompt_tokens == n_full
+    assert second.cached_tokens >= first.prompt_tokens  # turn 1's prompt (and answer) came from cache
+    assert n_full - second.cached_tokens < 0.5 * n_full
+    assert encoded[-1] == [full["image_grid_thw"][1].tolist()]  # only the new screenshot was encoded
+
+    scratch = M.generate(model, processor, messages=history, max_tokens=8)
+    assert scratch.token_ids == turn2_tokens
+    assert scratch.text == session.messages[-1]["content"]
+
+
+def test_prefix_cache_logits_equal_from_scratch(loaded, checkpoint):
+    """Reusing a cached prefix gives the same next-token logits as computing the whole prompt."""
+    model, processor = loaded[checkpoint]
+    img = Image.open(FIXTURES / "media" / "img_123x77.png")
+    turn1 = [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "Hi"}]}]
+    cache = M.PromptCache(model.make_cache())
+    answer = M.generate(model, processor, messages=turn1, max_tokens=4, prompt_cache=cache).text
+    turn2 = turn1 + [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "Again"}]}]
+    inputs = processor.apply_chat_template(turn2, tokenize=True)
+    from mlx_qwen3vl.generate import _common_prefix, _media_split, _trim, prefill
+
+    start, _ = _media_split(inputs, _common_prefix(cache.tokens, inputs["input_ids"][0, :-1].tolist()))
+    _trim(cache, start)
+    assert start > 80
+    reused, _ = prefill(model, inputs, cache.cache, start=start)
+    fresh, _ = prefill(model, inputs, model.make_cache())
+    assert rel_err(reused, fresh) < 1e-4
+
+
+def test_stop_on_eos_and_stop_strings(loaded, monkeypatch):
+    model, processor = loaded["tiny-b"]
+    messages, _ = fixture_messages("text")
+    greedy = reference("tiny-b", "text")["greedy"][0].tolist()
+    monkeypatch.setattr(model.config, "eos_token_ids", [greedy[3]])
+    result = M.generate(model, processor, messages=messages[0], max_tokens=16)
+    assert result.finish_reason == "stop" and result.token_ids == greedy[:4]
+    assert result.text == processor.tokenizer.decode(greedy[:3])
+    monkeypatch.undo()
+    full = M.generate(model, processor, messages=messages[0], max_tokens=16)
+    stop = full.text[5:8]
+    cut = M.generate(model, processor, messages=messages[0], max_tokens=16, stop=[stop])
+    assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.find(stop)]
+
+
+def test_streaming_pieces_add_up(loaded):
+    model, processor = loaded["tiny-a"]
+    messages, _ = fixture_messages("image")
+    pieces = list(M.stream_generate(model, processor, messages=messages[0], max_tokens=12))
+    assert len(pieces) == 12 and pieces[-1].finish_reason == "length"
+    assert all(p.finish_reason is None for p in pieces[:-1])
+    assert "".join(p.text for p in pieces) == M.generate(model, processor, messages=messages[0], max_tokens=12).text
+    assert [p.generation_tokens for p in pieces] == list(range(1, 13))
+
+
+def test_sampling_is_seeded(loaded):
+    model, processor = loaded["tiny-b"]
+    kw = dict(max_tokens=12, temperature=1.0, top_p=0.95, top_k=50, seed=7)
+    a = M.generate(model, processor, "Where is the search box?", **kw).token_ids
+    b = M.generate(model, processor, "Where is the search box?", **kw).token_ids
+    c = M.generate(model, processor, "Where is the search box?", **dict(kw, seed=8)).token_ids
+    greedy = M.generate(model, processor, "Where is the search box?", max_tokens=12).token_ids
+    assert a == b and a != c and a != greedy
+    model, processor = loaded["tiny-a"]  # whose greedy answer repeats itself
+    greedy = M.generate(model, processor, "Where is the search box?", max_tokens=12).token_ids
+    penalized = M.generate(model, processor, "Where is the search box?", max_tokens=12,
+                           repetition_penalty=5.0).token_ids
+    assert len(set(penalized)) > len(set(greedy))
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "mlx_qwen3vl.generate", *args], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, **(env or {})}, timeout=300)
+
+
+def test_cli_streams_answer_and_stats():
+    image = str(FIXTURES / "media" / "img_123x77.png")
+    p = run_cli("--model", str(FIXTURES / "tiny-a"), "--image", image, "--prompt", "Describe the image.",
+                "--max-tokens", "16")
+    assert p.returncode == 0, p.stderr
+    greedy = reference("tiny-a", "image")["greedy"][0].tolist()
+    processor = M.Processor.from_pretrained(FIXTURES / "tiny-a")
+    assert p.stdout.strip("\n") == processor.tokenizer.decode(greedy).strip("\n")
+    assert "Generation: 16 tokens" in p.stderr and "Peak memory" in p.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--model", str(FIXTURES / "tiny-a"), "--image", "missing.png"], "missing.png"),
+    (["--model", "/no/such/model"], "/no/such/model"),
+    (["--model", "Qwen/Qwen3-VL-2B-Instruct"], "HF_HUB_OFFLINE"),
+])
+def test_cli_bad_inputs_exit_2_with_one_line(args, needle):
+    p = run_cli(*args, "--prompt", "hi", env={"HF_HUB_OFFLINE": "1"})
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0]
