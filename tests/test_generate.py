@@ -206,3 +206,17 @@ def test_cli_bad_inputs_exit_2_with_one_line(args, needle):
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0]
+
+
+def test_cli_chat_reuses_cache_between_turns():
+    image = str(FIXTURES / "media" / "img_123x77.png")
+    p = subprocess.run([sys.executable, "-m", "mlx_qwen3vl.generate", "--model", str(FIXTURES / "tiny-b"), "--chat",
+                        "--max-tokens", "4"], input=f"/image {image}\nWhat is this?\nAnd now?\n", capture_output=True,
+                       text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr
+    prompts = [line for line in p.stderr.splitlines() if line.startswith("Prompt:")]
+    assert len(prompts) == 2
+    assert "(0 cached)" in prompts[0]
+    first_total = int(prompts[0].split()[1])
+    cached = int(prompts[1].split("(")[1].split()[0])
+    assert cached >= first_total  # turn 1's prompt with its image came from the cache
