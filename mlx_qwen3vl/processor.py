@@ -42,12 +42,17 @@ def _describe(x):
     return f"({type(x).__name__})"
 
 
+def _reason(e):
+    """An exception as a short single line, for the one-line messages."""
+    return " ".join(str(getattr(e, "reason", e) or type(e).__name__).split())[:200]
+
+
 def _open_bytes(data, label):
     try:
         im = Image.open(io.BytesIO(data))
         im.load()  # surfaces truncated or corrupt files here, with the input's name
     except (OSError, Image.DecompressionBombError, SyntaxError, ValueError) as e:
-        raise InputError(f"{label} is not a readable image ({e}); pass a valid image file") from None
+        raise InputError(f"{label} is not a readable image ({_reason(e)}); pass a valid image file") from None
     return im
 
 
@@ -56,8 +61,7 @@ def _fetch_url(url, label):
         with urllib.request.urlopen(url, timeout=URL_TIMEOUT_S) as r:
             return r.read()
     except (urllib.error.URLError, OSError, ValueError) as e:
-        reason = getattr(e, "reason", e)
-        raise InputError(f"{label} could not be fetched ({reason}); check the URL or pass a local file") from None
+        raise InputError(f"{label} could not be fetched ({_reason(e)}); check the URL or pass a local file") from None
 
 
 def _open_string(s, label):
@@ -68,14 +72,14 @@ def _open_string(s, label):
         try:
             data = base64.b64decode(s.split(",", 1)[1], validate=False)
         except (IndexError, binascii.Error) as e:
-            raise InputError(f"{label} is not a valid base64 data: URL ({e}); pass data:image/...;base64,<data>") from None
+            raise InputError(f"{label} is not a valid base64 data: URL ({_reason(e)}); pass data:image/...;base64,<data>") from None
         im = _open_bytes(data, label)
     elif os.path.isfile(s):
         try:
             with open(s, "rb") as f:
                 data = f.read()
         except OSError as e:
-            raise InputError(f"{label} could not be read ({e}); check the file") from None
+            raise InputError(f"{label} could not be read ({_reason(e)}); check the file") from None
         im = _open_bytes(data, label)
     else:
         raise InputError(f"{label} is not an existing file, http(s) URL or data: URL; check the path")
@@ -120,7 +124,7 @@ def load_image(x, label="image"):
         try:
             im = _pil_to_rgb(x)
         except (OSError, ValueError) as e:
-            raise InputError(f"{label} {_describe(x)} could not be converted to RGB ({e}); pass a valid image") from None
+            raise InputError(f"{label} {_describe(x)} could not be converted to RGB ({_reason(e)}); pass a valid image") from None
     elif isinstance(x, np.ndarray):
         rgb = _array_to_rgb(x, f"{label} {_describe(x)}")
         if rgb.shape[0] == 0 or rgb.shape[1] == 0:
@@ -173,7 +177,7 @@ class ImageConfig:
 def smart_resize(height, width, factor, min_pixels, max_pixels):
     """Image size (h, w): multiples of `factor`, area within [min_pixels, max_pixels], aspect kept."""
     if max(height, width) / min(height, width) > 200:
-        raise InputError(f"image of {width}x{height} has an aspect ratio above 200; crop or pad it")
+        raise InputError(f"{width}x{height} pixels is an aspect ratio above 200; crop or pad it")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
@@ -430,7 +434,11 @@ class Processor:
         """Images → (pixel_values (N, C·T·16·16) float32, image_grid_thw (n, 3) int64)."""
         patches, grids = [], []
         for i, image in enumerate(images):
-            p, grid = preprocess_image(load_image(image, f"image {i}"), self.image_config, min_pixels, max_pixels)
+            rgb = load_image(image, f"image {i}")
+            try:
+                p, grid = preprocess_image(rgb, self.image_config, min_pixels, max_pixels)
+            except InputError as e:
+                raise InputError(f"image {i} {_describe(image)}: {e}") from None
             patches.append(p)
             grids.append(grid)
         return np.concatenate(patches), np.array(grids, dtype=np.int64)
@@ -468,7 +476,10 @@ class Processor:
         patches, grids, times = [], [], []
         for i, (video, fps) in enumerate(zip(videos, fps_list)):
             clip = self._clip(video, fps, sample_frames, f"video {i}")
-            p, grid, ts = vid.preprocess_clip(clip, self.video_config)
+            try:
+                p, grid, ts = vid.preprocess_clip(clip, self.video_config)
+            except InputError as e:
+                raise InputError(f"video {i} {_describe(video)}: {e}") from None
             patches.append(p)
             grids.append(grid)
             times.append(ts)

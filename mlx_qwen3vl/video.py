@@ -116,7 +116,8 @@ def read_video_file(path, source_fps, sample, cfg: VideoConfig):
                 if frames:
                     return clip_from_frames(frames, fps, sample, cfg)
     except (OSError, IndexError, av.error.FFmpegError) as e:
-        raise InputError(f"video {str(path)!r} could not be decoded ({e}); pass a readable video file") from None
+        reason = " ".join(str(e).split())[:200]
+        raise InputError(f"video {str(path)!r} could not be decoded ({reason}); pass a readable video file") from None
     if not frames:
         raise InputError(f"video {str(path)!r} has no frames; pass a non-empty video")
     return Clip(frames, indices, fps)
@@ -136,16 +137,12 @@ def smart_resize_video(num_frames, height, width, cfg: VideoConfig, max_pixels):
     """Frame size (h, w): multiples of the factor, clip pixels within [min_pixels, max_pixels]."""
     factor, tf = cfg.factor, cfg.temporal_patch_size
     if num_frames < tf:
-        raise InputError(
-            f"video has {num_frames} frame(s), fewer than the temporal patch ({tf}); pass at least {tf} frames"
-        )
+        raise InputError(f"{num_frames} frame(s) is fewer than the temporal patch ({tf}); pass at least {tf} frames")
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
     if max(height, width) / min(height, width) > 200:
-        raise InputError(
-            f"video frames of {width}x{height} have an aspect ratio above 200; crop or pad them"
-        )
+        raise InputError(f"frames of {width}x{height} pixels have an aspect ratio above 200; crop or pad them")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     t_bar = round(num_frames / tf) * tf
