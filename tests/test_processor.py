@@ -11,7 +11,8 @@ Measured against the recordings (transformers 5.24, torch 2.14.1, Pillow 13, AVX
   torch always resizes width first, and both round to uint8 between the passes;
 - video pixel_values vs transformers (torchvision is its only video backend): max abs diff
   0.0078 = one uint8 level (2/255 after normalization), on under 0.3% of values: pillow passes in
-  torch's order, with pillow's int32 instead of torch's int16 fixed-point weights.
+  torch's order, with pillow's int32 instead of torch's int16 fixed-point weights (two levels,
+  0.0157, on the larger 1280x720 → 832x480 clip of benchmarks/bench_preprocess.py).
 """
 
 import importlib.util
