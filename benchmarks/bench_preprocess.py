@@ -3,8 +3,8 @@
 Inputs: a 1920x1080 screenshot-like image, and a 30-second 30 fps clip (synthetic frames,
 1280x720 by default) given as a (T, H, W, 3) uint8 array with its fps. Each measurement is the
 full processor call (media + chat prompt → input_ids, pixel values, grids); median and min of
---repeat runs after one warm-up, the contenders interleaved round-robin. transformers (with torch + torchvision) is optional: without it only our
-numbers are recorded, with a note.
+--repeat runs after one warm-up, the contenders interleaved round-robin. transformers (with
+torch + torchvision) is optional: without it only our numbers are recorded, with a note.
 
     PYTHONPATH=. python benchmarks/bench_preprocess.py [--repeat 5] [--video-size 1280x720]
 """
@@ -35,9 +35,11 @@ def screenshot(width=1920, height=1080, seed=0):
     for _ in range(40):
         x0, y0 = int(rng.integers(0, width - 200)), int(rng.integers(60, height - 80))
         color = tuple(int(c) for c in rng.integers(0, 256, 3))
-        draw.rounded_rectangle([x0, y0, x0 + int(rng.integers(60, 400)), y0 + int(rng.integers(24, 160))], 8, fill=color)
+        x1, y1 = x0 + int(rng.integers(60, 400)), y0 + int(rng.integers(24, 160))
+        draw.rounded_rectangle([x0, y0, x1, y1], 8, fill=color)
     for y in range(70, height - 20, 22):
-        draw.text((24 + (y * 7) % 300, y), "Settings  >  Network & Internet  >  Wi-Fi   [ On ]   Connected", fill=(20, 20, 20))
+        line = "Settings  >  Network & Internet  >  Wi-Fi   [ On ]   Connected"
+        draw.text((24 + (y * 7) % 300, y), line, fill=(20, 20, 20))
     return im
 
 
@@ -73,8 +75,12 @@ def ours(image, frames, fps):
     from mlx_qwen3vl.processor import Processor
 
     proc = Processor.from_pretrained(MODEL)
-    image_prompt = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Click Wi-Fi."}]}])
-    video_prompt = proc.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What changed?"}]}])
+
+    def ask(kind, question):
+        content = [{"type": kind}, {"type": "text", "text": question}]
+        return proc.apply_chat_template([{"role": "user", "content": content}])
+
+    image_prompt, video_prompt = ask("image", "Click Wi-Fi."), ask("video", "What changed?")
     calls = {
         "image": lambda: proc(text=image_prompt, images=[image]),
         "video": lambda: proc(text=video_prompt, videos=[frames], video_fps=fps),
@@ -103,7 +109,8 @@ def transformers_side(image, frames, fps, prompts):
     video_kw = {"video_metadata": [{"fps": fps, "total_num_frames": len(frames)}], "do_sample_frames": True,
                 "cap_pixels_per_frame": True, "return_tensors": "np"}
     return {
-        "transformers_image_torchvision_backend": lambda: default(text=[image_prompt], images=[image], return_tensors="np"),
+        "transformers_image_torchvision_backend":
+            lambda: default(text=[image_prompt], images=[image], return_tensors="np"),
         "transformers_image_pillow_backend": lambda: pil(text=[image_prompt], images=[image], return_tensors="np"),
         "transformers_video": lambda: default(text=[video_prompt], videos=[frames], **video_kw),
     }, None
@@ -135,7 +142,7 @@ def main():
             "video": f"30 s at {fps} fps, {vw}x{vh}, (T, H, W, 3) uint8 array with video_fps={fps}, sampled at 2 fps",
             "image_grid_thw": image_out["image_grid_thw"].tolist(),
             "video_grid_thw": video_out["video_grid_thw"].tolist(),
-            "input_tokens": {"image": int(image_out["input_ids"].shape[1]), "video": int(video_out["input_ids"].shape[1])},
+            "input_tokens": {"image": image_out["input_ids"].shape[1], "video": video_out["input_ids"].shape[1]},
         },
         "ours": {"image": times["image"], "video": times["video"]},
         "machine": {
@@ -166,9 +173,11 @@ def main():
         ref_image, ref_video = theirs["transformers_image_pillow_backend"](), theirs["transformers_video"]()
         report["agreement"] = {
             "image_input_ids_equal": bool(np.array_equal(ref_image["input_ids"], image_out["input_ids"])),
-            "image_pixels_max_abs_diff_vs_pillow_backend": float(np.abs(ref_image["pixel_values"] - image_out["pixel_values"]).max()),
+            "image_pixels_max_abs_diff_vs_pillow_backend":
+                float(np.abs(ref_image["pixel_values"] - image_out["pixel_values"]).max()),
             "video_input_ids_equal": bool(np.array_equal(ref_video["input_ids"], video_out["input_ids"])),
-            "video_pixels_max_abs_diff": float(np.abs(ref_video["pixel_values_videos"] - video_out["pixel_values_videos"]).max()),
+            "video_pixels_max_abs_diff":
+                float(np.abs(ref_video["pixel_values_videos"] - video_out["pixel_values_videos"]).max()),
         }
     else:
         report["note"] = note

@@ -72,7 +72,9 @@ def _open_string(s, label):
         try:
             data = base64.b64decode(s.split(",", 1)[1], validate=False)
         except (IndexError, binascii.Error) as e:
-            raise InputError(f"{label} is not a valid base64 data: URL ({_reason(e)}); pass data:image/...;base64,<data>") from None
+            raise InputError(
+                f"{label} is not a valid base64 data: URL ({_reason(e)}); pass data:image/...;base64,<data>"
+            ) from None
         im = _open_bytes(data, label)
     elif os.path.isfile(s):
         try:
@@ -124,7 +126,9 @@ def load_image(x, label="image"):
         try:
             im = _pil_to_rgb(x)
         except (OSError, ValueError) as e:
-            raise InputError(f"{label} {_describe(x)} could not be converted to RGB ({_reason(e)}); pass a valid image") from None
+            raise InputError(
+                f"{label} {_describe(x)} could not be converted to RGB ({_reason(e)}); pass a valid image"
+            ) from None
     elif isinstance(x, np.ndarray):
         rgb = _array_to_rgb(x, f"{label} {_describe(x)}")
         if rgb.shape[0] == 0 or rgb.shape[1] == 0:
@@ -230,7 +234,9 @@ def preprocess_image(rgb, cfg, min_pixels=None, max_pixels=None):
 
 def _block_type(block, where):
     if not isinstance(block, dict):
-        raise InputError(f"{where} is a {type(block).__name__}, not a content dict; use {{'type': 'text', 'text': ...}}")
+        raise InputError(
+            f"{where} is a {type(block).__name__}, not a content dict; use {{'type': 'text', 'text': ...}}"
+        )
     kind = block.get("type")
     if kind is None:  # infer it the way the chat template does: from the keys present
         kind = next((k for k in ("image", "image_url", "video", "text") if k in block), None)
@@ -301,7 +307,7 @@ def _template_view(conversation):
         if isinstance(content, list):
             message = dict(message)
             message["content"] = [
-                {k: (v if isinstance(v, str) or k in ("type", "text") else f"<{type(v).__name__}>") for k, v in b.items()}
+                {k: v if isinstance(v, str) or k in ("type", "text") else f"<{type(v).__name__}>" for k, v in b.items()}
                 for b in content
             ]
         view.append(message)
@@ -402,7 +408,9 @@ class Processor:
         """
         template = chat_template or self.chat_template
         if template is None:
-            raise InputError("this model folder has no chat template; pass chat_template= or format the prompt yourself")
+            raise InputError(
+                "this model folder has no chat template; pass chat_template= or format the prompt yourself"
+            )
         batch = _is_batch(messages)
         conversations = [normalize_messages(c) for c in (messages if batch else [messages])]
         rendered = self.tokenizer.apply_chat_template(

@@ -189,7 +189,8 @@ def test_image_input_kinds_agree(processor):
     path = INPUTS / "a.png"
     rgb = np.asarray(Image.open(path).convert("RGB"))
     data_url = recorder.resolve("@dataurl:a.png", INPUTS)
-    results = [processor.process_images([x])[0] for x in (str(path), path, Image.open(path), rgb, data_url, path.read_bytes())]
+    kinds = (str(path), path, Image.open(path), rgb, data_url, path.read_bytes())
+    results = [processor.process_images([x])[0] for x in kinds]
     for r in results[1:]:
         np.testing.assert_array_equal(r, results[0])
 
@@ -261,7 +262,8 @@ def test_zero_size_image(processor, image):
 
 
 def test_aspect_ratio_above_200(processor):
-    one_line_error(lambda: processor(text=prompt(processor, 1), images=[np.zeros((2, 403, 3), np.uint8)]), "aspect ratio")
+    thin = np.zeros((2, 403, 3), np.uint8)
+    one_line_error(lambda: processor(text=prompt(processor, 1), images=[thin]), "image 0", "aspect ratio")
 
 
 def test_more_placeholders_than_images(processor):
@@ -307,4 +309,5 @@ def test_video_file_without_pyav(processor, tmp_path, monkeypatch):
     path = tmp_path / "clip.mp4"
     path.write_bytes(b"\x00" * 16)
     monkeypatch.setitem(sys.modules, "av", None)  # makes `import av` fail
-    one_line_error(lambda: processor(text=prompt(processor, 0, 1), videos=[str(path)]), 'pip install "mlx-qwen3vl[video]"')
+    call = lambda: processor(text=prompt(processor, 0, 1), videos=[str(path)])  # noqa: E731
+    one_line_error(call, "clip.mp4", 'pip install "mlx-qwen3vl[video]"')
