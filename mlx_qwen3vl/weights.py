@@ -1,13 +1,27 @@
 """Checkpoint folders → a ready Qwen3-VL model.
 
-A hub folder (what `save_pretrained` writes) names weights `model.visual.*`,
-`model.language_model.*` and `lm_head.weight`, in `model.safetensors` or shards listed by
-`model.safetensors.index.json`. Keys are renamed onto this package's module tree, the Conv3d
-patch kernel is flattened for the matmul, and a tied LM head is dropped. Loading is strict: every
-missing, unexpected or mis-shaped weight is reported together, in one line.
+Three kinds of folder load, each recognised by its contents (weight names and config.json):
+
+- a hub folder (what `save_pretrained` writes): `model.visual.*`, `model.language_model.*` and
+  `lm_head.weight`, the patch embedding as the torch Conv3d kernel (E, C, T, P, P);
+- a folder written by this package's converter (`python convert.py`): this package's module names
+  (`visual.*`, `language_model.*`, `lm_head.*`), the patch kernel already in matmul form
+  (E, C*T*P*P), a `mlx_qwen3vl` marker and, when quantized, a `quantization` section in config.json;
+- a folder written by mlx-vlm (mlx-community's Qwen3-VL uploads): `vision_tower.*`,
+  `language_model.model.*`, `language_model.lm_head.*`, the Conv3d kernel channels-last
+  (E, T, P, P, C), and mlx-vlm's `quantization` section.
+
+Weights are in `model.safetensors` or shards listed by `model.safetensors.index.json`. Keys are renamed
+onto this package's module tree, the patch kernel is flattened for the matmul, and a tied LM head
+is dropped. Quantized folders: the model is built, the layers that the checkpoint holds quantized
+(a `<layer>.scales` tensor, or a per-layer entry in `quantization`) are swapped for MLX's quantized
+layers with the config's group size, bits and mode (per-layer overrides first), then the weights
+load. Loading is strict: every missing, unexpected or mis-shaped weight is reported together, in
+one line.
 """
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
@@ -15,10 +29,30 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .config import ModelConfig
-from .errors import WeightsError
+from .errors import ConfigError, WeightsError
 from .model import Qwen3VLForConditionalGeneration
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+# Folder kinds.
+HUB = "hub"
+CONVERTED = "mlx_qwen3vl"
+MLX_VLM = "mlx-vlm"
+
+# config.json key that marks a folder written by mlx_qwen3vl.convert, and its format version.
+FORMAT_KEY = "mlx_qwen3vl"
+FORMAT_VERSION = 1
+
+# Checkpoint name prefix → module name prefix, per kind (first match wins).
+RENAMES = {
+    HUB: [("model.visual.", "visual."), ("model.language_model.", "language_model.")],
+    MLX_VLM: [("vision_tower.", "visual."), ("language_model.model.", "language_model."),
+              ("language_model.lm_head.", "lm_head.")],
+    CONVERTED: [],
+}
+QUANT_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
+# Layers read as plain tables or whose dtype the vision tower relies on: never quantized.
+NEVER_QUANTIZED = ("visual.patch_embed.proj", "visual.pos_embed")
 
 
 def _short_list(names, limit=4):
@@ -64,21 +98,128 @@ def read_weights(path: Path) -> dict:
     return weights
 
 
-def sanitize(weights: dict, config: ModelConfig) -> dict:
-    """Hub names → module names; Conv3d kernel → matmul weight; tied head dropped."""
+def read_raw_config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}  # ModelConfig.from_pretrained has already reported a missing or broken file
+
+
+def detect_kind(raw_config: dict, keys) -> str:
+    """hub, mlx_qwen3vl (converted) or mlx-vlm, from the weight names (and our marker)."""
+    keys = list(keys)
+    marker = raw_config.get(FORMAT_KEY)
+    if marker is not None:
+        version = marker.get("format_version") if isinstance(marker, dict) else None
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise ConfigError(
+                f"config.json says it was written by a newer mlx_qwen3vl converter (format {version!r}, "
+                f"this version reads {FORMAT_VERSION}): upgrade mlx_qwen3vl or re-convert"
+            )
+        return CONVERTED
+    if any(k.startswith(("vision_tower.", "language_model.model.", "language_model.lm_head.")) for k in keys):
+        return MLX_VLM
+    if any(k.startswith(("model.visual.", "model.language_model.")) for k in keys):
+        return HUB
+    if any(k.startswith(("visual.", "language_model.")) for k in keys):
+        return CONVERTED  # our names without the marker (e.g. a hand-edited config)
+    return HUB  # nothing recognisable: the strict check reports what is wrong
+
+
+def rename_key(key: str, kind: str) -> str:
+    for old, new in RENAMES[kind]:
+        if key.startswith(old):
+            return new + key[len(old):]
+    return key
+
+
+def _patch_kernel(value, kind: str, vision):
+    """The patch embedding as (E, C*T*P*P) in torch (C, T, P, P) order, from any stored layout."""
+    if value.ndim != 5:
+        return value
+    C, T, P = vision.in_channels, vision.temporal_patch_size, vision.patch_size
+    channels_last = (value.shape[0], T, P, P, C)
+    if kind == MLX_VLM and tuple(value.shape) == channels_last:
+        value = value.transpose(0, 4, 1, 2, 3)  # MLX Conv3d (E, T, P, P, C) → torch (E, C, T, P, P)
+    return value.reshape(value.shape[0], -1)
+
+
+def sanitize(weights: dict, config: ModelConfig, kind: str = HUB) -> dict:
+    """Checkpoint names → module names; Conv3d kernel → matmul weight; tied head dropped."""
     out = {}
     for key, value in weights.items():
-        if key.startswith("model.visual."):
-            key = "visual." + key[len("model.visual."):]
-        elif key.startswith("model.language_model."):
-            key = "language_model." + key[len("model.language_model."):]
-        if key == "visual.patch_embed.proj.weight" and value.ndim == 5:
-            # torch Conv3d (E, C, T, P, P): rows of pixel_values are flattened in (C, T, P, P) order.
-            value = value.reshape(value.shape[0], -1)
+        key = rename_key(key, kind)
+        if key == "visual.patch_embed.proj.weight":
+            value = _patch_kernel(value, kind, config.vision_config)
         out[key] = value
     if config.tie_word_embeddings:
-        out.pop("lm_head.weight", None)
+        for k in [k for k in out if k.startswith("lm_head.")]:
+            del out[k]
     return out
+
+
+def _quant_params(params: dict, where: str) -> dict:
+    try:
+        q = {"group_size": int(params["group_size"]), "bits": int(params["bits"]),
+             "mode": str(params.get("mode", "affine"))}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: quantization entry {params!r} needs integer group_size and bits ({e})") from None
+    if q["mode"] not in QUANT_MODES:
+        raise ConfigError(f"{where}: quantization mode {q['mode']!r} is not one of {', '.join(QUANT_MODES)}")
+    return q
+
+
+def apply_quantization(model: nn.Module, quantization: dict, weights: dict, kind: str, where: str):
+    """Swap the layers the checkpoint stores quantized for MLX quantized layers, as its config says."""
+    if not isinstance(quantization, dict):
+        raise ConfigError(f"{where}: quantization must be an object with group_size and bits, not {quantization!r}")
+    if "quant_method" in quantization and "bits" not in quantization:
+        raise ConfigError(f"{where}: weights quantized with {quantization['quant_method']!r} (a transformers "
+                          "quantization) are not supported: convert the unquantized checkpoint with convert.py -q")
+    default = _quant_params({k: v for k, v in quantization.items() if k in ("group_size", "bits", "mode")}, where)
+    overrides = {}
+    for key, value in quantization.items():
+        if isinstance(value, dict):
+            overrides[rename_key(key, kind)] = _quant_params({**default, **value}, where)
+        elif isinstance(value, bool):
+            overrides[rename_key(key, kind)] = value
+    unsupported = [p for p in NEVER_QUANTIZED if f"{p}.scales" in weights or overrides.get(p)]
+    if unsupported:
+        raise WeightsError(f"{where}: {_short_list(unsupported)} is stored quantized, which this engine does not "
+                           "support (it is read as a float table): re-convert with convert.py")
+
+    def stored_quantized(path):  # scales, or a packed weight whose scales went missing
+        weight = weights.get(f"{path}.weight")
+        return f"{path}.scales" in weights or (weight is not None and weight.dtype == mx.uint32)
+
+    def predicate(path, module):
+        if not hasattr(module, "to_quantized") or path in NEVER_QUANTIZED:
+            return False
+        choice = overrides.get(path, stored_quantized(path))
+        if choice is True:
+            return dict(default)
+        return choice
+
+    nn.quantize(model, default["group_size"], default["bits"], mode=default["mode"], class_predicate=predicate)
+
+
+def describe_quantization(model: nn.Module):
+    """The `quantization` config section of a quantized model: the most common (group_size, bits,
+    mode) as the default, and an entry for each layer that differs; None when nothing is quantized."""
+    layers = {
+        path: {"group_size": m.group_size, "bits": m.bits, "mode": m.mode}
+        for path, m in model.named_modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    }
+    if not layers:
+        return None
+    counts = Counter(tuple(p.items()) for p in layers.values())
+    default = dict(counts.most_common(1)[0][0])
+    section = dict(default)
+    for path in sorted(layers):
+        if layers[path] != default:
+            section[path] = layers[path]
+    return section
 
 
 def check_and_load(model: nn.Module, weights: dict, where: str):
@@ -110,18 +251,38 @@ def default_dtype(config: ModelConfig):
     return DTYPES.get(str(config.torch_dtype), mx.bfloat16)
 
 
-def load_model(path, dtype=None) -> Qwen3VLForConditionalGeneration:
-    path = Path(path)
-    config = ModelConfig.from_pretrained(path)
+def _as_dtype(dtype):
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise WeightsError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-        dtype = DTYPES[dtype]
-    dtype = dtype or default_dtype(config)
+        return DTYPES[dtype]
+    return dtype
+
+
+def build_model(path, dtype=None, lazy=False):
+    """(model, kind) for a checkpoint folder of any kind; floating weights cast to `dtype`.
+    With lazy=True the weights are left unevaluated (the converter streams them to disk)."""
+    path = Path(path)
+    config = ModelConfig.from_pretrained(path)
+    dtype = _as_dtype(dtype) or default_dtype(config)
+    raw = read_weights(path)
+    kind = detect_kind(read_raw_config(path), raw)
+    weights = sanitize(raw, config, kind)
     model = Qwen3VLForConditionalGeneration(config)
-    weights = sanitize(read_weights(path), config)
+    if config.quantization is not None:
+        apply_quantization(model, config.quantization, weights, kind, str(path / "config.json"))
+    elif any(k.endswith(".scales") for k in weights):
+        example = next(k for k in sorted(weights) if k.endswith(".scales"))
+        raise WeightsError(f"{path} holds quantized weights ({example}) but its config.json has no quantization "
+                           "section: restore the config.json that came with these weights")
     weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     check_and_load(model, weights, str(path))
     model.eval()
-    mx.eval(model.parameters())
-    return model
+    if not lazy:
+        mx.eval(model.parameters())
+    return model, kind
+
+
+def load_model(path, dtype=None) -> Qwen3VLForConditionalGeneration:
+    """Load a hub, converted or mlx-vlm checkpoint folder (see the module docstring)."""
+    return build_model(path, dtype)[0]
