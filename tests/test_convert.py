@@ -1,0 +1,584 @@
+"""The converter (convert.py / mlx_qwen3vl.convert), quantization, and loading the three kinds of
+folder: hub, converted, and mlx-vlm's (mlx-community's) layout.
+
+Agreement bounds of the quantized models are what these tiny random-weight fixtures reach (see
+MEASURED); random weights with sharpened attention are far more sensitive to rounding than
+trained ones, so these are floors for regressions, not a picture of real-model quality.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx_qwen3vl  # noqa: F401  (first: it picks the BLAS before mlx.core loads)
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from conftest import CASES, FIXTURES, case_inputs, load_fixture_model, rel_err
+from mlx_qwen3vl import convert as convert_mod
+from mlx_qwen3vl.convert import convert
+from mlx_qwen3vl.errors import ConfigError, InputError, ModelNotFoundError, WeightsError
+from mlx_qwen3vl.weights import build_model, load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUP = {"tiny-a": 64, "tiny-b": 32}  # tiny-b's width (96) is not a multiple of 64
+QUIET = lambda msg: None  # noqa: E731
+
+# Measured on the CPU backend (float32 compute) over the last position of every row of every case
+# (6 rows): (min cosine, mean cosine, rows whose top-1 token matches the float model's).
+MEASURED = {
+    ("tiny-a", "q8"): (0.9951, 0.9978, 5),
+    ("tiny-a", "q4"): (0.6770, 0.7711, 3),
+    ("tiny-a", "mixed_4_8"): (0.6563, 0.8007, 1),
+    ("tiny-a", "mixed_3_6"): (0.5639, 0.6874, 0),
+    ("tiny-b", "q8"): (0.9874, 0.9947, 3),
+    ("tiny-b", "q4"): (0.3330, 0.6733, 1),
+    ("tiny-b", "mixed_4_8"): (0.4239, 0.6920, 2),
+    ("tiny-b", "mixed_3_6"): (0.3535, 0.5339, 0),
+}
+RECIPES = {
+    "q8": dict(quantize=True, q_bits=8),
+    "q4": dict(quantize=True, q_bits=4),
+    "mixed_4_8": dict(quantize=True, quant_predicate="mixed_4_8"),
+    "mixed_3_6": dict(quantize=True, quant_predicate="mixed_3_6"),
+}
+
+
+def one_line(excinfo):
+    msg = str(excinfo.value)
+    assert msg and "\n" not in msg
+    return msg
+
+
+def run_cli(*args, env=None, module=False):
+    cmd = [sys.executable, "-m", "mlx_qwen3vl.convert"] if module else [sys.executable, str(ROOT / "convert.py")]
+    full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, env=full_env, cwd=ROOT,
+                          timeout=300)
+
+
+def assert_one_line_error(result, *needles):
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def last_logits(model, cases=CASES):
+    return {c: np.array(model(**case_inputs(c))[:, -1].astype(mx.float32)) for c in cases}
+
+
+def agreement(logits, ref):
+    cos, top1 = [], 0
+    for c in ref:
+        for a, b in zip(logits[c], ref[c]):
+            cos.append(float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b)))
+            top1 += int(a.argmax() == b.argmax())
+    return min(cos), float(np.mean(cos)), top1
+
+
+def greedy(model, inputs, n=6):
+    """Greedy decoding by re-running the whole sequence (no cache needed)."""
+    inputs, tokens = dict(inputs), []
+    for _ in range(n):
+        t = np.array(model(**inputs)[:, -1].argmax(-1)).astype(np.int64)[:, None]
+        tokens.append(t)
+        for key, extra in (("input_ids", t), ("attention_mask", np.ones_like(t)), ("mm_token_type_ids", np.zeros_like(t))):
+            inputs[key] = np.concatenate([inputs[key], extra], 1)
+    return np.concatenate(tokens, 1)
+
+
+def quantized_layers(model):
+    return {p: m for p, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+
+
+def dequantized_copy(model):
+    """The same model with every quantized layer replaced by a float layer holding its dequantized
+    weight: what the quantized kernels must compute."""
+    from mlx_lm.utils import dequantize_model
+
+    import copy
+
+    return dequantize_model(copy.deepcopy(model))
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Conversions made once per module: (checkpoint, recipe) → folder."""
+    root = tmp_path_factory.mktemp("converted")
+    made = {}
+
+    def get(checkpoint, recipe="float", **extra):
+        key = (checkpoint, recipe, tuple(sorted(extra.items())))
+        if key not in made:
+            kwargs = dict(RECIPES.get(recipe, {}), **extra)
+            if kwargs.get("quantize") and kwargs.get("q_mode", "affine") == "affine":
+                kwargs.setdefault("q_group_size", GROUP[checkpoint])
+            out = root / f"{checkpoint}-{recipe}-{len(made)}"
+            made[key] = convert(FIXTURES / checkpoint, out, log=QUIET, **kwargs)
+        return made[key]
+
+    return get
+
+
+# ---------------------------------------------------------------------------------------------
+# Float conversion: identical logits, in a fresh process
+# ---------------------------------------------------------------------------------------------
+LOAD_AND_DUMP = """
+import sys, numpy as np
+sys.path.insert(0, {tests!r})
+from conftest import CASES, case_inputs
+from mlx_qwen3vl.weights import build_model
+out = {{}}
+for hub, path, dtype in {jobs!r}:
+    model, kind = build_model(path, dtype)
+    assert kind == "mlx_qwen3vl", kind
+    reference, kind = build_model(hub, dtype)
+    assert kind == "hub", kind
+    for c in (CASES if dtype == "float32" else ["text", "image"]):
+        out[f"{{path}}|{{dtype}}|{{c}}"] = np.array(model(**case_inputs(c)).astype(__import__("mlx.core").core.float32))
+        out[f"{{hub}}|{{dtype}}|{{c}}"] = np.array(reference(**case_inputs(c)).astype(__import__("mlx.core").core.float32))
+np.savez({dump!r}, **out)
+"""
+
+
+def test_float_conversion_gives_the_hub_logits_in_a_fresh_process(tmp_path):
+    a, b = tmp_path / "tiny-a-mlx", tmp_path / "tiny-b-mlx"
+    r = run_cli("--hf-path", FIXTURES / "tiny-a", "--mlx-path", a)
+    assert r.returncode == 0, r.stderr
+    assert "ready" in r.stderr and r.stdout == ""  # progress on stderr
+    r = run_cli("--hf-path", FIXTURES / "tiny-b", "--mlx-path", b, module=True)  # python -m mlx_qwen3vl.convert
+    assert r.returncode == 0, r.stderr
+
+    hub_a, hub_b = str(FIXTURES / "tiny-a"), str(FIXTURES / "tiny-b")
+    jobs = [(hub_a, str(a), "float32"), (hub_a, str(a), "bfloat16"), (hub_b, str(b), "float32")]
+    dump = tmp_path / "logits.npz"
+    code = LOAD_AND_DUMP.format(tests=str(ROOT / "tests"), jobs=jobs, dump=str(dump))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 0, r.stderr
+    fresh = np.load(dump)
+    for hub, path, dtype in jobs:
+        for c in (CASES if dtype == "float32" else ["text", "image"]):
+            ours, expected = fresh[f"{path}|{dtype}|{c}"], fresh[f"{hub}|{dtype}|{c}"]
+            assert np.isfinite(ours).all() and np.array_equal(ours, expected), (path, dtype, c)
+
+
+def test_converted_folder_layout(tmp_path):
+    out = convert(FIXTURES / "tiny-a", tmp_path / "out", max_shard_bytes=400_000, log=QUIET)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["mlx_qwen3vl"]["format_version"] == 1 and cfg["mlx_qwen3vl"]["dtype"] == "bfloat16"
+    assert cfg["torch_dtype"] == "bfloat16" and "quantization" not in cfg
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(out.glob("*.safetensors"))
+    assert len(shards) > 1 and sorted(set(index["weight_map"].values())) == [s.name for s in shards]
+    weights = {}
+    for s in shards:
+        shard = mx.load(str(s))
+        assert sum(v.nbytes for v in shard.values()) <= 400_000 or len(shard) == 1
+        weights.update(shard)
+    assert set(weights) == set(index["weight_map"])
+    assert weights["visual.patch_embed.proj.weight"].shape == (64, 3 * 2 * 16 * 16)  # Conv3d in matmul form
+    assert not any(k.startswith(("lm_head", "model.")) for k in weights)  # tied: no head; our names
+    assert all(v.dtype == mx.bfloat16 for v in weights.values())
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
+                 "video_preprocessor_config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (FIXTURES / "tiny-a" / name).read_bytes()
+    assert not (out / "reference").exists()
+    assert oct(out.stat().st_mode & 0o777) != oct(0o700)  # not left private like a temp folder
+
+
+def test_dtype_option(tmp_path):
+    out = convert(FIXTURES / "tiny-b", tmp_path / "fp16", dtype="float16", log=QUIET)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["dtype"] == "float16" and "torch_dtype" not in cfg  # transformers-5 layout kept
+    assert {v.dtype for v in mx.load(str(out / "model.safetensors")).values()} == {mx.float16}
+    ours = np.array(load_model(out, "float16")(**case_inputs("image")).astype(mx.float32))
+    hub = np.array(load_fixture_model("tiny-b", "float16")(**case_inputs("image")).astype(mx.float32))
+    assert np.array_equal(ours, hub)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantization
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def float_reference(converted):
+    """Last-position logits of the float conversion, per checkpoint (computed once)."""
+    cache = {}
+
+    def get(checkpoint):
+        if checkpoint not in cache:
+            cache[checkpoint] = last_logits(load_model(converted(checkpoint), "float32"))
+        return cache[checkpoint]
+
+    return get
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny-a", "tiny-b"])
+@pytest.mark.parametrize("recipe", ["q8", "q4", "mixed_4_8", "mixed_3_6"])
+def test_quantized_agreement_with_float(converted, float_reference, checkpoint, recipe):
+    ref = float_reference(checkpoint)
+    model = load_model(converted(checkpoint, recipe), "float32")
+    assert quantized_layers(model)
+    min_cos, mean_cos, top1 = agreement(last_logits(model), ref)
+    want_min, want_mean, want_top1 = MEASURED[(checkpoint, recipe)]
+    assert min_cos >= want_min and mean_cos >= want_mean and top1 >= want_top1, (min_cos, mean_cos, top1)
+
+
+@pytest.mark.parametrize("recipe", ["q8", "q4"])
+def test_quantized_models_generate(converted, recipe):
+    """Greedy decoding runs on the quantized kernels and gives what the dequantized weights give."""
+    model = load_model(converted("tiny-a", recipe), "float32")
+    reference = dequantized_copy(model)
+    assert not quantized_layers(reference)
+    tokens = greedy(model, case_inputs("image"))
+    assert tokens.shape == (1, 6) and np.all((tokens >= 0) & (tokens < 448))
+    assert np.array_equal(tokens, greedy(reference, case_inputs("image")))
+    if recipe == "q8":  # 8 bits follows the float model's greedy text continuation here (4 bits does not)
+        float_model = load_model(converted("tiny-a"), "float32")
+        assert np.array_equal(greedy(model, case_inputs("text")), greedy(float_model, case_inputs("text")))
+
+
+def test_quantized_logits_match_dequantized_weights(converted):
+    model = load_model(converted("tiny-b", "mixed_4_8"), "float32")
+    reference = dequantized_copy(model)
+    for case in ("image", "batch"):
+        assert rel_err(model(**case_inputs(case)), reference(**case_inputs(case))) < 1e-5
+
+
+def test_what_gets_quantized(converted):
+    out = converted("tiny-a", "q4")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization"] == {"group_size": 64, "bits": 4, "mode": "affine"}
+    model = load_model(out)
+    layers = quantized_layers(model)
+    assert isinstance(layers["language_model.embed_tokens"], nn.QuantizedEmbedding)  # tied head too
+    assert "language_model.layers.2.mlp.down_proj" in layers
+    assert not any(p.startswith("visual.") for p in layers)  # vision only with --quantize-vision
+    params = dict(tree_flatten(model.parameters()))
+    assert params["language_model.norm.weight"].dtype == mx.float32  # norms never
+    assert params["visual.blocks.0.attn.qkv.bias"].dtype == mx.float32
+    assert len(layers) == 1 + 3 * 7  # embedding + 7 linears per decoder layer
+
+    untied = load_model(converted("tiny-b", "q4"))
+    assert isinstance(quantized_layers(untied)["lm_head"], nn.QuantizedLinear)
+    # group 64 on tiny-b: layers reading the 96-wide hidden state stay float, the others quantize
+    partial = quantized_layers(load_model(converted("tiny-b", "q4", q_group_size=64)))
+    assert "language_model.layers.0.self_attn.q_proj" not in partial and "lm_head" not in partial
+    assert "language_model.layers.0.self_attn.o_proj" in partial and "language_model.layers.0.mlp.down_proj" in partial
+
+
+def test_quantize_vision(converted):
+    out = converted("tiny-a", "q4", quantize_vision=True)
+    assert json.loads((out / "config.json").read_text())["mlx_qwen3vl"]["quantized_vision"] is True
+    layers = quantized_layers(load_model(out))
+    assert "visual.blocks.0.attn.qkv" in layers and "visual.merger.linear_fc2" in layers
+    assert "visual.deepstack_merger_list.1.linear_fc1" in layers
+    assert "visual.patch_embed.proj" not in layers and "visual.pos_embed" not in layers
+    assert sum(f.stat().st_size for f in out.glob("*.safetensors")) < \
+        sum(f.stat().st_size for f in converted("tiny-a", "q4").glob("*.safetensors"))
+
+
+def test_mixed_recipe_records_per_layer_bits(converted):
+    out = converted("tiny-b", "mixed_3_6")
+    q = json.loads((out / "config.json").read_text())["quantization"]
+    assert (q["bits"], q["group_size"], q["mode"]) == (3, 32, "affine")
+    # 4 layers: the first/last eighth is layer 3 only (4 // 8 == 0), and every third from 0 is 2
+    high = {k for k, v in q.items() if isinstance(v, dict)}
+    assert high == {"lm_head", "language_model.embed_tokens", "language_model.layers.2.self_attn.v_proj",
+                    "language_model.layers.2.mlp.down_proj", "language_model.layers.3.self_attn.v_proj",
+                    "language_model.layers.3.mlp.down_proj"}
+    assert all(q[k]["bits"] == 6 for k in high)
+    layers = quantized_layers(load_model(out))
+    assert layers["language_model.layers.3.mlp.down_proj"].bits == 6
+    assert layers["language_model.layers.1.mlp.down_proj"].bits == 3
+
+
+@pytest.mark.parametrize("mode,bits,group", [("mxfp4", 4, 32), ("nvfp4", 4, 16), ("mxfp8", 8, 32)])
+def test_other_quantization_modes(converted, mode, bits, group):
+    out = converted("tiny-a", mode, quantize=True, q_mode=mode)
+    assert json.loads((out / "config.json").read_text())["quantization"] == {"group_size": group, "bits": bits, "mode": mode}
+    model = load_model(out, "float32")
+    assert {(m.mode, m.bits, m.group_size) for m in quantized_layers(model).values()} == {(mode, bits, group)}
+    logits = last_logits(model, ["text", "image"])
+    assert all(np.isfinite(v).all() for v in logits.values())
+    reference = dequantized_copy(model)
+    assert rel_err(model(**case_inputs("image")), reference(**case_inputs("image"))) < 1e-5
+
+
+def test_sizes_on_disk(converted):
+    size = lambda p: sum(f.stat().st_size for f in p.glob("*.safetensors"))  # noqa: E731
+    float_b, q8_b, q4_b = size(converted("tiny-b")), size(converted("tiny-b", "q8")), size(converted("tiny-b", "q4"))
+    assert q4_b < q8_b < 0.6 * float_b  # fp32 source: 8-bit is a bit over a quarter for the decoder
+
+
+def test_reconvert_quantized_mlxvlm_folder(tmp_path):
+    out = convert(FIXTURES / "mlxvlm-q4", tmp_path / "ours", log=QUIET)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization"] == {"group_size": 64, "bits": 4, "mode": "affine"}
+    ours, kind = build_model(out, "float32")
+    theirs, their_kind = build_model(FIXTURES / "mlxvlm-q4", "float32")
+    assert (kind, their_kind) == ("mlx_qwen3vl", "mlx-vlm")
+    assert np.array_equal(np.array(ours(**case_inputs("image"))), np.array(theirs(**case_inputs("image"))))
+    with pytest.raises(InputError) as e:
+        convert(FIXTURES / "mlxvlm-q4", tmp_path / "again", quantize=True, log=QUIET)
+    assert "already quantized" in one_line(e)
+
+
+# ---------------------------------------------------------------------------------------------
+# mlx-vlm (mlx-community) folders
+# ---------------------------------------------------------------------------------------------
+def test_mlxvlm_float_folder_gives_the_hub_logits():
+    model, kind = build_model(FIXTURES / "mlxvlm-float", "float32")
+    assert kind == "mlx-vlm"
+    hub = load_fixture_model("tiny-a", "float32")
+    for case in CASES:
+        assert np.array_equal(np.array(model(**case_inputs(case))), np.array(hub(**case_inputs(case)))), case
+
+
+@pytest.mark.parametrize("name", ["mlxvlm-q4", "mlxvlm-mixed_3_6"])
+def test_mlxvlm_quantized_folder_gives_mlxvlms_logits(name):
+    model, kind = build_model(FIXTURES / name, "float32")
+    assert kind == "mlx-vlm" and quantized_layers(model)
+    recorded = np.load(FIXTURES / name / "reference" / "image.npz")["logits"]  # made by mlx-vlm itself
+    logits = np.array(model(**case_inputs("image")))
+    assert rel_err(logits, recorded) < 1e-4
+    assert np.array_equal(logits.argmax(-1), recorded.argmax(-1))
+
+
+def test_mlxvlm_mixed_per_layer_bits_are_honoured():
+    layers = quantized_layers(load_model(FIXTURES / "mlxvlm-mixed_3_6"))
+    assert layers["language_model.layers.2.self_attn.v_proj"].bits == 6  # mlx-vlm's per-layer entry
+    assert layers["language_model.layers.1.self_attn.v_proj"].bits == 3
+    assert layers["language_model.embed_tokens"].bits == 6
+
+
+# ---------------------------------------------------------------------------------------------
+# Strict loading for every kind, bad inputs, atomicity
+# ---------------------------------------------------------------------------------------------
+def _drop_tensor(folder: Path, key: str):
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = folder / index["weight_map"].pop(key)
+    weights = mx.load(str(shard))
+    del weights[key]
+    mx.save_safetensors(str(shard), weights)
+    index_path.write_text(json.dumps(index))
+
+
+def test_strict_checks_for_converted_and_mlxvlm_folders(converted, tmp_path):
+    import shutil
+
+    ours = tmp_path / "ours"
+    shutil.copytree(converted("tiny-a", "q4"), ours)
+    _drop_tensor(ours, "language_model.layers.1.mlp.up_proj.scales")
+    with pytest.raises(WeightsError) as e:
+        load_model(ours)
+    assert "missing 1: language_model.layers.1.mlp.up_proj.scales" in one_line(e)
+
+    theirs = tmp_path / "theirs"
+    shutil.copytree(FIXTURES / "mlxvlm-float", theirs)
+    weights = mx.load(str(theirs / "model.safetensors"))
+    weights["vision_tower.merger.linear_fc2.weight"] = mx.zeros((3, 3), mx.bfloat16)
+    weights["language_model.model.layers.7.mlp.up_proj.weight"] = mx.zeros((4, 4), mx.bfloat16)
+    mx.save_safetensors(str(theirs / "model.safetensors"), weights)
+    index = json.loads((theirs / "model.safetensors.index.json").read_text())
+    index["weight_map"]["language_model.model.layers.7.mlp.up_proj.weight"] = "model.safetensors"
+    (theirs / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(WeightsError) as e:
+        load_model(theirs)
+    msg = one_line(e)
+    assert "language_model.layers.7.mlp.up_proj.weight" in msg and "visual.merger.linear_fc2.weight (3, 3)" in msg
+
+
+def test_quantized_weights_without_quantization_config(converted, tmp_path):
+    import shutil
+
+    folder = tmp_path / "q"
+    shutil.copytree(converted("tiny-a", "q4"), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["quantization"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(WeightsError) as e:
+        load_model(folder)
+    assert "no quantization section" in one_line(e)
+
+
+def test_truncated_shard(converted, tmp_path):
+    import shutil
+
+    folder = tmp_path / "t"
+    shutil.copytree(converted("tiny-a", "q8"), folder)
+    shard = folder / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(WeightsError) as e:
+        load_model(folder)
+    assert "model.safetensors" in one_line(e)
+    r = run_cli("--hf-path", folder, "--mlx-path", tmp_path / "out")  # converting from it fails the same way
+    assert_one_line_error(r, "model.safetensors", "could not be read")
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_index_entry(converted, tmp_path):
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(converted("tiny-a", "q4"), folder)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["language_model.layers.0.mlp.gate_proj.scales"]
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(WeightsError) as e:
+        load_model(folder)
+    assert "missing from the index: language_model.layers.0.mlp.gate_proj.scales" in one_line(e)
+
+
+BAD_OPTIONS = [
+    (["-q", "--q-bits", "7"], "--q-bits 7 is not supported"),
+    (["-q", "--q-bits", "four"], "'four' is not a whole number"),
+    (["-q", "--q-group-size", "48"], "--q-group-size 48 is not supported"),
+    (["-q", "--q-mode", "mxfp4", "--q-bits", "8"], "mxfp4 always uses 4 bits"),
+    (["-q", "--q-mode", "int4"], "--q-mode 'int4' is not one of"),
+    (["-q", "--quant-predicate", "mixed_6_4"], "is not a mixed recipe"),
+    (["-q", "--quant-predicate", "mixed_3_6", "--q-mode", "nvfp4"], "cannot be used with --q-mode nvfp4"),
+    (["--q-bits", "4"], "without -q"),
+    (["--dtype", "float64"], "--dtype 'float64'"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD_OPTIONS)
+def test_bad_options_are_one_line_errors(tmp_path, capsys, args, needle):
+    try:
+        code = convert_mod.main(["--hf-path", str(FIXTURES / "tiny-a"), "--mlx-path", str(tmp_path / "out"), *args])
+    except SystemExit as e:  # argparse's own checks (not a number) exit from parse_args
+        code = e.code
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], captured.err
+    assert not list(tmp_path.iterdir())
+
+
+def test_unsupported_q_bits_from_the_command_line(tmp_path):
+    r = run_cli("--hf-path", FIXTURES / "tiny-a", "--mlx-path", tmp_path / "out", "-q", "--q-bits", "7")
+    assert_one_line_error(r, "--q-bits 7 is not supported", "2, 3, 4, 5, 6, 8")
+    assert not list(tmp_path.iterdir())
+
+
+def test_unsupported_bits_in_python_api(tmp_path):
+    with pytest.raises(InputError) as e:
+        convert(FIXTURES / "tiny-a", tmp_path / "out", quantize=True, q_bits=1, log=QUIET)
+    assert "--q-bits 1" in one_line(e)
+
+
+def test_existing_output_refused_unless_force(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    r = run_cli("--hf-path", FIXTURES / "tiny-b", "--mlx-path", out)
+    assert_one_line_error(r, "already exists", "--force")
+    assert (out / "keep.txt").read_text() == "mine" and len(list(tmp_path.iterdir())) == 1
+
+    convert(FIXTURES / "tiny-b", out, force=True, log=QUIET)
+    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp or backup folder left
+    load_model(out)
+
+
+def test_output_may_not_replace_the_source(tmp_path):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "tiny-b", src, ignore=shutil.ignore_patterns("reference"))
+    with pytest.raises(InputError) as e:
+        convert(src, src, force=True, log=QUIET)
+    assert "would replace the source" in one_line(e)
+    load_model(src)
+
+
+def test_interrupted_conversion_leaves_nothing_loadable(tmp_path, monkeypatch):
+    real_save = mx.save_safetensors
+    calls = []
+
+    def save_then_fail(path, arrays, **kw):
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # e.g. Ctrl-C while the second shard is written
+        real_save(path, arrays, **kw)
+
+    monkeypatch.setattr(convert_mod.mx, "save_safetensors", save_then_fail)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        convert(FIXTURES / "tiny-a", out, quantize=True, max_shard_bytes=300_000, log=QUIET)
+    assert len(calls) == 2
+    assert not out.exists() and list(tmp_path.iterdir()) == []  # the temporary folder is gone too
+    with pytest.raises(ConfigError):
+        load_model(out)
+
+
+def test_interrupted_forced_conversion_keeps_the_old_output(tmp_path, monkeypatch):
+    out = convert(FIXTURES / "tiny-b", tmp_path / "out", log=QUIET)
+    before = (out / "model.safetensors").read_bytes()
+
+    def fail(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(convert_mod, "copy_side_files", fail)
+    with pytest.raises(RuntimeError):
+        convert(FIXTURES / "tiny-b", out, force=True, quantize=True, q_group_size=32, log=QUIET)
+    assert (out / "model.safetensors").read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    load_model(out)
+
+
+def test_killed_conversion_folder_is_not_a_checkpoint(tmp_path):
+    """A run killed outright (no cleanup) leaves only the hidden temporary folder, which has no
+    config.json until the very end, so it never loads."""
+    partial = tmp_path / ".out.converting-x"
+    partial.mkdir()
+    model = load_model(FIXTURES / "tiny-b")
+    convert_mod.write_weights(partial, dict(tree_flatten(model.parameters())), log=QUIET)
+    convert_mod.copy_side_files(FIXTURES / "tiny-b", partial)
+    with pytest.raises(ConfigError) as e:
+        load_model(partial)
+    assert "config.json" in one_line(e)
+
+
+def test_hub_id_is_downloaded_with_patterns(tmp_path, monkeypatch):
+    import shutil
+
+    import huggingface_hub
+
+    seen = {}
+
+    def fake_snapshot_download(repo_id, allow_patterns=None, **kw):
+        seen.update(repo_id=repo_id, allow_patterns=allow_patterns)
+        snap = tmp_path / "snapshot"
+        shutil.copytree(FIXTURES / "tiny-b", snap, ignore=shutil.ignore_patterns("reference"))
+        return str(snap)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    out = convert("Qwen/Qwen3-VL-2B-Instruct", tmp_path / "out", log=QUIET)
+    assert seen["repo_id"] == "Qwen/Qwen3-VL-2B-Instruct"
+    patterns = seen["allow_patterns"]
+    for name in ("model-00001-of-00002.safetensors", "model.safetensors.index.json", "config.json", "tokenizer.json",
+                 "chat_template.jinja", "preprocessor_config.json", "video_preprocessor_config.json",
+                 "generation_config.json"):
+        assert any(__import__("fnmatch").fnmatch(name, p) for p in patterns), name
+    assert "*" not in patterns and "*.bin" not in patterns
+    assert json.loads((out / "config.json").read_text())["mlx_qwen3vl"]["converted_from"] == "Qwen/Qwen3-VL-2B-Instruct"
+
+
+def test_hub_id_offline_is_one_line(tmp_path):
+    r = run_cli("--hf-path", "Qwen/Qwen3-VL-2B-Instruct", "--mlx-path", tmp_path / "out",
+                env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    line = assert_one_line_error(r, "Qwen/Qwen3-VL-2B-Instruct", "HF_HUB_OFFLINE")
+    assert line.startswith("error: ")
+    with pytest.raises(ModelNotFoundError) as e:
+        convert(str(tmp_path / "no" / "such" / "folder"), tmp_path / "out", log=QUIET)
+    assert "neither a local folder nor" in one_line(e)
