@@ -220,3 +220,23 @@ def test_cli_chat_reuses_cache_between_turns():
     first_total = int(prompts[0].split()[1])
     cached = int(prompts[1].split("(")[1].split()[0])
     assert cached >= first_total  # turn 1's prompt with its image came from the cache
+
+
+def test_cli_video_file_equals_frames(loaded, tmp_path):
+    """--video FILE (PyAV) answers as the same frames given to the Python API do."""
+    av = pytest.importorskip("av")
+    frames = np.load(FIXTURES / "media" / "video_16x72x100.npy")[:, :64, :96]  # even sizes for the encoder
+    path = tmp_path / "clip.mkv"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("ffv1", rate=8)  # lossless
+        stream.width, stream.height, stream.pix_fmt = 96, 64, "bgr0"
+        for f in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+        container.mux(stream.encode())
+    model, processor = loaded["tiny-b"]
+    expected = M.generate(model, processor, "What happens?", videos=[frames], video_fps=8.0, max_tokens=8)
+    p = run_cli("--model", str(FIXTURES / "tiny-b"), "--video", str(path), "--prompt", "What happens?",
+                "--max-tokens", "8")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip("\n") == expected.text.strip("\n")
+    assert f"Prompt: {expected.prompt_tokens} tokens" in p.stderr
