@@ -284,6 +284,9 @@ def convert(hf_path, mlx_path, dtype: Optional[str] = None, quantize: bool = Fal
     out = Path(mlx_path).expanduser()
     if out.exists() and not force:
         raise InputError(f"--mlx-path {out} already exists: choose a new folder or pass --force to replace it")
+    if out.is_dir() and any(out.iterdir()) and not ((out / "config.json").exists() or any(out.glob("*.safetensors"))):
+        raise InputError(f"--mlx-path {out} holds files but no checkpoint; --force only replaces a model folder: "
+                         "choose a new folder")
     local = Path(hf_path).expanduser()
     if local.exists() and _inside(local, out):
         raise InputError(f"--mlx-path {out} would replace the source checkpoint {local}: choose another folder")
