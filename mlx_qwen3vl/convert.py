@@ -327,7 +327,7 @@ def convert(hf_path, mlx_path, dtype: Optional[str] = None, quantize: bool = Fal
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log(f"convert: copied {', '.join(copied) if copied else 'no tokenizer/processor files (none in the source)'}")
-    log(f"convert: {out} ready, {_folder_size(out) / 1e6:.1f} MB, in {time.perf_counter() - t0:.1f} s")
+    log(f"convert: {out} ready, {_folder_size(out) / 1e6:.1f} MB, in {time.perf_counter() - t0:.2f} s")
     return out
 
 
