@@ -40,7 +40,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from .errors import InputError, ModelNotFoundError, Qwen3VLError, WeightsError
+from .errors import InputError, Qwen3VLError
+from .hub import SIDECAR_FILES, resolve_model_path
 from .weights import (DTYPES, FORMAT_KEY, FORMAT_VERSION, NEVER_QUANTIZED, build_model, describe_quantization,
                       read_raw_config)
 
@@ -52,16 +53,7 @@ MODES = ("affine",) + tuple(FIXED_MODES)
 RECIPES = ("mixed_2_6", "mixed_3_4", "mixed_3_5", "mixed_3_6", "mixed_3_8", "mixed_4_6", "mixed_4_8")
 MAX_SHARD_BYTES = 5 * 10**9
 
-# Files copied next to the weights: tokenizer, chat template, processor and generation configs.
-COPY_PATTERNS = [
-    "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
-    "added_tokens.json", "tokenizer.model", "*.tiktoken", "chat_template.jinja", "chat_template.json",
-    "preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json",
-    "generation_config.json", "LICENSE*", "NOTICE*",
-]
-# What a hub download fetches: the files above, the config and the weights.
-HUB_PATTERNS = COPY_PATTERNS + ["config.json", "*.safetensors", "model.safetensors.index.json"]
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+COPY_PATTERNS = SIDECAR_FILES  # copied next to the weights
 
 
 def _stderr(msg: str):
@@ -179,23 +171,9 @@ def bits_per_weight(model: nn.Module) -> float:
 def resolve_source(hf_path: str, log=_stderr) -> Path:
     """A local folder as it is; otherwise a hub repo id, downloaded (weights, configs, tokenizer and
     templates only)."""
-    path = Path(hf_path).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise ModelNotFoundError(f"--hf-path {hf_path} is a file; pass the checkpoint's folder")
-    if not HUB_ID.match(str(hf_path)):
-        raise ModelNotFoundError(f"--hf-path {hf_path} is neither a local folder nor a Hugging Face repo id (owner/name)")
-    try:
-        from huggingface_hub import snapshot_download
-
-        folder = Path(snapshot_download(str(hf_path), allow_patterns=HUB_PATTERNS))
-    except Exception as e:  # offline, unknown or gated repo, network error: the same to a user
-        offline = os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0")
-        why = "HF_HUB_OFFLINE is set" if offline else f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-        raise ModelNotFoundError(f"could not download {hf_path!r} from the Hugging Face Hub ({why}) and there is no "
-                                 "such local folder: check the id and the network, or pass a downloaded folder") from None
-    log(f"convert: fetched {hf_path} from the Hugging Face Hub into {folder}")
+    folder = resolve_model_path(hf_path, flag="--hf-path")
+    if not Path(hf_path).expanduser().is_dir():
+        log(f"convert: fetched {hf_path} from the Hugging Face Hub into {folder}")
     return folder
 
 

@@ -13,8 +13,6 @@ from typing import Iterator, List, Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .errors import InputError, Qwen3VLError
 from .model import VisualFeatures
@@ -265,6 +263,9 @@ def eos_token_ids(model, processor) -> set:
 
 
 def _sampling(temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, seed):
+    # mlx_lm is imported on first use: importing it pulls in transformers (seconds of startup).
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
     if seed is not None:
         mx.random.seed(seed)
     sampler = make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
@@ -324,6 +325,8 @@ def stream_generate(model, processor, prompt=None, *, messages=None, images=None
 
     stop_ids = eos_token_ids(model, processor)
     stop_strings = [stop] if isinstance(stop, str) else list(stop or [])
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
     detok = TokenizerWrapper(processor.tokenizer).detokenizer
     detok.reset()
     mx.reset_peak_memory()
