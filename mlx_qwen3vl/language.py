@@ -4,6 +4,7 @@ DeepStack (vision features from early ViT blocks added after the first decoder l
 import mlx.core as mx
 import mlx.nn as nn
 
+from ._blas import attention
 from .config import TextConfig
 from .rope import TextRotary
 
@@ -31,7 +32,10 @@ class Attention(nn.Module):
         q, k = rotary.apply(q, k, position_ids)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        if mask is None or isinstance(mask, str):  # unpadded: causal for a chunk, none for one query
+            out = attention(q, k, v, self.scale, causal=mask == "causal")
+        else:
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 

@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ._blas import attention
 from .config import VisionConfig
 from .rope import VisionRotary, apply_rotary
 
@@ -114,9 +115,7 @@ class VisionAttention(nn.Module):
         for start, count, length in segments:
             end = start + count * length
             window = lambda a: a[start:end].reshape(count, length, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
-            o = mx.fast.scaled_dot_product_attention(
-                window(q), window(k), window(v), scale=self.head_dim**-0.5
-            )
+            o = attention(window(q), window(k), window(v), scale=self.head_dim**-0.5)
             outs.append(o.transpose(0, 2, 1, 3).reshape(count * length, dim))
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
         return self.proj(out)
