@@ -4,7 +4,7 @@ DeepStack (vision features from early ViT blocks added after the first decoder l
 import mlx.core as mx
 import mlx.nn as nn
 
-from ._blas import attention
+from ._blas import attention, silu_mul
 from .config import TextConfig
 from .rope import TextRotary
 
@@ -47,7 +47,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

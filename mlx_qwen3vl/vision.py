@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ._blas import attention
+from ._blas import attention, gelu_approx
 from .config import VisionConfig
 from .rope import VisionRotary, apply_rotary
 
@@ -128,7 +128,7 @@ class VisionMLP(nn.Module):
         self.linear_fc2 = nn.Linear(hidden, dim, bias=True)
 
     def __call__(self, x):
-        return self.linear_fc2(nn.gelu_approx(self.linear_fc1(x)))  # gelu_pytorch_tanh
+        return self.linear_fc2(gelu_approx(self.linear_fc1(x)))  # gelu_pytorch_tanh
 
 
 class VisionBlock(nn.Module):
