@@ -45,7 +45,14 @@ def load():
         return None
     for path in _candidates():
         if "mkl" in os.path.basename(path):
-            # MKL's default Intel OpenMP runtime clashes with the GNU one other packages load.
+            # GNU OpenMP (libgomp) threading. Measured on the 2-core EPYC, each layer in fresh
+            # processes, interleaved, 2 rounds, medians (machine shared, load ~2): GNU 145 GFLOP/s
+            # 1024^3 sgemm, 104 GFLOP/s on a 256x2048x6144 prefill GEMM, 18.6 GB/s GEMV; INTEL
+            # (libiomp5) 121 / 94 / 18.0; SEQUENTIAL 73 / 60 / 19.4. GNU is at least as fast and it
+            # is the OpenMP runtime torch and most wheels already load, so no second runtime (and
+            # no libiomp5 spin-waiting for 200 ms after each call, stealing a core from MLX's own
+            # threads) ends up in the process. Earlier one-off runs that favoured INTEL were not
+            # interleaved and the machine load varied between them.
             os.environ.setdefault("MKL_THREADING_LAYER", "GNU")
         try:
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
