@@ -4,7 +4,7 @@ DeepStack (vision features from early ViT blocks added after the first decoder l
 import mlx.core as mx
 import mlx.nn as nn
 
-from ._blas import attention, silu_mul
+from .cpu_kernels import attention, silu_mul
 from .config import TextConfig
 from .rope import TextRotary
 

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ._blas import attention, gelu_approx
+from .cpu_kernels import attention, gelu_approx
 from .config import VisionConfig
 from .rope import VisionRotary, apply_rotary
 

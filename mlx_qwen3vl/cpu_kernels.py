@@ -1,0 +1,123 @@
+"""Fast paths for MLX's CPU backend, where some of its kernels are far slower than numpy's.
+
+MLX's CPU backend has no fused attention and evaluates exp/tanh/sigmoid with scalar code, while
+numpy (with the BLAS loaded by _blas.py) vectorizes them. For large tensors — prefill and the
+vision tower — these functions evaluate their inputs and compute in numpy, with the same float32
+formulas; small ones (decode) stay lazy in MLX, and on a GPU nothing here runs.
+This is the one place where a forward pass leaves the MLX graph; MLX_QWEN3VL_CPU_ATTENTION=mlx
+turns it off.
+"""
+
+import math
+import os
+
+# MLX's CPU backend has no fused attention: mx.fast.scaled_dot_product_attention materializes
+# the (heads, L, S) scores and runs softmax with a scalar exp (about 45 M values/s on this 2-core
+# EPYC, against 530 M/s for numpy's vectorized exp). For a 1920x1080 screenshot (8160 patches,
+# 16 heads, 24 blocks) that softmax alone is ~570 s. Large attentions therefore run in numpy on
+# the CPU, in query chunks (bounded memory): the same float32 math (q * scale) @ k^T, max-shifted
+# exp, sum, @ v, exact to float32 rounding. Small ones (decode) stay lazy in MLX.
+# MLX_QWEN3VL_CPU_ATTENTION=mlx turns this off.
+NUMPY_ATTENTION_MIN_SCORES = 1 << 14  # L * S below which MLX's own attention is cheaper
+CHUNK_SCORES = 1 << 25  # score elements per query chunk (128 MB in float32)
+
+
+def cpu_attention_enabled() -> bool:
+    import mlx.core as mx
+
+    if os.environ.get("MLX_QWEN3VL_CPU_ATTENTION", "").strip().lower() == "mlx":
+        return False
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
+def attention(q, k, v, scale: float, causal: bool = False):
+    """softmax(q k^T * scale [+ causal mask]) v for q (B, H, L, D), k / v (B, Hkv, S, D) with H a
+    multiple of Hkv (grouped queries). Causal is lower-right aligned (query i sees keys up to
+    S - L + i), as with a KV cache. Returns (B, H, L, D) in q's dtype."""
+    import mlx.core as mx
+
+    B, H, L, D = q.shape
+    S, Hkv = k.shape[2], k.shape[1]
+    if L < 16 or L * S < NUMPY_ATTENTION_MIN_SCORES or not cpu_attention_enabled():  # decode stays lazy
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal" if causal else None)
+    import numpy as np
+
+    dtype = q.dtype
+    if dtype != mx.float32:
+        q, k, v = (a.astype(mx.float32) for a in (q, k, v))
+    mx.eval(q, k, v)
+    rep = H // Hkv
+    qn = np.asarray(q).reshape(B, Hkv, rep, L, D)
+    kt = np.ascontiguousarray(np.asarray(k).swapaxes(-1, -2))[:, :, None]  # (B, Hkv, 1, D, S)
+    vn = np.ascontiguousarray(np.asarray(v))[:, :, None]  # (B, Hkv, 1, S, D)
+    out = np.empty((B, Hkv, rep, L, v.shape[-1]), np.float32)
+    rows = max(16, CHUNK_SCORES // max(1, B * H * S))
+    offset = S - L
+    for s in range(0, L, rows):
+        e = min(L, s + rows)
+        keys = min(S, offset + e) if causal else S  # keys past the chunk's last query are masked anyway
+        scores = np.matmul(qn[:, :, :, s:e] * np.float32(scale), kt[..., :keys])
+        if causal and offset + s + 1 < keys:
+            i = np.arange(s, e)[:, None] + offset
+            j = np.arange(keys)[None, :]
+            scores[..., j > i] = -np.inf
+        np.subtract(scores, scores.max(-1, keepdims=True), out=scores)
+        np.exp(scores, out=scores)
+        total = scores.sum(-1, keepdims=True)
+        np.divide(np.matmul(scores, vn[:, :, :, :keys]), total, out=out[:, :, :, s:e])
+    result = mx.array(out.reshape(B, H, L, -1))
+    return result if dtype == mx.float32 else result.astype(dtype)
+
+
+# Activations of large (prefill / vision) tensors on the CPU backend, for the same reason: MLX's
+# CPU tanh / sigmoid run ~37 M values/s (gelu_approx of one 1280x720 screenshot's MLP, 15 M values,
+# takes 0.7 s per block), numpy's vectorized ones ~300-500 M/s. Same formulas as mlx.nn.
+NUMPY_ACTIVATION_MIN_SIZE = 1 << 16
+
+
+def _numpy_ok(x) -> bool:
+    import mlx.core as mx
+
+    return x.size >= NUMPY_ACTIVATION_MIN_SIZE and x.dtype == mx.float32 and cpu_attention_enabled()
+
+
+def gelu_approx(x):
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), as mlx.nn.gelu_approx (gelu_pytorch_tanh)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    if not _numpy_ok(x):
+        return nn.gelu_approx(x)
+    import numpy as np
+
+    mx.eval(x)
+    xn = np.asarray(x)
+    t = xn * xn
+    t *= np.float32(0.044715)
+    t *= xn
+    t += xn
+    t *= np.float32(math.sqrt(2 / math.pi))
+    np.tanh(t, out=t)
+    t += np.float32(1)
+    t *= xn
+    t *= np.float32(0.5)
+    return mx.array(t)
+
+
+def silu_mul(gate, up):
+    """silu(gate) * up = gate * sigmoid(gate) * up, the SwiGLU of the decoder's MLP."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    if not _numpy_ok(gate):
+        return nn.silu(gate) * up
+    import numpy as np
+
+    mx.eval(gate, up)
+    g = np.asarray(gate)
+    t = np.negative(g)
+    np.exp(t, out=t)
+    t += np.float32(1)
+    np.divide(g, t, out=t)
+    t *= np.asarray(up)
+    return mx.array(t)
