@@ -111,5 +111,5 @@ def test_mlx_kernels_match_cpu_fast_paths(checkpoint, monkeypatch):
     fast = np.array(model(**inputs))
     monkeypatch.setenv("MLX_QWEN3VL_CPU_ATTENTION", "mlx")
     pure = np.array(model(**inputs))
-    assert rel_err(pure, ref["logits"]) < TOL
-    assert rel_err(fast, pure) < 1e-5
+    assert rel_err(pure, ref["logits"]) < TOL and rel_err(fast, ref["logits"]) < TOL
+    assert rel_err(fast, pure) < 5e-5  # float32 summation order only
