@@ -792,6 +792,8 @@ def main(argv=None):
     p.add_argument("--extrapolate", default="", help="mlx-vlm workloads too slow to run whole in bfloat16: "
                                                      "timed per block and summed by depth (e.g. image1080)")
     p.add_argument("--skip-ours", action="store_true", help="only run the compared engines")
+    p.add_argument("--ours-from", default=None, help="take our results from this earlier results JSON "
+                                                     "(same model) instead of running our engine again")
     p.add_argument("--python", default=None, help="interpreter for the workers (default: this one)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per worker")
     p.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/<model>.json)")
@@ -845,7 +847,10 @@ def main(argv=None):
         base = dict(model=str(path), inputs=str(npz), decode_tokens=args.decode_tokens, warmup=args.warmup,
                     bandwidth_gb=args.bandwidth_gb,
                     prefill_step_size=args.prefill_step_size, agent_turns=args.agent_turns, agent_tokens=args.agent_tokens)
-        if not args.skip_ours:
+        if args.ours_from:
+            report["engines"]["ours"] = json.loads(Path(args.ours_from).read_text())["engines"]["ours"]
+            report["notes"].append(f"our results are those of {Path(args.ours_from).name} (same machine, earlier run)")
+        elif not args.skip_ours:
             res, note = run_worker("ours", dict(base, workloads=names, dtype=args.dtype), args.python, args.timeout)
             if res:
                 for name, r in res["results"].items():
