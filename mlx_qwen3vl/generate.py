@@ -15,7 +15,6 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import InputError, Qwen3VLError
-from .model import VisualFeatures
 from .positions import IMAGE, VIDEO
 
 DEFAULT_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
@@ -169,8 +168,7 @@ def prefill(model, inputs, cache, *, start=0, prefill_step_size=2048):
     prepared = model.prepare_inputs(
         inputs["input_ids"], inputs.get("attention_mask"), image_grid_thw=inputs.get("image_grid_thw"),
         video_grid_thw=inputs.get("video_grid_thw"), mm_token_type_ids=inputs.get("mm_token_type_ids"),
-        image_features=image_features or VisualFeatures(mx.zeros((0, 1)), []),
-        video_features=video_features or VisualFeatures(mx.zeros((0, 1)), []),
+        image_features=image_features, video_features=video_features,
         start=start,
     )
     mask = _mask_or_none(inputs)

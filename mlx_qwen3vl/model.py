@@ -125,10 +125,9 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         ids = mx.array(suffix)
         embeds = self.language_model.embed_tokens(ids)
         n_taps = len(self.config.vision_config.deepstack_visual_indexes)
-        visual = [f for f in (image_features, video_features) if f is not None and f.embeds.shape[0] > 0]
-        deepstack = [mx.zeros_like(embeds) for _ in range(n_taps)] if visual else []
+        deepstack = [mx.zeros_like(embeds) for _ in range(n_taps)] if (image_features or video_features) else []
         for token_id, feats in ((self.config.image_token_id, image_features), (self.config.video_token_id, video_features)):
-            if feats is None or feats.embeds.shape[0] == 0:
+            if feats is None:
                 continue
             embeds = _scatter(embeds, ids, token_id, feats.embeds)
             deepstack = [_scatter(d, ids, token_id, f) for d, f in zip(deepstack, feats.deepstack)]
