@@ -260,6 +260,16 @@ def prepare_inputs(names, processor, reps=3):
 
 
 # ------------------------------------------------------------------------------- measurements
+def _fresh_mlx_measurement():
+    """Free what earlier work left and restart the peak-memory counters (MLX's and the RSS)."""
+    import mlx.core as mx
+
+    gc.collect()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    _rss_reset()
+
+
 def _rss_reset():
     try:
         Path("/proc/self/clear_refs").write_text("5")
@@ -381,10 +391,7 @@ def worker_ours(args, spec):
         for _ in range(spec.get("warmup", 0)):
             for y in gen.generate_tokens(model, inputs, model.make_cache(), sampler=sampler, max_tokens=2):
                 y.item()
-        gc.collect()
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        _rss_reset()
+        _fresh_mlx_measurement()
         vision_time.clear()
         times = []
         _start_clock()
@@ -424,10 +431,7 @@ def agent_loop(model, spec):
     system = "You are a GUI agent. Answer with the next action."
     out = {}
     for variant in ("reuse", "no_reuse"):
-        gc.collect()
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        _rss_reset()
+        _fresh_mlx_measurement()
         per_turn, answers, prompt_tokens, cached = [], [], [], []
         session = ChatSession(model, processor, system=system, **kw)
         messages = [{"role": "system", "content": system}]
@@ -508,10 +512,7 @@ def worker_mlx_vlm(args, spec):
         for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
             if key in inputs:
                 kwargs[key] = mx.array(inputs[key])
-        gc.collect()
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        _rss_reset()
+        _fresh_mlx_measurement()
         vision_time.clear()
         times = []
         _start_clock()
@@ -825,7 +826,6 @@ def main(argv=None):
         path = resolve_model_path(args.model or "Qwen/Qwen3-VL-2B-Instruct")
         label = str(args.model)
     path = Path(path)
-    raw_cfg = json.loads((path / "config.json").read_text())
     config = ModelConfig.from_pretrained(path)
     processor = mlx_qwen3vl.Processor.from_pretrained(path)
     names = [w for w in args.workloads.split(",") if w]
