@@ -1,33 +1,71 @@
 """Fast paths for MLX's CPU backend, where some of its kernels are far slower than numpy's.
 
-MLX's CPU backend has no fused attention and evaluates exp/tanh/sigmoid with scalar code, while
-numpy (with the BLAS loaded by _blas.py) vectorizes them. For large tensors — prefill and the
-vision tower — these functions evaluate their inputs and compute in numpy, with the same float32
-formulas; small ones (decode) stay lazy in MLX, and on a GPU nothing here runs.
-This is the one place where a forward pass leaves the MLX graph; MLX_QWEN3VL_CPU_ATTENTION=mlx
-turns it off.
+MLX's CPU backend has no fused attention, evaluates exp/tanh/sigmoid with scalar code, and sends
+every float32 matmul to `cblas_sgemm` — even a matrix-vector product, which MKL then runs at about
+20 GB/s on this machine. numpy vectorizes the transcendentals and calls its own bundled OpenBLAS,
+whose GEMV reads weights at 30-35 GB/s and whose GEMM reaches ~160 GFLOP/s (MKL through MLX: ~105).
+So on the CPU backend, float32 linears with large weights, large attentions, and activations of
+large tensors evaluate their inputs and compute in numpy, with the same float32 formulas (only the
+summation order differs). Small ones stay lazy in MLX, and on a GPU nothing here runs.
+This is the one place where a forward pass leaves the MLX graph; MLX_QWEN3VL_CPU_KERNELS=mlx
+(or the older MLX_QWEN3VL_CPU_ATTENTION=mlx) turns it off.
 """
 
 import math
 import os
 
+import mlx.nn as nn
+
 # MLX's CPU backend has no fused attention: mx.fast.scaled_dot_product_attention materializes
 # the (heads, L, S) scores and runs softmax with a scalar exp (about 45 M values/s on this 2-core
 # EPYC, against 530 M/s for numpy's vectorized exp). For a 1920x1080 screenshot (8160 patches,
-# 16 heads, 24 blocks) that softmax alone is ~570 s. Large attentions therefore run in numpy on
-# the CPU, in query chunks (bounded memory): the same float32 math (q * scale) @ k^T, max-shifted
-# exp, sum, @ v, exact to float32 rounding. Small ones (decode) stay lazy in MLX.
-# MLX_QWEN3VL_CPU_ATTENTION=mlx turns this off.
-NUMPY_ATTENTION_MIN_SCORES = 1 << 14  # L * S below which MLX's own attention is cheaper
+# 16 heads, 24 blocks) that softmax alone is ~570 s. Attentions therefore run in numpy on the CPU,
+# in query chunks (bounded memory): the same float32 math (q * scale) @ k^T, max-shifted exp, sum,
+# @ v, exact to float32 rounding. A decode query reads the KV cache in place (a strided view, no
+# copy): 28 layers at a 2117-token context take 50 ms this way against 104 ms in MLX's SDPA.
+# Only tiny ones (a decode step over a short cache) stay lazy in MLX.
+NUMPY_ATTENTION_MIN_SCORES = 1 << 12  # heads * L * S below which MLX's own attention is cheaper
 CHUNK_SCORES = 1 << 25  # score elements per query chunk (128 MB in float32)
 
 
-def cpu_attention_enabled() -> bool:
+def cpu_kernels_enabled() -> bool:
     import mlx.core as mx
 
-    if os.environ.get("MLX_QWEN3VL_CPU_ATTENTION", "").strip().lower() == "mlx":
-        return False
+    for var in ("MLX_QWEN3VL_CPU_KERNELS", "MLX_QWEN3VL_CPU_ATTENTION"):
+        if os.environ.get(var, "").strip().lower() == "mlx":
+            return False
     return mx.default_device().type == mx.DeviceType.cpu
+
+
+# Float32 linears whose weight has at least this many elements (the 2B decoder's smallest, k_proj,
+# has 2M) run in numpy: x is evaluated (one host sync, ~0.1 ms) and numpy's BLAS reads the weight
+# in place (np.asarray of an evaluated MLX array is zero-copy). Decode of the 2B preset: every
+# GEMV 361 ms through MLX + MKL, 200 ms through numpy. Smaller weights stay lazy in MLX.
+NUMPY_LINEAR_MIN_WEIGHT = 1 << 20
+
+
+def linear(x, weight, bias=None):
+    """x @ weight.T (+ bias), nn.Linear's math, for x (..., K) and weight (N, K)."""
+    import mlx.core as mx
+
+    if (weight.size < NUMPY_LINEAR_MIN_WEIGHT or weight.dtype != mx.float32 or x.dtype != mx.float32
+            or not cpu_kernels_enabled()):
+        return x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
+    import numpy as np
+
+    mx.eval(x)
+    xn = np.asarray(x).reshape(-1, x.shape[-1])
+    y = np.matmul(xn, np.asarray(weight).T)
+    if bias is not None:
+        y += np.asarray(bias)
+    return mx.array(y.reshape(*x.shape[:-1], weight.shape[0]))
+
+
+class Linear(nn.Linear):
+    """nn.Linear computed through `linear`; nn.quantize still turns it into a QuantizedLinear."""
+
+    def __call__(self, x):
+        return linear(x, self.weight, self.get("bias"))
 
 
 def attention(q, k, v, scale: float, causal: bool = False):
@@ -38,7 +76,7 @@ def attention(q, k, v, scale: float, causal: bool = False):
 
     B, H, L, D = q.shape
     S, Hkv = k.shape[2], k.shape[1]
-    if L < 16 or L * S < NUMPY_ATTENTION_MIN_SCORES or not cpu_attention_enabled():  # decode stays lazy
+    if H * L * S < NUMPY_ATTENTION_MIN_SCORES or not cpu_kernels_enabled():
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal" if causal else None)
     import numpy as np
 
@@ -48,8 +86,10 @@ def attention(q, k, v, scale: float, causal: bool = False):
     mx.eval(q, k, v)
     rep = H // Hkv
     qn = np.asarray(q).reshape(B, Hkv, rep, L, D)
-    kt = np.ascontiguousarray(np.asarray(k).swapaxes(-1, -2))[:, :, None]  # (B, Hkv, 1, D, S)
-    vn = np.ascontiguousarray(np.asarray(v))[:, :, None]  # (B, Hkv, 1, S, D)
+    kt = np.asarray(k).swapaxes(-1, -2)[:, :, None]  # (B, Hkv, 1, D, S); a view of the KV cache
+    vn = np.asarray(v)[:, :, None]  # (B, Hkv, 1, S, D)
+    if L >= 16:  # many queries: contiguous copies pay for themselves in the GEMMs
+        kt, vn = np.ascontiguousarray(kt), np.ascontiguousarray(vn)
     out = np.empty((B, Hkv, rep, L, v.shape[-1]), np.float32)
     rows = max(16, CHUNK_SCORES // max(1, B * H * S))
     offset = S - L
@@ -69,16 +109,17 @@ def attention(q, k, v, scale: float, causal: bool = False):
     return result if dtype == mx.float32 else result.astype(dtype)
 
 
-# Activations of large (prefill / vision) tensors on the CPU backend, for the same reason: MLX's
-# CPU tanh / sigmoid run ~37 M values/s (gelu_approx of one 1280x720 screenshot's MLP, 15 M values,
-# takes 0.7 s per block), numpy's vectorized ones ~300-500 M/s. Same formulas as mlx.nn.
-NUMPY_ACTIVATION_MIN_SIZE = 1 << 16
+# Activations on the CPU backend, for the same reason: MLX's CPU tanh / sigmoid run ~37 M values/s
+# (gelu_approx of one 1280x720 screenshot's MLP, 15 M values, takes 0.7 s per block), numpy's
+# vectorized ones ~300-500 M/s. Same formulas as mlx.nn. Down to a decode token's SwiGLU (6144
+# values: 0.19 ms in MLX), whose inputs come evaluated from the numpy linears anyway.
+NUMPY_ACTIVATION_MIN_SIZE = 1 << 12
 
 
 def _numpy_ok(x) -> bool:
     import mlx.core as mx
 
-    return x.size >= NUMPY_ACTIVATION_MIN_SIZE and x.dtype == mx.float32 and cpu_attention_enabled()
+    return x.size >= NUMPY_ACTIVATION_MIN_SIZE and x.dtype == mx.float32 and cpu_kernels_enabled()
 
 
 def gelu_approx(x):

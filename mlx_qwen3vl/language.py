@@ -4,9 +4,9 @@ DeepStack (vision features from early ViT blocks added after the first decoder l
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cpu_kernels import attention, silu_mul
+from .cpu_kernels import Linear, attention, silu_mul
 from .config import TextConfig
-from .rope import TextRotary
+from .rope import TextRotary, apply_rotary
 
 
 class Attention(nn.Module):
@@ -17,19 +17,20 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_proj = Linear(config.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def __call__(self, x, rotary: TextRotary, position_ids, mask, cache=None):
+    def __call__(self, x, rope, mask, cache=None):
         B, L, _ = x.shape
+        cos, sin = rope
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        q, k = rotary.apply(q, k, position_ids)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         if mask is None or isinstance(mask, str):  # unpadded: causal for a chunk, none for one query
@@ -42,9 +43,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.gate_proj = Linear(dim, hidden, bias=False)
+        self.up_proj = Linear(dim, hidden, bias=False)
+        self.down_proj = Linear(hidden, dim, bias=False)
 
     def __call__(self, x):
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
@@ -58,8 +59,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, x, rotary, position_ids, mask, cache=None):
-        h = x + self.self_attn(self.input_layernorm(x), rotary, position_ids, mask, cache)
+    def __call__(self, x, rope, mask, cache=None):
+        h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -85,7 +86,7 @@ class TextModel(nn.Module):
 
     def __call__(self, inputs_embeds, position_ids, mask=None, cache=None, deepstack_embeds=None):
         """inputs_embeds (B, L, D); position_ids (3, B, L), or (B,) for a text-only chunk (see
-        TextRotary.apply); mask None / "causal" / boolean (B, 1, L, S); deepstack_embeds: list of
+        TextRotary.cos_sin); mask None / "causal" / boolean (B, 1, L, S); deepstack_embeds: list of
         (B, L, D) arrays, zero except at visual positions.
 
         DeepStack: the k-th tapped vision feature is added right after decoder layer k, i.e. to
@@ -94,8 +95,9 @@ class TextModel(nn.Module):
         h = inputs_embeds
         cache = cache or [None] * len(self.layers)
         deepstack_embeds = deepstack_embeds or []
+        rope = self.rotary.cos_sin(position_ids, h.shape[1], h.dtype)
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
-            h = layer(h, self.rotary, position_ids, mask, c)
+            h = layer(h, rope, mask, c)
             if i < len(deepstack_embeds):
                 h = h + deepstack_embeds[i].astype(h.dtype)
         return self.norm(h)

@@ -13,6 +13,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .config import ModelConfig
+from .cpu_kernels import Linear, linear
 from .errors import InputError
 from .language import TextModel, attention_mask_for
 from .positions import get_rope_index, mm_token_type_ids_from
@@ -54,7 +55,7 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         self.visual = VisionModel(config.vision_config)
         self.language_model = TextModel(config.text_config)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
+            self.lm_head = Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
 
     @property
     def spatial_merge_size(self):
@@ -70,7 +71,8 @@ class Qwen3VLForConditionalGeneration(nn.Module):
     # --- decoder ------------------------------------------------------------------------------
     def logits(self, hidden):
         if self.config.tie_word_embeddings:
-            return self.language_model.embed_tokens.as_linear(hidden)
+            embed = self.language_model.embed_tokens
+            return embed.as_linear(hidden) if isinstance(embed, nn.QuantizedEmbedding) else linear(hidden, embed.weight)
         return self.lm_head(hidden)
 
     def get_rope_index(self, input_ids, mm_token_type_ids=None, image_grid_thw=None, video_grid_thw=None,

@@ -30,8 +30,10 @@ class TextRotary:
     interleaves so every axis sees both high and low frequencies.
 
     Text tokens have T = H = W, so for them every frequency sees the same position and mRoPE is
-    exactly plain 1D RoPE. That is why a text-only chunk (decode, or text after the prompt) can be
-    handed to mx.fast.rope with a per-sequence offset instead of building cos/sin tables.
+    exactly plain 1D RoPE: a text-only chunk (decode, or text after the prompt) needs only each
+    sequence's first position. The tables are built once per forward and shared by every layer;
+    on MLX's CPU backend that is cheaper than mx.fast.rope in each layer (60 vs 190 us per
+    application for one decode token) and the same float32 math as transformers.
     """
 
     def __init__(self, head_dim: int, theta: float, mrope_section):
@@ -40,29 +42,21 @@ class TextRotary:
         self.section = list(mrope_section)
         self.inv_freq = inverse_frequencies(head_dim, theta)
 
-    def cos_sin(self, position_ids: mx.array, dtype=mx.float32):
-        """position_ids (3, B, L) -> cos, sin of shape (B, 1, L, head_dim), ready to broadcast over heads."""
-        freqs = position_ids.astype(mx.float32)[..., None] * self.inv_freq  # (3, B, L, D/2)
-        merged = freqs[0]
-        for axis in (1, 2):  # H at 1::3, W at 2::3, each for `section[axis]` frequencies
-            end = 3 * self.section[axis]
-            merged[..., axis:end:3] = freqs[axis][..., axis:end:3]
+    def cos_sin(self, position_ids: mx.array, length: int, dtype=mx.float32):
+        """cos, sin of shape (B, 1, L, head_dim), ready to broadcast over heads, for position_ids
+        (3, B, L) — general mRoPE — or (B,) — the 1D position of each sequence's first token in a
+        text-only chunk of `length` consecutive positions (T = H = W)."""
+        if position_ids.ndim == 1:
+            positions = position_ids[:, None] + mx.arange(length)
+            merged = positions.astype(mx.float32)[..., None] * self.inv_freq  # (B, L, D/2)
+        else:
+            freqs = position_ids.astype(mx.float32)[..., None] * self.inv_freq  # (3, B, L, D/2)
+            merged = freqs[0]
+            for axis in (1, 2):  # H at 1::3, W at 2::3, each for `section[axis]` frequencies
+                end = 3 * self.section[axis]
+                merged[..., axis:end:3] = freqs[axis][..., axis:end:3]
         emb = mx.concatenate([merged, merged], axis=-1)[:, None]
         return mx.cos(emb).astype(dtype), mx.sin(emb).astype(dtype)
-
-    def apply(self, q: mx.array, k: mx.array, position_ids: mx.array):
-        """Rotate q, k of shape (B, heads, L, D).
-
-        `position_ids` is either (3, B, L) — general mRoPE — or (B,) — the 1D position of each
-        sequence's first token in a text-only chunk whose positions are consecutive (T = H = W).
-        """
-        if position_ids.ndim == 1:
-            rope = lambda x: mx.fast.rope(
-                x, self.head_dim, traditional=False, base=self.theta, scale=1.0, offset=position_ids
-            )
-            return rope(q), rope(k)
-        cos, sin = self.cos_sin(position_ids, q.dtype)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 class VisionRotary:

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cpu_kernels import attention, gelu_approx
+from .cpu_kernels import Linear, attention, gelu_approx
 from .config import VisionConfig
 from .rope import VisionRotary, apply_rotary
 
@@ -92,7 +92,7 @@ class PatchEmbed(nn.Module):
     def __init__(self, config: VisionConfig):
         super().__init__()
         in_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
-        self.proj = nn.Linear(in_dim, config.hidden_size, bias=True)
+        self.proj = Linear(in_dim, config.hidden_size, bias=True)
 
     def __call__(self, x):
         return self.proj(x)
@@ -103,8 +103,8 @@ class VisionAttention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
-        self.proj = nn.Linear(dim, dim, bias=True)
+        self.qkv = Linear(dim, 3 * dim, bias=True)
+        self.proj = Linear(dim, dim, bias=True)
 
     def __call__(self, x, cos, sin, segments):
         n, dim = x.shape
@@ -124,8 +124,8 @@ class VisionAttention(nn.Module):
 class VisionMLP(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.linear_fc1 = nn.Linear(dim, hidden, bias=True)
-        self.linear_fc2 = nn.Linear(hidden, dim, bias=True)
+        self.linear_fc1 = Linear(dim, hidden, bias=True)
+        self.linear_fc2 = Linear(hidden, dim, bias=True)
 
     def __call__(self, x):
         return self.linear_fc2(gelu_approx(self.linear_fc1(x)))  # gelu_pytorch_tanh
@@ -154,8 +154,8 @@ class PatchMerger(nn.Module):
         self.merged_dim = config.hidden_size * config.spatial_merge_size**2
         self.use_postshuffle_norm = use_postshuffle_norm
         self.norm = nn.LayerNorm(self.merged_dim if use_postshuffle_norm else config.hidden_size, eps=1e-6)
-        self.linear_fc1 = nn.Linear(self.merged_dim, self.merged_dim, bias=True)
-        self.linear_fc2 = nn.Linear(self.merged_dim, config.out_hidden_size, bias=True)
+        self.linear_fc1 = Linear(self.merged_dim, self.merged_dim, bias=True)
+        self.linear_fc2 = Linear(self.merged_dim, config.out_hidden_size, bias=True)
 
     def __call__(self, x):
         if self.use_postshuffle_norm:

@@ -41,3 +41,16 @@ def load_fixture_model(name, dtype=None):
 @pytest.fixture(params=CHECKPOINTS)
 def checkpoint(request):
     return request.param
+
+
+@pytest.fixture(params=["default", "numpy"])
+def cpu_kernels(request, monkeypatch):
+    """Run a test with the CPU fast paths as shipped ("default": the tiny fixtures are below their
+    size thresholds, so mostly MLX) and forced on for every size ("numpy": every float32 linear,
+    attention and activation through cpu_kernels' numpy code, as on the 2B model)."""
+    if request.param == "numpy":
+        from mlx_qwen3vl import cpu_kernels
+
+        for name in ("NUMPY_LINEAR_MIN_WEIGHT", "NUMPY_ATTENTION_MIN_SCORES", "NUMPY_ACTIVATION_MIN_SIZE"):
+            monkeypatch.setattr(cpu_kernels, name, 0)
+    return request.param

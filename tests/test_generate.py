@@ -41,8 +41,9 @@ def loaded():
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_greedy_equals_transformers(checkpoint, case):
-    """From the recorded inputs, with a tiny prefill chunk so chunks split images and DeepStack spans."""
+def test_greedy_equals_transformers(checkpoint, case, cpu_kernels):
+    """From the recorded inputs, with a tiny prefill chunk so chunks split images and DeepStack spans;
+    with the CPU kernels as shipped and forced on (numpy linears, attention over cache views)."""
     model = load_fixture_model(checkpoint)
     inputs = case_inputs(case)
     tokens = [np.array(y) for y in generate_tokens(model, inputs, model.make_cache(), sampler=make_sampler(0.0),

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from conftest import CASES, case_inputs, load_fixture_model, reference, rel_err
+from mlx_qwen3vl.rope import apply_rotary
 
 TOL = 1e-4
 
@@ -92,24 +93,32 @@ def test_video_frames_attend_within_frame(checkpoint):
 
 
 def test_text_only_positions_reduce_to_1d_rope(checkpoint):
-    """T = H = W positions through mRoPE equal mx.fast.rope's 1D RoPE (the decode fast path)."""
+    """T = H = W positions through mRoPE equal the 1D tables built from first positions only (the
+    decode path), and both equal plain 1D RoPE (mx.fast.rope with an offset)."""
     rotary = load_fixture_model(checkpoint).language_model.rotary
-    q = mx.random.normal((2, 3, 5, rotary.head_dim), key=mx.random.key(0))
-    k = mx.random.normal((2, 1, 5, rotary.head_dim), key=mx.random.key(1))
     starts = mx.array([7, 130])
     pos3 = mx.broadcast_to((starts[:, None] + mx.arange(5))[None], (3, 2, 5))
-    q3, k3 = rotary.apply(q, k, pos3)
-    q1, k1 = rotary.apply(q, k, starts)
-    np.testing.assert_allclose(np.array(q3), np.array(q1), atol=2e-5)
-    np.testing.assert_allclose(np.array(k3), np.array(k1), atol=2e-5)
+    cos3, sin3 = rotary.cos_sin(pos3, 5)
+    cos1, sin1 = rotary.cos_sin(starts, 5)
+    np.testing.assert_array_equal(np.array(cos3), np.array(cos1))
+    np.testing.assert_array_equal(np.array(sin3), np.array(sin1))
+    q = mx.random.normal((2, 3, 5, rotary.head_dim), key=mx.random.key(0))
+    ours = apply_rotary(q, cos1, sin1)
+    plain = mx.fast.rope(q, rotary.head_dim, traditional=False, base=rotary.theta, scale=1.0, offset=starts)
+    np.testing.assert_allclose(np.array(ours), np.array(plain), atol=2e-5)
 
 
 def test_mlx_kernels_match_cpu_fast_paths(checkpoint, monkeypatch):
-    """With the numpy CPU fast paths off (as on a GPU), the pure-MLX graph gives the same logits."""
+    """With the numpy CPU fast paths forced on for every size, and off (as on a GPU), the logits are
+    the same."""
+    from mlx_qwen3vl import cpu_kernels
+
+    for name in ("NUMPY_LINEAR_MIN_WEIGHT", "NUMPY_ATTENTION_MIN_SCORES", "NUMPY_ACTIVATION_MIN_SIZE"):
+        monkeypatch.setattr(cpu_kernels, name, 0)
     model = load_fixture_model(checkpoint)
     inputs, ref = case_inputs("two_images"), reference(checkpoint, "two_images")
     fast = np.array(model(**inputs))
-    monkeypatch.setenv("MLX_QWEN3VL_CPU_ATTENTION", "mlx")
+    monkeypatch.setenv("MLX_QWEN3VL_CPU_KERNELS", "mlx")
     pure = np.array(model(**inputs))
     assert rel_err(pure, ref["logits"]) < TOL and rel_err(fast, ref["logits"]) < TOL
     assert rel_err(fast, pure) < 5e-5  # float32 summation order only
