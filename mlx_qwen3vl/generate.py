@@ -14,6 +14,7 @@ from typing import Iterator, List, Optional
 import mlx.core as mx
 import numpy as np
 
+from .cpu_kernels import cpu_kernels_enabled
 from .errors import InputError, Qwen3VLError
 from .positions import IMAGE, VIDEO
 
@@ -220,9 +221,8 @@ def sample(logits, sampler, logits_processors, history):
 
 def generate_tokens(model, inputs, cache, *, sampler, logits_processors=None, max_tokens=256, start=0,
                     prefill_step_size=2048, on_prefill_done=None) -> Iterator[mx.array]:
-    """Yield sampled tokens (B,) one step at a time. The next step's graph is built and queued
-    (mx.async_eval) before the current token is handed out, as mlx-lm's generate_step does.
-    Every yielded token has already been fed into `cache` except possibly the last one."""
+    """Yield sampled tokens (B,) one step at a time. A yielded token may or may not have been fed
+    into `cache` yet (see `eager` below); callers keeping the cache trim it to what they keep."""
     logits, positions = prefill(model, inputs, cache, start=start, prefill_step_size=prefill_step_size)
     key_mask = _mask_or_none(inputs)
     ids = np.asarray(inputs["input_ids"])
@@ -232,21 +232,29 @@ def generate_tokens(model, inputs, cache, *, sampler, logits_processors=None, ma
     if on_prefill_done:
         mx.eval(y)
         on_prefill_done()
-    n = 0
-    while n < max_tokens:
-        if n + 1 < max_tokens:
-            if key_mask is not None:
-                key_mask = mx.concatenate([key_mask, mx.ones((key_mask.shape[0], 1), key_mask.dtype)], axis=1)
-            if history is not None:
-                history = [mx.concatenate([h, y[b: b + 1]]) for b, h in enumerate(history)]
-            next_logits = decode_step(model, y, cache, positions, key_mask)
-            positions = positions + 1
-            next_y, _ = sample(next_logits, sampler, logits_processors, history)
-            mx.async_eval(next_y)
+    # With the CPU kernels the forward runs eagerly (it evaluates as it goes), so the next token
+    # is computed after this one is handed out; on a GPU its graph is queued first, so the device
+    # works while the caller handles the token.
+    eager = cpu_kernels_enabled()
+
+    def advance(y):
+        nonlocal key_mask, history, positions
+        if key_mask is not None:
+            key_mask = mx.concatenate([key_mask, mx.ones((key_mask.shape[0], 1), key_mask.dtype)], axis=1)
+        if history is not None:
+            history = [mx.concatenate([h, y[b: b + 1]]) for b, h in enumerate(history)]
+        logits = decode_step(model, y, cache, positions, key_mask)
+        positions = positions + 1
+        next_y, _ = sample(logits, sampler, logits_processors, history)
+        mx.async_eval(next_y)
+        return next_y
+
+    for n in range(max_tokens):
+        last = n + 1 == max_tokens
+        next_y = None if eager or last else advance(y)
         yield y
-        n += 1
-        if n < max_tokens:
-            y = next_y
+        if not last:
+            y = advance(y) if next_y is None else next_y
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,11 +43,14 @@ def checkpoint(request):
     return request.param
 
 
-@pytest.fixture(params=["default", "numpy"])
+@pytest.fixture(params=["default", "numpy", "mlx"])
 def cpu_kernels(request, monkeypatch):
     """Run a test with the CPU fast paths as shipped ("default": the tiny fixtures are below their
-    size thresholds, so mostly MLX) and forced on for every size ("numpy": every float32 linear,
-    attention and activation through cpu_kernels' numpy code, as on the 2B model)."""
+    size thresholds, so mostly MLX), forced on for every size ("numpy": every float32 linear,
+    attention and activation through cpu_kernels' numpy code, as on the 2B model), and off ("mlx":
+    the pure-MLX graph and the queued decode loop a GPU gets)."""
+    if request.param == "mlx":
+        monkeypatch.setenv("MLX_QWEN3VL_CPU_KERNELS", "mlx")
     if request.param == "numpy":
         from mlx_qwen3vl import cpu_kernels
 
