@@ -6,6 +6,9 @@ CBLAS loaded there first with RTLD_GLOBAL — pip's `mkl` (the `cpu` extra) or a
 serves them instead (about 200 GFLOP/s). This must run before `mlx.core` is first imported,
 which is why the package imports this module first.
 
+With the CPU kernels on (cpu_kernels.py), the large float32 matmuls go through numpy's own BLAS
+instead; this one serves MLX's remaining matmuls, and all of them with MLX_QWEN3VL_CPU_KERNELS=mlx.
+
 MLX_QWEN3VL_BLAS=off disables it; MLX_QWEN3VL_BLAS=/path/to/libcblas.so picks a library.
 """
 

@@ -4,9 +4,10 @@ MLX's CPU backend has no fused attention, evaluates exp/tanh/sigmoid with scalar
 every float32 matmul to `cblas_sgemm` — even a matrix-vector product, which MKL then runs at about
 20 GB/s on this machine. numpy vectorizes the transcendentals and calls its own bundled OpenBLAS,
 whose GEMV reads weights at 30-35 GB/s and whose GEMM reaches ~160 GFLOP/s (MKL through MLX: ~105).
-So on the CPU backend, float32 linears with large weights, large attentions, and activations of
-large tensors evaluate their inputs and compute in numpy, with the same float32 formulas (only the
-summation order differs). Small ones stay lazy in MLX, and on a GPU nothing here runs.
+So on the CPU backend, float32 linears with large weights, attentions and activations evaluate
+their inputs and compute in numpy, with the same float32 formulas (only the summation order
+differs), and a decode step's decoder layers run wholly in numpy. Small ones stay lazy in MLX, and
+on a GPU nothing here runs.
 This is the one place where a forward pass leaves the MLX graph; MLX_QWEN3VL_CPU_KERNELS=mlx
 (or the older MLX_QWEN3VL_CPU_ATTENTION=mlx) turns it off.
 """
@@ -162,3 +163,73 @@ def silu_mul(gate, up):
     np.divide(g, t, out=t)
     t *= np.asarray(up)
     return mx.array(t)
+
+
+# A decode step through MLX on the CPU pays its per-op dispatch and one host sync (~0.1 ms) at
+# every numpy linear: ~4 syncs and ~20 small ops per layer, ~50 ms of a 2B step whose weight reads
+# take ~220 ms. For a few unpadded query tokens the whole decoder layer therefore runs here in
+# numpy (the same float32 math as language.DecoderLayer), MLX touching only the KV cache update.
+DECODE_LAYER_MAX_TOKENS = 16
+
+
+def decode_layer_applies(layer, x, mask, cache) -> bool:
+    import mlx.core as mx
+
+    weight = layer.mlp.down_proj.weight
+    return ((mask is None or isinstance(mask, str)) and cache is not None and x.shape[1] <= DECODE_LAYER_MAX_TOKENS
+            and x.dtype == mx.float32 and weight.dtype == mx.float32 and weight.size >= NUMPY_LINEAR_MIN_WEIGHT
+            and cpu_kernels_enabled())
+
+
+def _np_linear(a, module):
+    import numpy as np
+
+    y = np.matmul(a, np.asarray(module.weight).T)
+    if "bias" in module:
+        y += np.asarray(module.bias)
+    return y
+
+
+def _np_rms_norm(a, module):
+    import numpy as np
+
+    scale = 1.0 / np.sqrt(np.mean(np.square(a), axis=-1, keepdims=True) + np.float32(module.eps))
+    return a * scale * np.asarray(module.weight)
+
+
+def _np_rotate(a, cos, sin):
+    import numpy as np
+
+    half = a.shape[-1] // 2
+    return a * cos + np.concatenate([-a[..., half:], a[..., :half]], axis=-1) * sin
+
+
+def decode_layer(layer, x, rope, cache):
+    """language.DecoderLayer.__call__ for x (B, L, D) without padding (causal within the chunk), in
+    numpy."""
+    import mlx.core as mx
+    import numpy as np
+
+    attn, mlp = layer.self_attn, layer.mlp
+    cos, sin = rope
+    mx.eval(x, cos, sin)
+    h = np.asarray(x)
+    B, L, _ = h.shape
+    cos, sin = np.asarray(cos), np.asarray(sin)
+    n = _np_rms_norm(h, layer.input_layernorm)
+    heads = lambda a, count: a.reshape(B, L, count, -1)
+    q = _np_rms_norm(heads(_np_linear(n, attn.q_proj), attn.n_heads), attn.q_norm).transpose(0, 2, 1, 3)
+    k = _np_rms_norm(heads(_np_linear(n, attn.k_proj), attn.n_kv_heads), attn.k_norm).transpose(0, 2, 1, 3)
+    v = heads(_np_linear(n, attn.v_proj), attn.n_kv_heads).transpose(0, 2, 1, 3)
+    q, k = _np_rotate(q, cos, sin), _np_rotate(k, cos, sin)
+    keys, values = cache.update_and_fetch(mx.array(k), mx.array(v))
+    out = np.asarray(attention(mx.array(q), keys, values, attn.scale, causal=L > 1))
+    h = h + _np_linear(out.transpose(0, 2, 1, 3).reshape(B, L, -1), attn.o_proj)
+    n = _np_rms_norm(h, layer.post_attention_layernorm)
+    g = _np_linear(n, mlp.gate_proj)
+    t = np.negative(g)
+    np.exp(t, out=t)
+    t += np.float32(1)
+    np.divide(g, t, out=t)
+    t *= _np_linear(n, mlp.up_proj)
+    return mx.array(h + _np_linear(t, mlp.down_proj))

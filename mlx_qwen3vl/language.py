@@ -4,6 +4,7 @@ DeepStack (vision features from early ViT blocks added after the first decoder l
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import cpu_kernels
 from .cpu_kernels import Linear, attention, silu_mul
 from .config import TextConfig
 from .rope import TextRotary, apply_rotary
@@ -60,6 +61,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def __call__(self, x, rope, mask, cache=None):
+        if cpu_kernels.decode_layer_applies(self, x, mask, cache):
+            return cpu_kernels.decode_layer(self, x, rope, cache)
         h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
