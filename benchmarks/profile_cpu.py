@@ -1,0 +1,150 @@
+"""Where the CPU time of the 2B preset goes, with and without the numpy CPU kernels.
+
+    python benchmarks/profile_cpu.py --preset 2b --out benchmarks/results/profile-2b-cpu-kernels.json
+
+Measured in one process, the two variants interleaved (the machine may be shared): matrix-vector
+and matrix-matrix products over the decoder's real weights through MLX (cblas_sgemm of whatever
+BLAS _blas.py loaded) and through numpy's own BLAS; a decode step at two context lengths; one
+decoder layer over a 256-token prefill chunk. Medians of `--reps`; seconds.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import numpy as np  # noqa: E402
+
+import mlx_qwen3vl  # noqa: E402,F401  (loads the BLAS before mlx.core)
+import mlx.core as mx  # noqa: E402
+
+
+def median_time(fn, reps):
+    fn()
+    times = []
+    for _ in range(reps):
+        tic = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - tic)
+    return statistics.median(times)
+
+
+def interleaved(variants, reps):
+    """{name: median seconds} for {name: (setup, fn)}, the variants alternated rep by rep."""
+    times = {name: [] for name in variants}
+    for _ in range(reps + 1):
+        for name, (setup, fn) in variants.items():
+            setup()
+            tic = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - tic)
+    return {name: statistics.median(t[1:]) for name, t in times.items()}
+
+
+def kernels(on: bool, whole_layer: bool = True):
+    from mlx_qwen3vl import cpu_kernels
+
+    def setup():
+        if on:
+            os.environ.pop("MLX_QWEN3VL_CPU_KERNELS", None)
+        else:
+            os.environ["MLX_QWEN3VL_CPU_KERNELS"] = "mlx"
+        cpu_kernels.DECODE_LAYER_MAX_TOKENS = 16 if whole_layer else 0
+    return setup
+
+
+def main(argv=None):
+    import bench
+    from mlx_qwen3vl import _blas
+    from mlx_qwen3vl.weights import load_model
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="2b", choices=list(bench.PRESETS))
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    gen = sys.modules["mlx_qwen3vl.generate"]
+    path = bench.build_preset(args.preset)
+    model = load_model(path, dtype=mx.float32)
+    text = model.language_model
+    out = {"machine": bench.machine_info(), "blas": _blas.describe(), "preset": args.preset,
+           "note": "seconds, medians; 'mlx' = MLX_QWEN3VL_CPU_KERNELS=mlx (every op in MLX), "
+                   "'numpy' = the CPU kernels as shipped (a decode step's layers wholly in numpy), "
+                   "'numpy linears, layer in MLX' = DECODE_LAYER_MAX_TOKENS=0"}
+
+    # Every decoder weight (and the tied LM head) once: what a decode step must read.
+    weights = [w for layer in text.layers for w in (
+        layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight,
+        layer.self_attn.o_proj.weight, layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight,
+        layer.mlp.down_proj.weight)] + [text.embed_tokens.weight]
+    nbytes = sum(w.nbytes for w in weights)
+    xs = {k: mx.random.normal((1, k)) for k in {w.shape[1] for w in weights}}
+    mx.eval(*xs.values())
+    np_w = [np.asarray(w) for w in weights]
+    np_x = {k: np.asarray(v) for k, v in xs.items()}
+    gemv = interleaved({
+        "mlx": (lambda: None, lambda: mx.eval([xs[w.shape[1]] @ w.T for w in weights])),
+        "numpy": (lambda: None, lambda: [np.matmul(np_x[w.shape[1]], w.T) for w in np_w]),
+    }, args.reps)
+    out["decode_gemvs_all_weights_s"] = gemv
+    out["decode_gemvs_gbs"] = {k: nbytes / v / 1e9 for k, v in gemv.items()}
+    out["decode_bytes"] = nbytes
+
+    w = text.layers[0].mlp.gate_proj.weight
+    x = mx.random.normal((256, w.shape[1]))
+    mx.eval(x)
+    gemm = interleaved({
+        "mlx": (lambda: None, lambda: mx.eval(x @ w.T)),
+        "numpy": (lambda: None, lambda: np.matmul(np.asarray(x), np.asarray(w).T)),
+    }, args.reps)
+    flops = 2 * x.shape[0] * w.size
+    out["gemm_256x2048x6144_s"] = gemm
+    out["gemm_256x2048x6144_gflops"] = {k: flops / v / 1e9 for k, v in gemm.items()}
+
+    kv_shape = (1, text.config.num_key_value_heads, 0, text.config.head_dim)
+    for ctx in (273, 2117):
+        shape = kv_shape[:2] + (ctx,) + kv_shape[3:]
+        cache = model.make_cache()
+        for c in cache:
+            c.update_and_fetch(mx.random.normal(shape), mx.random.normal(shape))
+        mx.eval([c.state for c in cache])
+        token, pos = mx.array([100]), mx.array([ctx])
+
+        def step():
+            mx.eval(mx.argmax(gen.decode_step(model, token, cache, pos), -1))
+            for c in cache:
+                c.offset -= 1  # the same context every time
+
+        out[f"decode_step_ctx{ctx}_s"] = interleaved({
+            "mlx": (kernels(False), step),
+            "numpy linears, layer in MLX": (kernels(True, whole_layer=False), step),
+            "numpy": (kernels(True), step),
+        }, args.reps)
+
+    layer = text.layers[3]
+    h = mx.random.normal((1, 256, text.config.hidden_size))
+    mx.eval(h)
+
+    def prefill_layer():
+        rope = text.rotary.cos_sin(mx.array([0]), h.shape[1])
+        mx.eval(layer(h, rope, "causal", model.make_cache()[0]))
+
+    out["prefill_layer_L256_s"] = interleaved({"mlx": (kernels(False), prefill_layer),
+                                               "numpy": (kernels(True), prefill_layer)}, args.reps)
+    kernels(True)()
+    text_out = json.dumps(out, indent=1, default=float)
+    print(text_out)
+    if args.out:
+        Path(args.out).write_text(text_out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
