@@ -28,4 +28,5 @@ def test_unloadable_library_falls_back_to_reference():
 def test_default_names_what_it_loaded():
     note = probe(MLX_QWEN3VL_BLAS="")
     if sys.platform.startswith("linux"):
-        assert note.startswith("/") or "pip install" in note
+        # a path (pip's MKL), a library name (a system OpenBLAS found by ctypes), or how to get one
+        assert ".so" in note or "pip install" in note
