@@ -29,9 +29,11 @@ def _candidates():
     found = []
     for prefix in prefixes:
         found += sorted(glob.glob(os.path.join(prefix, "lib", "libmkl_rt.so*")))
+    # Absolute paths first, so describe() names the file that was loaded; find_library (a bare
+    # soname) covers other layouts.
+    found += sorted(glob.glob("/usr/lib/*-linux-gnu/libopenblas*.so*"))
     system = ctypes.util.find_library("openblas")
     found += [system] if system else []
-    found += sorted(glob.glob("/usr/lib/*-linux-gnu/libopenblas*.so*"))
     return found
 
 

@@ -166,13 +166,18 @@ def silu_mul(gate, up):
     import numpy as np
 
     mx.eval(gate, up)
-    g = np.asarray(gate)
+    return mx.array(_np_silu_mul(np.asarray(gate), np.asarray(up)))
+
+
+def _np_silu_mul(g, up):
+    import numpy as np
+
     t = np.negative(g)
     np.exp(t, out=t)
     t += np.float32(1)
     np.divide(g, t, out=t)
-    t *= np.asarray(up)
-    return mx.array(t)
+    t *= up
+    return t
 
 
 # A decode step through MLX on the CPU pays its per-op dispatch and one host sync (~0.1 ms) at
@@ -236,10 +241,5 @@ def decode_layer(layer, x, rope, cache):
     out = np.asarray(attention(mx.array(q), keys, values, attn.scale, causal=L > 1))
     h = h + _np_linear(out.transpose(0, 2, 1, 3).reshape(B, L, -1), attn.o_proj)
     n = _np_rms_norm(h, layer.post_attention_layernorm)
-    g = _np_linear(n, mlp.gate_proj)
-    t = np.negative(g)
-    np.exp(t, out=t)
-    t += np.float32(1)
-    np.divide(g, t, out=t)
-    t *= _np_linear(n, mlp.up_proj)
+    t = _np_silu_mul(_np_linear(n, mlp.gate_proj), _np_linear(n, mlp.up_proj))
     return mx.array(h + _np_linear(t, mlp.down_proj))

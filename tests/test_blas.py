@@ -28,5 +28,4 @@ def test_unloadable_library_falls_back_to_reference():
 def test_default_names_what_it_loaded():
     note = probe(MLX_QWEN3VL_BLAS="")
     if sys.platform.startswith("linux"):
-        # a path (pip's MKL), a library name (a system OpenBLAS found by ctypes), or how to get one
-        assert ".so" in note or "pip install" in note
+        assert note.startswith("/") or "pip install" in note
