@@ -26,9 +26,12 @@ are preprocessed once, here, with our processor; each worker times from ready in
                 bandwidth measured in the same worker (best of a large MLX reduction, a large GEMV
                 in MLX and the same GEMV through numpy's BLAS)
 
-The agent loop (ours only) is 5 turns, each a new 1280×720 screenshot plus a short instruction with
-the history kept: once with ChatSession (KV cache reused between turns) and once with a fresh
-generate over the whole conversation each turn; total seconds each, including preprocessing.
+The agent loop is 5 turns, each a new 1280×720 screenshot plus a short instruction with the
+history kept: ours once with ChatSession (KV cache reused between turns) and once with a fresh
+generate over the whole conversation each turn (`--agent-variants`); mlx-vlm (`--compare-workloads
+agent`) as its users can run it: a fresh generate over the whole conversation each turn, since it
+reuses a multi-turn prefix only when the new turn has no image. Total seconds each, including
+preprocessing (our processor for every engine).
 """
 
 import argparse
@@ -427,6 +430,17 @@ def worker_ours(args, spec):
     return {"info": info, "results": results}
 
 
+AGENT_SYSTEM = "You are a GUI agent. Answer with the next action."
+AGENT_ASKS = ["Open the display settings.", "Lower the brightness.", "Click Apply.", "Close the dialog.",
+              "Open the search box and type 'network'."]
+
+
+def agent_turns(spec):
+    """[(screenshot, instruction)] of the agent loop, the same for every engine."""
+    turns = spec.get("agent_turns", 5)
+    return [(_screenshot(1280, 720, variant=t + 1), AGENT_ASKS[t % len(AGENT_ASKS)]) for t in range(turns)]
+
+
 def agent_loop(model, spec):
     """5 turns of (new 1280×720 screenshot + short instruction), history kept: ChatSession (the
     KV cache of earlier turns reused) vs a fresh generate over the whole conversation each turn.
@@ -439,14 +453,12 @@ def agent_loop(model, spec):
 
     processor = Processor.from_pretrained(spec["model"])
     gen.eos_token_ids = lambda model, processor: set()
-    turns = spec.get("agent_turns", 5)
-    shots = [_screenshot(1280, 720, variant=t + 1) for t in range(turns)]
-    asks = ["Open the display settings.", "Lower the brightness.", "Click Apply.", "Close the dialog.",
-            "Open the search box and type 'network'."]
+    script = agent_turns(spec)
+    turns = len(script)
     kw = dict(max_tokens=spec.get("agent_tokens", 8), temperature=0.0)
-    system = "You are a GUI agent. Answer with the next action."
+    system = AGENT_SYSTEM
     out = {}
-    for variant in ("reuse", "no_reuse"):
+    for variant in spec.get("agent_variants", ["reuse", "no_reuse"]):
         _fresh_mlx_measurement()
         per_turn, answers, prompt_tokens, cached = [], [], [], []
         session = ChatSession(model, processor, system=system, **kw)
@@ -454,14 +466,15 @@ def agent_loop(model, spec):
         tic = time.perf_counter()
         for t in range(turns):
             t0 = time.perf_counter()
+            shot, ask = script[t]
             if variant == "reuse":
-                answer = session.send(asks[t % len(asks)], images=[shots[t]])
+                answer = session.send(ask, images=[shot])
                 last = session.last
                 prompt_tokens.append(last.prompt_tokens)
                 cached.append(last.cached_tokens)
             else:
-                messages.append({"role": "user", "content": [{"type": "image", "image": shots[t]},
-                                                             {"type": "text", "text": asks[t % len(asks)]}]})
+                messages.append({"role": "user", "content": [{"type": "image", "image": shot},
+                                                             {"type": "text", "text": ask}]})
                 r = gen.generate(model, processor, messages=messages, **kw)
                 answer = r.text
                 messages.append({"role": "assistant", "content": answer})
@@ -474,12 +487,51 @@ def agent_loop(model, spec):
         out[variant] = dict(total_s=time.perf_counter() - tic, turn_s=per_turn, prompt_tokens=prompt_tokens,
                             cached_tokens=cached, peak_memory_gb=mx.get_peak_memory() / 1e9,
                             peak_rss_gb=_rss_peak_gb(), answers=answers)
-    out["speedup"] = out["no_reuse"]["total_s"] / out["reuse"]["total_s"]
-    out["same_answers"] = out["reuse"]["answers"] == out["no_reuse"]["answers"]
     out.update(turns=turns, tokens_per_turn=kw["max_tokens"])
-    log(f"[ours] agent: reuse {out['reuse']['total_s']:.1f} s, no reuse {out['no_reuse']['total_s']:.1f} s "
-        f"({out['speedup']:.2f}x)")
+    if "reuse" in out and "no_reuse" in out:
+        out["speedup"] = out["no_reuse"]["total_s"] / out["reuse"]["total_s"]
+        out["same_answers"] = out["reuse"]["answers"] == out["no_reuse"]["answers"]
+        log(f"[ours] agent: reuse {out['reuse']['total_s']:.1f} s, no reuse {out['no_reuse']['total_s']:.1f} s "
+            f"({out['speedup']:.2f}x)")
     return out
+
+
+def mlx_vlm_agent(model, vlm_processor, spec, stream_generate):
+    """The agent loop as mlx-vlm's users can run it: every turn has a new image, so its prompt cache
+    cannot be reused and each turn is a fresh generate over the whole conversation. The prompt is
+    built by our processor (as for every other workload) and the answer, decoded from its tokens,
+    goes back into the history."""
+    import mlx.core as mx
+
+    from mlx_qwen3vl import Processor
+    from mlx_qwen3vl.generate import encode_prompt
+
+    processor = Processor.from_pretrained(spec["model"])
+    script = agent_turns(spec)
+    n_tokens = spec.get("agent_tokens", 8)
+    _fresh_mlx_measurement()
+    messages = [{"role": "system", "content": AGENT_SYSTEM}]
+    per_turn, answers, prompt_tokens = [], [], []
+    tic = time.perf_counter()
+    for t, (shot, ask) in enumerate(script):
+        t0 = time.perf_counter()
+        messages.append({"role": "user", "content": [{"type": "image", "image": shot}, {"type": "text", "text": ask}]})
+        inputs = encode_prompt(processor, messages=messages)
+        kwargs = {k: mx.array(np.asarray(inputs[k])) for k in ("input_ids", "pixel_values", "image_grid_thw")}
+        tokens = []
+        for r in stream_generate(model, vlm_processor, "", max_tokens=n_tokens, temperature=0.0, **kwargs):
+            if r.token is not None and r.generation_tokens > len(tokens):  # (its last piece repeats a token)
+                tokens.append(int(r.token))
+        answer = processor.tokenizer.decode(tokens)
+        messages.append({"role": "assistant", "content": answer})
+        answers.append(answer)
+        prompt_tokens.append(int(kwargs["input_ids"].shape[1]))
+        per_turn.append(time.perf_counter() - t0)
+        log(f"[mlx-vlm] agent turn {t + 1}: {per_turn[-1]:.1f} s, prompt {prompt_tokens[-1]} (0 cached)")
+    fresh = dict(total_s=time.perf_counter() - tic, turn_s=per_turn, prompt_tokens=prompt_tokens,
+                 cached_tokens=[0] * len(script), peak_memory_gb=mx.get_peak_memory() / 1e9,
+                 peak_rss_gb=_rss_peak_gb(), answers=answers)
+    return dict(no_reuse=fresh, turns=len(script), tokens_per_turn=n_tokens)
 
 
 # -------------------------------------------------------------------------- engine: mlx-vlm
@@ -522,6 +574,8 @@ def worker_mlx_vlm(args, spec):
     vlm_vision.VisionModel.__call__ = timed_call
     results = {}
     for name in spec["workloads"]:
+        if name == "agent":
+            continue
         inputs = {k.split("/", 1)[1]: data[k] for k in data.files if k.startswith(name + "/")}
         if name in spec.get("extrapolate", []):
             results[name] = mlx_vlm_extrapolated(model, inputs, name)
@@ -544,6 +598,9 @@ def worker_mlx_vlm(args, spec):
         results[name] = _summarize(name, inputs["input_ids"].shape[1], sum(vision_time), ttft, times, peak)
         log(f"[mlx-vlm] {name}: {_fmt(results[name])}")
     vlm_vision.VisionModel.__call__ = orig_call
+    if "agent" in spec["workloads"]:
+        results["agent"] = mlx_vlm_agent(model, processor, spec, stream_generate)
+        log(f"[mlx-vlm] agent: {results['agent']['no_reuse']['total_s']:.1f} s")
     return {"info": info, "results": results}
 
 
@@ -630,6 +687,9 @@ def worker_transformers(args, spec):
     results = {}
     n = spec["decode_tokens"]
     for name in spec["workloads"]:
+        if name == "agent":
+            log("[transformers] agent loop not implemented for this engine; skipped")
+            continue
         inputs = {k.split("/", 1)[1]: torch.from_numpy(data[k]) for k in data.files if k.startswith(name + "/")}
         for key in ("pixel_values", "pixel_values_videos"):
             if key in inputs:
@@ -761,7 +821,6 @@ COMPARED = [("vision_s", False, "vision"), ("ttft_s", False, "TTFT"), ("prefill_
 
 
 def print_tables(report):
-    ours = report["engines"].get("ours", {}).get("results", {})
     bw = report["engines"].get("ours", {}).get("info", {}).get("bandwidth_gbs")
     print(f"\n{report['model']}  ·  {report['machine']['cpu']} ({report['machine']['cores']} cores)  ·  MLX "
           f"{report['machine']['mlx']} {report['machine']['backend']}  ·  BLAS: {report['machine']['blas']}")
@@ -777,15 +836,21 @@ def print_tables(report):
             tag = " (est.)" if r.get("extrapolated") else ""
             print(f"{label:<26}{name:<11}{r['prompt_tokens']:>7}{f('vision_s', '{:.2f}'):>10}{f('ttft_s', '{:.2f}'):>9}"
                   f"{f('prefill_tps', '{:.1f}'):>11}{f('decode_tps', '{:.2f}'):>10}{f('peak_rss_gb', '{:.2f}'):>9}{roof:>10}{tag}")
-    if "agent" in ours:
-        a = ours["agent"]
-        print(f"\nagent loop ({a['turns']} turns, 1280x720 screenshot + instruction, {a['tokens_per_turn']} tokens each): "
-              f"with reuse {a['reuse']['total_s']:.1f} s, without {a['no_reuse']['total_s']:.1f} s → {a['speedup']:.2f}x")
+    for label, eng in report["engines"].items():
+        a = eng.get("results", {}).get("agent")
+        if a:
+            parts = [f"{v.replace('_', ' ')} {a[v]['total_s']:.1f} s" for v in ("reuse", "no_reuse") if v in a]
+            print(f"\nagent loop, {label} ({a['turns']} turns, 1280x720 screenshot + instruction, "
+                  f"{a['tokens_per_turn']} tokens each): " + ", ".join(parts)
+                  + (f" → {a['speedup']:.2f}x" if a.get("speedup") else ""))
     if report.get("ratios"):
         print("\nours / theirs (>1 means ours is better: faster, or less memory)")
         print(f"{'against':<26}{'workload':<11}" + "".join(f"{lbl:>10}" for _, _, lbl in COMPARED))
         for label, per in report["ratios"].items():
             for name, rr in per.items():
+                if name == "agent":
+                    print(f"{label:<26}agent loop: ours with reuse {rr['total']:.2f}x faster in total")
+                    continue
                 print(f"{label:<26}{name:<11}" + "".join(
                     f"{(format(rr[lbl], '.2f') + 'x') if rr.get(lbl) else '-':>10}" for _, _, lbl in COMPARED))
     if bw:
@@ -803,6 +868,8 @@ def main(argv=None):
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded per workload (EOS ignored)")
     p.add_argument("--agent-turns", type=int, default=5)
     p.add_argument("--agent-tokens", type=int, default=8, help="answer tokens per agent turn")
+    p.add_argument("--agent-variants", default="reuse,no_reuse",
+                   help="our agent loop: with KV-cache reuse (ChatSession) and/or a fresh generate each turn")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="our compute dtype (default: the engine's, float32 on a CPU)")
     p.add_argument("--prefill-step-size", type=int, default=2048)
@@ -812,7 +879,7 @@ def main(argv=None):
     p.add_argument("--compare-dtypes", default="default,float32",
                    help="for each compared engine: 'default' (what its users get: the checkpoint's dtype, "
                         "nothing preloaded) and/or a dtype run like for like (our BLAS loaded into mlx-vlm)")
-    p.add_argument("--compare-workloads", default=None, help="workloads for compared engines (default: all but agent)")
+    p.add_argument("--compare-workloads", default=None, help="workloads for compared engines (default: all but agent; mlx-vlm also runs agent)")
     p.add_argument("--extrapolate", default="", help="mlx-vlm workloads too slow to run whole in bfloat16: "
                                                      "timed per block and summed by depth (e.g. image1080)")
     p.add_argument("--skip-ours", action="store_true", help="only run the compared engines")
@@ -855,8 +922,12 @@ def main(argv=None):
     for w in names:
         if w not in ALL_WORKLOADS:
             p.error(f"unknown workload {w!r}; one of {', '.join(ALL_WORKLOADS)}")
+    for v in args.agent_variants.split(","):
+        if v and v not in ("reuse", "no_reuse"):
+            p.error(f"unknown agent variant {v!r}; one of reuse, no_reuse")
     compare = [e for e in args.compare.split(",") if e]
-    compare_names = [w for w in (args.compare_workloads.split(",") if args.compare_workloads else names) if w and w != "agent"]
+    compare_names = [w for w in (args.compare_workloads.split(",") if args.compare_workloads else
+                                 [n for n in names if n != "agent"]) if w]
     inputs, pre = prepare_inputs(sorted(set(names) | set(compare_names)) + [WARMUP], processor)
     report = dict(model=label, path=str(path), machine=machine_info(), started=time.strftime("%Y-%m-%d %H:%M:%S"),
                   settings=dict(decode_tokens=args.decode_tokens, agent_turns=args.agent_turns,
@@ -869,7 +940,8 @@ def main(argv=None):
         np.savez(npz, **{f"{w}/{k}": v for w, d in inputs.items() for k, v in d.items()})
         base = dict(model=str(path), inputs=str(npz), decode_tokens=args.decode_tokens, warmup=args.warmup,
                     bandwidth_gb=args.bandwidth_gb,
-                    prefill_step_size=args.prefill_step_size, agent_turns=args.agent_turns, agent_tokens=args.agent_tokens)
+                    prefill_step_size=args.prefill_step_size, agent_turns=args.agent_turns, agent_tokens=args.agent_tokens,
+                    agent_variants=[v for v in args.agent_variants.split(",") if v])
         if args.ours_from:
             report["engines"]["ours"] = json.loads(Path(args.ours_from).read_text())["engines"]["ours"]
             report["notes"].append(f"our results are those of {Path(args.ours_from).name} (same machine, earlier run)")
@@ -920,6 +992,13 @@ def main(argv=None):
         for name, theirs in eng.get("results", {}).items():
             mine = ours.get(name)
             if not mine:
+                continue
+            if name == "agent":  # our ChatSession (reuse) against their best way to run the loop
+                best = min(theirs[v]["total_s"] for v in ("reuse", "no_reuse") if v in theirs)
+                if "reuse" in mine:
+                    answers = [theirs[v]["answers"] for v in ("reuse", "no_reuse") if v in theirs][0]
+                    per[name] = {"total": best / mine["reuse"]["total_s"],
+                                 "same_answers": answers == mine["reuse"]["answers"]}
                 continue
             # Memory against the process's peak RSS: our CPU kernels allocate numpy arrays, which
             # MLX's own peak counter does not see, and torch has none.
