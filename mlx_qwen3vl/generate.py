@@ -14,7 +14,7 @@ from typing import Iterator, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from .cpu_kernels import cpu_kernels_enabled
+from .cpu_kernels import cpu_kernels_enabled, log_softmax
 from .errors import InputError, Qwen3VLError
 from .positions import IMAGE, VIDEO
 
@@ -215,7 +215,7 @@ def sample(logits, sampler, logits_processors, history):
                 row = proc(history[b], row)
             rows.append(row)
         logits = mx.concatenate(rows, axis=0)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    logprobs = log_softmax(logits)
     return sampler(logprobs), logprobs
 
 

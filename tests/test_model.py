@@ -122,3 +122,17 @@ def test_mlx_kernels_match_cpu_fast_paths(checkpoint, monkeypatch):
     pure = np.array(model(**inputs))
     assert rel_err(pure, ref["logits"]) < TOL and rel_err(fast, ref["logits"]) < TOL
     assert rel_err(fast, pure) < 5e-5  # float32 summation order only
+
+
+def test_cpu_log_softmax_matches_mlx(monkeypatch):
+    """The sampler's normalization through numpy (a decode step's vocabulary on the CPU) equals
+    MLX's: top-p sampling reads exp(logprobs) as probabilities."""
+    from mlx_qwen3vl import cpu_kernels
+
+    logits = mx.random.normal((2, 151936), key=mx.random.key(3)) * 8
+    monkeypatch.delenv("MLX_QWEN3VL_CPU_KERNELS", raising=False)
+    fast = cpu_kernels.log_softmax(logits)
+    monkeypatch.setenv("MLX_QWEN3VL_CPU_KERNELS", "mlx")
+    pure = cpu_kernels.log_softmax(logits)
+    np.testing.assert_allclose(np.array(fast), np.array(pure), atol=2e-5)
+    np.testing.assert_allclose(np.exp(np.array(fast, np.float64)).sum(-1), 1.0, atol=1e-5)
