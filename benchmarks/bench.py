@@ -23,8 +23,8 @@ are preprocessed once, here, with our processor; each worker times from ready in
   peak_rss_gb   the process's peak resident set (VmHWM, reset per workload), for every engine:
                 the figure memory ratios use (our CPU kernels' numpy arrays are outside MLX's count)
   roofline      decode_tps × bytes read per token (weights + KV cache) ÷ memory bandwidth, the
-                bandwidth measured in the same worker (best of a large MLX reduction, a large GEMV
-                in MLX and the same GEMV through numpy's BLAS)
+                bandwidth measured in the same worker right after the workload (best of a large
+                MLX reduction, a large GEMV in MLX and the same GEMV through numpy's BLAS)
 
 The agent loop is 5 turns, each a new 1280×720 screenshot plus a short instruction with the
 history kept: ours once with ChatSession (KV cache reused between turns) and once with a fresh
@@ -306,32 +306,46 @@ def measure_bandwidth(gb=1.0, reps=7):
     """Read bandwidth (GB/s): a GEMV over a large float32 matrix (what decode does) in MLX, the same
     GEMV through numpy's BLAS, and an MLX reduction, median of `reps` each. The best of them is the
     roofline: MLX's CPU matmul reaches only what MKL's sgemm gives a matrix-vector product (about
-    20 GB/s on the 2-core EPYC), numpy's OpenBLAS GEMV over 30, and the machine is what it is."""
-    import mlx.core as mx
-
+    20 GB/s on the 2-core EPYC), numpy's OpenBLAS GEMV over 30, and the machine is what it is.
+    Without MLX (the transformers worker), the numpy GEMV alone."""
+    try:
+        import mlx.core as mx
+    except ImportError:
+        mx = None
     n = int(gb * 1e9 / 4)
     cols = 4096
-    a = mx.random.uniform(shape=(n // cols, cols))
-    x = mx.random.uniform(shape=(1, cols))
-    mx.eval(a, x)
-    an, xn = np.asarray(a), np.asarray(x)  # zero-copy views
+    rng = np.random.default_rng(0)
+    an = rng.random((n // cols, cols), dtype=np.float32)
+    xn = rng.random((1, cols), dtype=np.float32)
 
-    def timed(fn):
-        mx.eval(fn())
+    def timed(fn, sync=lambda r: r):
+        sync(fn())
         ts = []
         for _ in range(reps):
             tic = time.perf_counter()
-            mx.eval(fn())
+            sync(fn())
             ts.append(time.perf_counter() - tic)
-        return a.nbytes / statistics.median(ts) / 1e9
+        return an.nbytes / statistics.median(ts) / 1e9
 
-    out = {"sum_gbs": timed(lambda: a.sum()), "gemv_gbs": timed(lambda: x @ a.T),
-           "numpy_gemv_gbs": timed(lambda: mx.array(xn @ an.T))}
-    a = x = an = xn = None  # free the 1 GB before the model loads
+    out = {"numpy_gemv_gbs": timed(lambda: xn @ an.T)}
+    if mx is not None:
+        a, x = mx.array(an), mx.array(xn)
+        mx.eval(a, x)
+        out.update(sum_gbs=timed(lambda: a.sum(), mx.eval), gemv_gbs=timed(lambda: x @ a.T, mx.eval))
+        a = x = None
+    an = xn = None  # free the matrix before the model loads / the next workload runs
     gc.collect()
-    mx.clear_cache()
-    out["bandwidth_gbs"] = max(out["sum_gbs"], out["gemv_gbs"], out["numpy_gemv_gbs"])
+    if mx is not None:
+        mx.clear_cache()
+    out["bandwidth_gbs"] = max(v for k, v in out.items() if k.endswith("_gbs"))
     return out
+
+
+def workload_bandwidth(spec):
+    """The bandwidth again, right after a workload's decode: on a shared machine it drifts by ±15%
+    over minutes (25-37 GB/s here within an hour), so the roofline compares each decode with the
+    bandwidth of the same moment. Taken after the workload's peak memory was read."""
+    return measure_bandwidth(spec.get("bandwidth_gb", 1.0), reps=5)["bandwidth_gbs"]
 
 
 def decode_bytes_per_token(cfg_text, tie, dtype_bytes, context):
@@ -423,6 +437,7 @@ def worker_ours(args, spec):
         ttft = times[0] - tic
         peak = mx.get_peak_memory() / 1e9
         results[name] = _summarize(name, inputs["input_ids"].shape[1], sum(vision_time), ttft, times, peak)
+        results[name]["bandwidth_gbs"] = workload_bandwidth(spec)
         log(f"[ours] {name}: {_fmt(results[name])}")
     if "agent" in spec["workloads"]:
         model.get_image_features = model.get_video_features = orig
@@ -596,6 +611,7 @@ def worker_mlx_vlm(args, spec):
         ttft = times[0] - tic
         peak = mx.get_peak_memory() / 1e9
         results[name] = _summarize(name, inputs["input_ids"].shape[1], sum(vision_time), ttft, times, peak)
+        results[name]["bandwidth_gbs"] = workload_bandwidth(spec)
         log(f"[mlx-vlm] {name}: {_fmt(results[name])}")
     vlm_vision.VisionModel.__call__ = orig_call
     if "agent" in spec["workloads"]:
@@ -706,6 +722,7 @@ def worker_transformers(args, spec):
         ttft = clock.times[0] - tic
         results[name] = _summarize(name, inputs["input_ids"].shape[1], sum(vision_time), ttft, clock.times,
                                    _rss_peak_gb())
+        results[name]["bandwidth_gbs"] = workload_bandwidth(spec)
         log(f"[transformers] {name}: {_fmt(results[name])}")
     return {"info": info, "results": results}
 
@@ -854,7 +871,8 @@ def print_tables(report):
                 print(f"{label:<26}{name:<11}" + "".join(
                     f"{(format(rr[lbl], '.2f') + 'x') if rr.get(lbl) else '-':>10}" for _, _, lbl in COMPARED))
     if bw:
-        print(f"\nmemory bandwidth measured in this run: {bw:.1f} GB/s")
+        print(f"\nmemory bandwidth measured in this run: {bw:.1f} GB/s at the start of our worker; each "
+              f"roofline uses the one measured right after that workload")
     for note in report.get("notes", []):
         print(f"note: {note}")
 
@@ -971,12 +989,14 @@ def main(argv=None):
                     report["engines"][label] = res
                 else:
                     report["notes"].append(note)
-    # Roofline of each MLX engine's decode, against the bandwidth measured by our worker.
-    bw = report["engines"].get("ours", {}).get("info", {}).get("bandwidth_gbs")
+    # Roofline of each engine's decode against the bandwidth measured right after it in its own
+    # worker; `roofline_start_bw` uses our worker's start-of-run measurement instead.
+    bw_start = report["engines"].get("ours", {}).get("info", {}).get("bandwidth_gbs")
     for label, eng in report["engines"].items():
         dt = eng.get("info", {}).get("dtype", "float32")
         nbytes = {"float32": 4, "float16": 2, "bfloat16": 2}.get(dt, 4)
         for name, r in eng.get("results", {}).items():
+            bw = r.get("bandwidth_gbs") or bw_start
             if name == "agent" or not r.get("decode_tps") or not bw:
                 continue
             per_token = decode_bytes_per_token(text_cfg, config.tie_word_embeddings, nbytes,
@@ -984,6 +1004,8 @@ def main(argv=None):
             r["bytes_per_token"] = per_token
             r["roofline_tps"] = bw * 1e9 / per_token
             r["roofline"] = r["decode_tps"] / r["roofline_tps"]
+            if bw_start:
+                r["roofline_start_bw"] = r["decode_tps"] * per_token / (bw_start * 1e9)
     ours = report["engines"].get("ours", {}).get("results", {})
     for label, eng in report["engines"].items():
         if label == "ours":
