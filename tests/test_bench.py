@@ -8,7 +8,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ["ttft_s", "prefill_tps", "decode_tps", "peak_memory_gb", "peak_rss_gb", "bytes_per_token",
-           "roofline_tps", "roofline", "bandwidth_gbs", "roofline_start_bw"]
+           "roofline_tps", "roofline", "bandwidth_gbs", "roofline_start_bw",
+           "roofline_best_bw"]
 
 
 def test_bench_tiny_preset_writes_positive_figures(tmp_path):
