@@ -60,6 +60,24 @@ def kernels(on: bool, whole_layer: bool = True):
     return setup
 
 
+def decode_step_at(model, ctx):
+    """A greedy decode step over a random KV cache of `ctx` tokens, the same context every call."""
+    gen = sys.modules["mlx_qwen3vl.generate"]
+    cfg = model.language_model.config
+    shape = (1, cfg.num_key_value_heads, ctx, cfg.head_dim)
+    cache = model.make_cache()
+    for c in cache:
+        c.update_and_fetch(mx.random.normal(shape), mx.random.normal(shape))
+    mx.eval([c.state for c in cache])
+    token, pos = mx.array([100]), mx.array([ctx])
+
+    def step():
+        mx.eval(mx.argmax(gen.decode_step(model, token, cache, pos), -1))
+        for c in cache:
+            c.offset -= 1  # the same context every time
+    return step
+
+
 def main(argv=None):
     import bench
     from mlx_qwen3vl import _blas
@@ -70,7 +88,6 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    gen = sys.modules["mlx_qwen3vl.generate"]
     path = bench.build_preset(args.preset)
     model = load_model(path, dtype=mx.float32)
     text = model.language_model
@@ -108,20 +125,8 @@ def main(argv=None):
     out["gemm_256x2048x6144_s"] = gemm
     out["gemm_256x2048x6144_gflops"] = {k: flops / v / 1e9 for k, v in gemm.items()}
 
-    kv_shape = (1, text.config.num_key_value_heads, 0, text.config.head_dim)
     for ctx in (273, 2117):
-        shape = kv_shape[:2] + (ctx,) + kv_shape[3:]
-        cache = model.make_cache()
-        for c in cache:
-            c.update_and_fetch(mx.random.normal(shape), mx.random.normal(shape))
-        mx.eval([c.state for c in cache])
-        token, pos = mx.array([100]), mx.array([ctx])
-
-        def step():
-            mx.eval(mx.argmax(gen.decode_step(model, token, cache, pos), -1))
-            for c in cache:
-                c.offset -= 1  # the same context every time
-
+        step = decode_step_at(model, ctx)
         out[f"decode_step_ctx{ctx}_s"] = interleaved({
             "mlx": (kernels(False), step),
             "numpy linears, layer in MLX": (kernels(True, whole_layer=False), step),
@@ -134,21 +139,14 @@ def main(argv=None):
     big = np.random.default_rng(0).random((int(1e9 / 4) // 4096, 4096), dtype=np.float32)
     xb = np.ones((1, 4096), np.float32)
     for ctx in (273, 2117):
-        shape = kv_shape[:2] + (ctx,) + kv_shape[3:]
-        cache = model.make_cache()
-        for c in cache:
-            c.update_and_fetch(mx.random.normal(shape), mx.random.normal(shape))
-        mx.eval([c.state for c in cache])
-        token, pos = mx.array([100]), mx.array([ctx])
+        step = decode_step_at(model, ctx)
         kernels(True)()
         per_token = bench.decode_bytes_per_token(dict(text.config.__dict__), model.config.tie_word_embeddings, 4, ctx)
         shares, steps, bws = [], [], []
         for rep in range(2 * args.reps + 1):
             tic = time.perf_counter()
-            mx.eval(mx.argmax(gen.decode_step(model, token, cache, pos), -1))
+            step()
             step_s = time.perf_counter() - tic
-            for c in cache:
-                c.offset -= 1
             tic = time.perf_counter()
             np.matmul(xb, big.T)
             bw = big.nbytes / (time.perf_counter() - tic) / 1e9
@@ -162,7 +160,7 @@ def main(argv=None):
             bandwidth_gbs_max=max(bws), bytes_per_token=per_token)
     big = None
 
-    layer = text.layers[3]
+    layer = text.layers[min(3, len(text.layers) - 1)]
     h = mx.random.normal((1, 256, text.config.hidden_size))
     mx.eval(h)
 
