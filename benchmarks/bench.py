@@ -342,9 +342,9 @@ def measure_bandwidth(gb=1.0, reps=7):
 
 
 def workload_bandwidth(spec):
-    """The bandwidth again, right after a workload's decode: on a shared machine it drifts by ±15%
-    over minutes (25-37 GB/s here within an hour), so the roofline compares each decode with the
-    bandwidth of the same moment. Taken after the workload's peak memory was read."""
+    """The bandwidth again, right after a workload's decode: on a shared machine it drifts within
+    minutes (21-41 GB/s here within one 17-minute run), so the roofline compares each decode with
+    the bandwidth of the same moment. Taken after the workload's peak memory was read."""
     return measure_bandwidth(spec.get("bandwidth_gb", 1.0), reps=5)["bandwidth_gbs"]
 
 
@@ -471,13 +471,12 @@ def agent_loop(model, spec):
     script = agent_turns(spec)
     turns = len(script)
     kw = dict(max_tokens=spec.get("agent_tokens", 8), temperature=0.0)
-    system = AGENT_SYSTEM
     out = {}
     for variant in spec.get("agent_variants", ["reuse", "no_reuse"]):
         _fresh_mlx_measurement()
         per_turn, answers, prompt_tokens, cached = [], [], [], []
-        session = ChatSession(model, processor, system=system, **kw)
-        messages = [{"role": "system", "content": system}]
+        session = ChatSession(model, processor, system=AGENT_SYSTEM, **kw)
+        messages = [{"role": "system", "content": AGENT_SYSTEM}]
         tic = time.perf_counter()
         for t in range(turns):
             t0 = time.perf_counter()
@@ -916,11 +915,10 @@ def analyze(report, text_cfg, tie):
             if not mine:
                 continue
             if name == "agent":  # our ChatSession (reuse) against their best way to run the loop
-                best = min(theirs[v]["total_s"] for v in ("reuse", "no_reuse") if v in theirs)
+                best = min((theirs[v] for v in ("reuse", "no_reuse") if v in theirs), key=lambda r: r["total_s"])
                 if "reuse" in mine:
-                    answers = [theirs[v]["answers"] for v in ("reuse", "no_reuse") if v in theirs][0]
-                    per[name] = {"total": best / mine["reuse"]["total_s"],
-                                 "same_answers": answers == mine["reuse"]["answers"]}
+                    per[name] = {"total": best["total_s"] / mine["reuse"]["total_s"],
+                                 "same_answers": best["answers"] == mine["reuse"]["answers"]}
                 continue
             # Memory against the process's peak RSS: our CPU kernels allocate numpy arrays, which
             # MLX's own peak counter does not see, and torch has none.

@@ -188,7 +188,8 @@ def log_softmax(logits):
     import numpy as np
 
     mx.eval(logits)
-    t = np.asarray(logits) - np.asarray(logits).max(-1, keepdims=True)
+    a = np.asarray(logits)
+    t = a - a.max(-1, keepdims=True)
     t -= np.log(np.exp(t).sum(-1, keepdims=True))
     return mx.array(t)
 

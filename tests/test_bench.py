@@ -14,7 +14,8 @@ FIGURES = ["ttft_s", "prefill_tps", "decode_tps", "peak_memory_gb", "peak_rss_gb
 
 def test_bench_tiny_preset_writes_positive_figures(tmp_path):
     out = tmp_path / "tiny.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--preset", "tiny", "--workloads", "image448",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--preset", "tiny", "--workloads", "image448,agent",
+           "--agent-turns", "2", "--agent-tokens", "2", "--agent-variants", "reuse",
            "--decode-tokens", "3", "--bandwidth-gb", "0.05", "--models-dir", str(tmp_path / "models"),
            "--out", str(out), "--verbose"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -31,4 +32,8 @@ def test_bench_tiny_preset_writes_positive_figures(tmp_path):
     assert r["vision_s"] > 0 and r["preprocess_s"] > 0
     for key in FIGURES:
         assert r[key] > 0, key
+    agent = ours["results"]["agent"]
+    assert set(agent) >= {"reuse"} and "no_reuse" not in agent  # --agent-variants picks the variants
+    assert agent["reuse"]["total_s"] > 0 and len(agent["reuse"]["turn_s"]) == 2
+    assert agent["reuse"]["cached_tokens"][0] == 0 and agent["reuse"]["cached_tokens"][1] > 0  # turn 2 reused turn 1
     assert "image448" in p.stdout  # the table
