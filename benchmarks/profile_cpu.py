@@ -134,30 +134,41 @@ def main(argv=None):
         }, args.reps)
 
     # Decode against the bandwidth of the same moment: this shared VM's bandwidth drifts by ±15% or
-    # more within minutes, so a decode step (the CPU kernels as shipped) and a 1 GB numpy GEMV
-    # alternate rep by rep and each pair gives one share; the median of the shares is reported.
+    # more within minutes, so a decode step (the CPU kernels as shipped), the step's GEMVs alone
+    # (every weight once, back to back) and a 1 GB numpy GEMV alternate rep by rep, and each triple
+    # gives one share; medians are reported. The share splits into how fast the step's GEMVs
+    # stream against the 1 GB one (`gemvs_vs_bandwidth`) and how much of the step they are
+    # (`gemvs_of_step`; the rest is everything around them).
     big = np.random.default_rng(0).random((int(1e9 / 4) // 4096, 4096), dtype=np.float32)
     xb = np.ones((1, 4096), np.float32)
+
+    def gemvs():
+        for w in np_w:
+            np.matmul(np_x[w.shape[1]], w.T)
+
     for ctx in (273, 2117):
         step = decode_step_at(model, ctx)
         kernels(True)()
         per_token = bench.decode_bytes_per_token(dict(text.config.__dict__), model.config.tie_word_embeddings, 4, ctx)
-        shares, steps, bws = [], [], []
+        rows = []
         for rep in range(2 * args.reps + 1):
-            tic = time.perf_counter()
-            step()
-            step_s = time.perf_counter() - tic
-            tic = time.perf_counter()
-            np.matmul(xb, big.T)
-            bw = big.nbytes / (time.perf_counter() - tic) / 1e9
-            if rep:  # the first pair warms up
-                shares.append(per_token / (bw * 1e9) / step_s)
-                steps.append(step_s)
-                bws.append(bw)
+            times = []
+            for fn in (step, gemvs, lambda: np.matmul(xb, big.T)):
+                tic = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - tic)
+            if rep:  # the first triple warms up
+                step_s, gemvs_s, big_s = times
+                bw = big.nbytes / big_s / 1e9
+                rows.append(dict(share=per_token / (bw * 1e9) / step_s, step=step_s, bw=bw,
+                                 gemvs_vs_bw=nbytes / gemvs_s / 1e9 / bw, gemvs_of_step=gemvs_s / step_s))
+        col = lambda key: [r[key] for r in rows]
         out[f"decode_roofline_interleaved_ctx{ctx}"] = dict(
-            share_median=statistics.median(shares), share_min=min(shares), share_max=max(shares),
-            step_s_median=statistics.median(steps), bandwidth_gbs_median=statistics.median(bws),
-            bandwidth_gbs_max=max(bws), bytes_per_token=per_token)
+            share_median=statistics.median(col("share")), share_min=min(col("share")), share_max=max(col("share")),
+            gemvs_vs_bandwidth_median=statistics.median(col("gemvs_vs_bw")),
+            gemvs_of_step_median=statistics.median(col("gemvs_of_step")),
+            step_s_median=statistics.median(col("step")), bandwidth_gbs_median=statistics.median(col("bw")),
+            bandwidth_gbs_max=max(col("bw")), bytes_per_token=per_token, pairs=len(rows))
     big = None
 
     layer = text.layers[min(3, len(text.layers) - 1)]
