@@ -354,7 +354,8 @@ def _attend_cached(q, k, v, cache, scale):
     """Attention of one query token per sequence, q (B, H, hd), over the cache's S earlier positions
     and the new k, v (B, Hkv, hd) not yet in it → (B, H * hd). The same float32 math as
     _np_attention. Per (kv head, query head in its group) the scores are a GEMV over the cached
-    keys, read in place: a (rep, hd) @ (hd, S) GEMM would first pack a copy of them."""
+    keys, read in place: inside a 2B decode step 11 / 68 ms at 273 / 2117 tokens, against 17 / 80
+    for GEMMs with the group's query heads as rows and 20 / 105 for keys @ queries^T."""
     import numpy as np
 
     B, H, hd = q.shape
