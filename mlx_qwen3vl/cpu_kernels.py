@@ -288,7 +288,7 @@ def decode_layer(layer, x, rope, cache):
 # One decode token per sequence is the step that decides decode speed, and on the 2B model its
 # ~200 GEMVs leave room for little else: with the general path above its numpy/MLX calls between
 # them (~100 per layer, each paying a cold cache after a GEMV has streamed 8-50 MB past it) took
-# 20% of the step. So a token's layer takes fewer calls: q, k and v in one array, one RMS scale
+# 16-20% of the step. So a token's layer takes fewer calls: q, k and v in one array, one RMS scale
 # and one rotation for all q and k heads, modules read as dict items rather than through
 # nn.Module.__getattr__, and no host sync for the KV cache. Its attention reads the cache's earlier
 # positions in place and scores the new key separately, so the cache update is only queued here
