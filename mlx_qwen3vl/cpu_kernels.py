@@ -9,13 +9,20 @@ their inputs and compute in numpy, with the same float32 formulas (only the summ
 differs), and a decode step's decoder layers run wholly in numpy. Small ones stay lazy in MLX, and
 on a GPU nothing here runs.
 This is the one place where a forward pass leaves the MLX graph; MLX_QWEN3VL_CPU_KERNELS=mlx
-(or the older MLX_QWEN3VL_CPU_ATTENTION=mlx) turns it off.
+(or the older MLX_QWEN3VL_CPU_ATTENTION=mlx) turns it off. The work between a decode step's GEMVs
+runs in a small C extension (_decode.c, built at install when a C compiler is at hand), or in numpy
+without it or with MLX_QWEN3VL_CPU_KERNELS=numpy.
 """
 
 import math
 import os
 
 import mlx.nn as nn
+
+try:
+    from . import _decode as _native
+except ImportError:  # built without a C compiler: the numpy versions below run instead
+    _native = None
 
 # MLX's CPU backend has no fused attention: mx.fast.scaled_dot_product_attention materializes
 # the (heads, L, S) scores and runs softmax with a scalar exp (about 45 M values/s on this 2-core
@@ -258,12 +265,10 @@ def _np_rotate(a, cos, sin):
 
 def decode_layer(layer, x, rope, cache):
     """language.DecoderLayer.__call__ for x (B, L, D) without padding (causal within the chunk), in
-    numpy."""
+    numpy. One token per sequence with a filled cache goes through `decode_tokens` instead."""
     import mlx.core as mx
     import numpy as np
 
-    if x.shape[1] == 1 and _holds_keys(cache):
-        return _decode_token(layer, x, rope, cache)
     attn, mlp = layer.self_attn, layer.mlp
     cos, sin = rope
     mx.eval(x, cos, sin)
@@ -286,14 +291,16 @@ def decode_layer(layer, x, rope, cache):
 
 
 # One decode token per sequence is the step that decides decode speed, and on the 2B model its
-# ~200 GEMVs leave room for little else: with the general path above its numpy/MLX calls between
-# them (~100 per layer, each paying a cold cache after a GEMV has streamed 8-50 MB past it) took
-# 16-20% of the step. So a token's layer takes fewer calls: q, k and v in one array, one RMS scale
-# and one rotation for all q and k heads, modules read as dict items rather than through
-# nn.Module.__getattr__, and no host sync for the KV cache. Its attention reads the cache's earlier
-# positions in place and scores the new key separately, so the cache update is only queued here
-# (a lazy slice update, done in place since nothing else holds the buffer) and `settle_caches`
-# evaluates all layers' updates at once before the next step reads them.
+# ~200 GEMVs leave room for little else. Between them a layer through the general path above made
+# ~100 numpy/MLX calls, each paying dispatch and a cache that the last GEMV had just flushed
+# (16-20% of the step). So a token runs the whole decoder stack here, on one numpy hidden state:
+# per layer the GEMVs write into reused buffers, and the rest is four calls (norm with the
+# residual add, q/k norm with rotary, attention, SwiGLU) into the C extension, or into their
+# numpy versions below. Modules are read as dict items (nn.Module.__getattr__ costs ~1.7 us per
+# level), and nothing syncs on the KV cache: the attention reads the cache's earlier positions in
+# place and scores the new key separately, so the cache update is only queued here (a lazy slice
+# update, done in place since nothing else holds the buffer) and `settle_caches` evaluates all
+# layers' updates at once before the next step reads them.
 def _holds_keys(cache) -> bool:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
@@ -301,37 +308,121 @@ def _holds_keys(cache) -> bool:
     return type(cache) is KVCache and cache.keys is not None and cache.keys.dtype == mx.float32
 
 
+def decode_tokens_apply(x, caches) -> bool:
+    """Whether `decode_tokens` serves this input (given decode_layer_applies)."""
+    return x.shape[1] == 1 and all(_holds_keys(c) for c in caches)
+
+
 def settle_caches(cache):
-    """Evaluate the KV-cache updates `_decode_token` queued, all layers in one host sync."""
+    """Evaluate the KV-cache updates `decode_tokens` queued, all layers in one host sync."""
     import mlx.core as mx
 
     mx.eval([(c.keys, c.values) for c in cache if _holds_keys(c)])
 
 
-def _decode_token(layer, x, rope, cache):
+def _ops():
+    if _native is not None and os.environ.get("MLX_QWEN3VL_CPU_KERNELS", "").strip().lower() != "numpy":
+        return _native
+    return NumpyOps
+
+
+def decode_tokens(layers, x, rope, caches, deepstack_embeds, norm):
+    """TextModel.__call__ for one token per sequence, x (B, 1, D), every cache a filled float32
+    KVCache, no padding: the decoder layers, DeepStack additions and the final norm → (B, 1, D)."""
     import mlx.core as mx
     import numpy as np
 
-    attn, mlp = layer["self_attn"], layer["mlp"]
-    nq, nkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    ops = _ops()
     cos, sin = rope
-    mx.eval(x, cos, sin)
+    mx.eval(x, cos, sin, deepstack_embeds)
     B, _, D = x.shape
-    h = np.asarray(x).reshape(B, D)
-    n = _np_rms_norm(h, layer["input_layernorm"])
-    qkv = np.concatenate([_np_linear(n, attn[name]) for name in ("q_proj", "k_proj", "v_proj")], axis=-1)
-    qkv = qkv.reshape(B, nq + 2 * nkv, hd)
-    qk = qkv[:, :nq + nkv] * _np_rms_scale(qkv[:, :nq + nkv], attn["q_norm"].eps)  # q_norm, k_norm: one eps
-    qk[:, :nq] *= np.asarray(attn["q_norm"]["weight"])
-    qk[:, nq:] *= np.asarray(attn["k_norm"]["weight"])
-    qk = _np_rotate(qk, np.asarray(cos).reshape(B, 1, hd), np.asarray(sin).reshape(B, 1, hd))
-    k, v = qk[:, nq:], qkv[:, nq + nkv:]
-    out = _attend_cached(qk[:, :nq], k, v, cache, attn.scale)
-    _queue_cache_write(cache, k, v)
-    h = h + _np_linear(out, attn["o_proj"])
-    n = _np_rms_norm(h, layer["post_attention_layernorm"])
-    h += _np_linear(_np_silu_mul(_np_linear(n, mlp["gate_proj"]), _np_linear(n, mlp["up_proj"])), mlp["down_proj"])
-    return mx.array(h.reshape(B, 1, D))
+    first = layers[0]["self_attn"]
+    nq, nkv, hd = first.n_heads, first.n_kv_heads, first.head_dim
+    cos, sin = (np.ascontiguousarray(np.asarray(a, np.float32).reshape(B, hd)) for a in (cos, sin))
+    h = np.array(x, np.float32).reshape(B, D)
+    n = np.empty_like(h)
+    qkv = np.empty((B, nq + 2 * nkv, hd), np.float32)
+    flat = qkv.reshape(B, -1)
+    att = np.empty((B, nq * hd), np.float32)
+    delta = np.empty_like(h)
+    hidden = layers[0]["mlp"]["gate_proj"]["weight"].shape[0]
+    gate, up = np.empty((B, hidden), np.float32), np.empty((B, hidden), np.float32)
+    pending = None  # the last layer's output, added to h by the next norm
+    for i, (layer, cache) in enumerate(zip(layers, caches)):
+        attn, mlp = layer["self_attn"], layer["mlp"]
+        _rms_norm_into(ops, h, pending, layer["input_layernorm"], n)
+        _linear_into(n, attn["q_proj"], flat[:, :nq * hd])
+        _linear_into(n, attn["k_proj"], flat[:, nq * hd:(nq + nkv) * hd])
+        _linear_into(n, attn["v_proj"], flat[:, (nq + nkv) * hd:])
+        ops.qk_norm_rope(qkv, nq, nkv, np.asarray(attn["q_norm"]["weight"]), np.asarray(attn["k_norm"]["weight"]),
+                         attn["q_norm"].eps, cos, sin)  # q_norm and k_norm: one eps
+        keys, values = (np.ascontiguousarray(np.asarray(a)) for a in (cache.keys, cache.values))
+        ops.attend(qkv, nq, nkv, hd, keys, values, cache.offset, attn.scale, att)
+        _queue_cache_write(cache, qkv[:, nq:nq + nkv], qkv[:, nq + nkv:])
+        _linear_into(att, attn["o_proj"], delta)
+        _rms_norm_into(ops, h, delta, layer["post_attention_layernorm"], n)
+        _linear_into(n, mlp["gate_proj"], gate)
+        _linear_into(n, mlp["up_proj"], up)
+        ops.silu_mul(gate, up, gate)
+        _linear_into(gate, mlp["down_proj"], delta)
+        pending = delta
+        if i < len(deepstack_embeds):
+            h += delta
+            h += np.asarray(deepstack_embeds[i], np.float32).reshape(B, D)
+            pending = None
+    _rms_norm_into(ops, h, pending, norm, n)
+    return mx.array(n.reshape(B, 1, D))
+
+
+def _rms_norm_into(ops, h, delta, module, out):
+    import numpy as np
+
+    ops.rms_norm(h, delta, np.asarray(module["weight"]), module.eps, out)
+
+
+def _linear_into(a, module, out):
+    """out = a @ weight.T (+ bias) for a (B, K): one GEMV per row up to 4 rows (see _matmul_t)."""
+    import numpy as np
+
+    w = np.asarray(module["weight"])
+    if a.shape[0] <= 4:
+        for b in range(a.shape[0]):
+            np.matmul(a[b], w.T, out=out[b])
+    else:
+        out[...] = np.matmul(a, w.T)
+    if "bias" in module:
+        out += np.asarray(module["bias"])
+    return out
+
+
+class NumpyOps:
+    """The C extension's four calls in numpy, same arguments and results (see _decode.c)."""
+
+    @staticmethod
+    def rms_norm(x, delta, weight, eps, out):
+        import numpy as np
+
+        if delta is not None:
+            x += delta
+        np.multiply(x, _np_rms_scale(x, eps), out=out)
+        out *= weight
+
+    @staticmethod
+    def qk_norm_rope(qkv, nq, nkv, q_weight, k_weight, eps, cos, sin):
+        B, _, hd = qkv.shape
+        qk = qkv[:, :nq + nkv]
+        qk *= _np_rms_scale(qk, eps)
+        qk[:, :nq] *= q_weight
+        qk[:, nq:] *= k_weight
+        qk[...] = _np_rotate(qk, cos.reshape(B, 1, hd), sin.reshape(B, 1, hd))
+
+    @staticmethod
+    def attend(qkv, nq, nkv, hd, keys, values, S, scale, out):
+        out[...] = _attend_cached(qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:], keys, values, S, scale)
+
+    @staticmethod
+    def silu_mul(gate, up, out):
+        out[...] = _np_silu_mul(gate, up)
 
 
 def _queue_cache_write(cache, k, v):
@@ -350,18 +441,20 @@ def _queue_cache_write(cache, k, v):
     cache.offset += 1
 
 
-def _attend_cached(q, k, v, cache, scale):
-    """Attention of one query token per sequence, q (B, H, hd), over the cache's S earlier positions
-    and the new k, v (B, Hkv, hd) not yet in it → (B, H * hd). The same float32 math as
-    _np_attention. Per (kv head, query head in its group) the scores are a GEMV over the cached
-    keys, read in place: inside a 2B decode step 11 / 68 ms at 273 / 2117 tokens, against 17 / 80
-    for GEMMs with the group's query heads as rows and 20 / 105 for keys @ queries^T."""
+def _attend_cached(q, k, v, keys, values, S, scale):
+    """Attention of one query token per sequence, q (B, H, hd), over the S earlier positions of
+    the cache's buffers keys / values (B, Hkv, capacity, hd) and the new k, v (B, Hkv, hd) not yet
+    in them → (B, H * hd). The same float32 math as _np_attention. Per (kv head, query head in its
+    group) the scores are a GEMV over the cached keys, read in place: inside a 2B decode step 11 /
+    68 ms at 273 / 2117 tokens, against 17 / 80 for GEMMs with the group's query heads as rows and
+    20 / 105 for keys @ queries^T. The C extension's `attend` reads each key and value once for
+    the whole group instead."""
     import numpy as np
 
     B, H, hd = q.shape
-    nkv, S = k.shape[1], cache.offset
-    keys = np.asarray(cache.keys)[:, :, None, :S]  # (B, Hkv, 1, S, hd), views of the cache's buffer
-    values = np.asarray(cache.values)[:, :, None, :S]
+    nkv = k.shape[1]
+    keys = keys[:, :, None, :S]  # (B, Hkv, 1, S, hd), views of the cache's buffer
+    values = values[:, :, None, :S]
     qs = (q * np.float32(scale)).reshape(B, nkv, H // nkv, 1, hd)
     scores = np.empty((B, nkv, H // nkv, 1, S + 1), np.float32)  # the cached keys', then the new key's
     np.matmul(qs, keys.swapaxes(-1, -2), out=scores[..., :S])

@@ -101,6 +101,8 @@ class TextModel(nn.Module):
         rope = self.rotary.cos_sin(position_ids, h.shape[1], h.dtype)
         if cache[0] is not None and cpu_kernels.decode_layer_applies(self.layers[0], h, mask, cache[0]):
             cpu_kernels.settle_caches(cache)  # the previous token's queued cache writes, in one sync
+            if cpu_kernels.decode_tokens_apply(h, cache):
+                return cpu_kernels.decode_tokens(self.layers, h, rope, cache, deepstack_embeds, self.norm)
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             h = layer(h, rope, mask, c)
             if i < len(deepstack_embeds):
