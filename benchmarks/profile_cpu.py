@@ -48,14 +48,16 @@ def interleaved(variants, reps):
     return {name: statistics.median(t[1:]) for name, t in times.items()}
 
 
-def kernels(on: bool, whole_layer: bool = True):
+def kernels(on: bool, whole_layer: bool = True, native: bool = True):
     from mlx_qwen3vl import cpu_kernels
 
     def setup():
-        if on:
-            os.environ.pop("MLX_QWEN3VL_CPU_KERNELS", None)
-        else:
+        if not on:
             os.environ["MLX_QWEN3VL_CPU_KERNELS"] = "mlx"
+        elif not native:
+            os.environ["MLX_QWEN3VL_CPU_KERNELS"] = "numpy"
+        else:
+            os.environ.pop("MLX_QWEN3VL_CPU_KERNELS", None)
         cpu_kernels.DECODE_LAYER_MAX_TOKENS = 16 if whole_layer else 0
     return setup
 
@@ -94,7 +96,8 @@ def main(argv=None):
     out = {"machine": bench.machine_info(), "blas": _blas.describe(), "preset": args.preset,
            "note": "seconds, medians; 'mlx' = MLX_QWEN3VL_CPU_KERNELS=mlx (every op in MLX), "
                    "'numpy' = the CPU kernels as shipped (a decode step's layers wholly in numpy), "
-                   "'numpy linears, layer in MLX' = DECODE_LAYER_MAX_TOKENS=0"}
+                   "'numpy linears, layer in MLX' = DECODE_LAYER_MAX_TOKENS=0, "
+                   "'numpy, no C extension' = MLX_QWEN3VL_CPU_KERNELS=numpy (the C extension's work in numpy)"}
 
     # Every decoder weight (and the tied LM head) once: what a decode step must read.
     weights = [w for layer in text.layers for w in (
@@ -135,6 +138,7 @@ def main(argv=None):
         out[f"decode_step_ctx{ctx}_s"] = interleaved({
             "mlx": (kernels(False), step),
             "numpy linears, layer in MLX": (kernels(True, whole_layer=False), step),
+            "numpy, no C extension": (kernels(True, native=False), step),
             "numpy": (kernels(True), step),
         }, args.reps)
 
