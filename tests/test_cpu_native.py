@@ -37,7 +37,7 @@ def test_attend_matches_numpy(nq, nkv, hd, S, batch):
     assert rel(ours, ref) < 2e-6
 
 
-@pytest.mark.parametrize("hd", [128, 10])
+@pytest.mark.parametrize("hd", [128, 10, 1100])
 def test_qk_norm_rope_matches_numpy(hd):
     qkv, cos, sin = randn(2, 7, hd), randn(2, hd), randn(2, hd)
     qw, kw = randn(hd), randn(hd)
