@@ -347,6 +347,7 @@ def decode_tokens(layers, x, rope, caches, deepstack_embeds, norm):
     delta = np.empty_like(h)
     hidden = layers[0]["mlp"]["gate_proj"]["weight"].shape[0]
     gate, up = np.empty((B, hidden), np.float32), np.empty((B, hidden), np.float32)
+    new_kv = np.empty((len(layers), 2, B, nkv, hd), np.float32)  # each layer's new key and value
     pending = None  # the last layer's output, added to h by the next norm
     for i, (layer, cache) in enumerate(zip(layers, caches)):
         attn, mlp = layer["self_attn"], layer["mlp"]
@@ -358,7 +359,7 @@ def decode_tokens(layers, x, rope, caches, deepstack_embeds, norm):
                          attn["q_norm"].eps, cos, sin)  # q_norm and k_norm: one eps
         keys, values = (np.ascontiguousarray(np.asarray(a)) for a in (cache.keys, cache.values))
         ops.attend(qkv, nq, nkv, hd, keys, values, cache.offset, attn.scale, att)
-        _queue_cache_write(cache, qkv[:, nq:nq + nkv], qkv[:, nq + nkv:])
+        new_kv[i] = qkv[:, nq:].reshape(B, 2, nkv, hd).swapaxes(0, 1)
         _linear_into(att, attn["o_proj"], delta)
         _rms_norm_into(ops, h, delta, layer["post_attention_layernorm"], n)
         _linear_into(n, mlp["gate_proj"], gate)
@@ -371,6 +372,7 @@ def decode_tokens(layers, x, rope, caches, deepstack_embeds, norm):
             h += np.asarray(deepstack_embeds[i], np.float32).reshape(B, D)
             pending = None
     _rms_norm_into(ops, h, pending, norm, n)
+    _queue_cache_writes(caches, new_kv)
     return mx.array(n.reshape(B, 1, D))
 
 
@@ -425,20 +427,26 @@ class NumpyOps:
         out[...] = _np_silu_mul(gate, up)
 
 
-def _queue_cache_write(cache, k, v):
-    """cache.update_and_fetch for k, v (B, Hkv, hd) without the fetch, left lazy. While the buffer
-    has room it is one slice update per array (KVCache's own indexing costs ~40 us per layer in
-    Python); growing the buffer is left to KVCache."""
+def _queue_cache_writes(caches, new_kv):
+    """cache.update_and_fetch of each layer's new key and value, new_kv (layers, 2, B, Hkv, hd),
+    without the fetch, left lazy: one conversion to MLX for all layers, then while a buffer has
+    room one slice update per array (KVCache's own indexing costs ~40 us per layer in Python).
+    Growing a buffer is left to KVCache."""
     import mlx.core as mx
 
-    k, v = mx.array(k[:, :, None]), mx.array(v[:, :, None])
-    if cache.offset >= cache.keys.shape[2]:
-        cache.update_and_fetch(k, v)
-        return
-    start = mx.array([cache.offset])
-    cache.keys = mx.slice_update(cache.keys, k, start, (2,))
-    cache.values = mx.slice_update(cache.values, v, start, (2,))
-    cache.offset += 1
+    kv = mx.array(new_kv)[..., None, :]  # (layers, 2, B, Hkv, 1, hd)
+    starts = {}
+    for i, cache in enumerate(caches):
+        k, v = kv[i, 0], kv[i, 1]
+        if cache.offset >= cache.keys.shape[2]:
+            cache.update_and_fetch(k, v)
+            continue
+        start = starts.get(cache.offset)
+        if start is None:
+            start = starts[cache.offset] = mx.array([cache.offset])
+        cache.keys = mx.slice_update(cache.keys, k, start, (2,))
+        cache.values = mx.slice_update(cache.values, v, start, (2,))
+        cache.offset += 1
 
 
 def _attend_cached(q, k, v, keys, values, S, scale):
