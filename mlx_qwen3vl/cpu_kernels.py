@@ -298,9 +298,12 @@ def decode_layer(layer, x, rope, cache):
 # residual add, q/k norm with rotary, attention, SwiGLU) into the C extension, or into their
 # numpy versions below. Modules are read as dict items (nn.Module.__getattr__ costs ~1.7 us per
 # level), and nothing syncs on the KV cache: the attention reads the cache's earlier positions in
-# place and scores the new key separately, so the cache update is only queued here (a lazy slice
-# update, done in place since nothing else holds the buffer) and `settle_caches` evaluates all
-# layers' updates at once before the next step reads them.
+# place and scores the new key separately, so the step's new keys and values are only queued at
+# its end (one conversion to MLX, then lazy slice updates, done in place since nothing else holds
+# the buffers) and `settle_caches` evaluates all layers' updates at once before the next step
+# reads them. Measured inside a 2B step at 273 / 2117 tokens: norms, rotary and SwiGLU 11 ms in
+# numpy, 1.7 in C; attention 15 / 74 ms in numpy, 4.5 / 31 in C; cache writes 3.1 ms queued layer
+# by layer, 0.6 at the end.
 def _holds_keys(cache) -> bool:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
