@@ -387,4 +387,14 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_decode", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__decode(void) { return PyModule_Create(&module); }
+/* cpu_kernels uses the module only when INTERFACE matches its own: an install built from an older
+ * _decode.c (an editable checkout pulled without reinstalling) falls back to numpy instead of
+ * failing mid-decode. Bump it with any change to the calls above. */
+PyMODINIT_FUNC PyInit__decode(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "INTERFACE", 1) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

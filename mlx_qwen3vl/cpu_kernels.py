@@ -19,9 +19,13 @@ import os
 
 import mlx.nn as nn
 
+NATIVE_INTERFACE = 1  # _decode.c's INTERFACE: the calls decode_tokens makes into it
+
 try:
     from . import _decode as _native
 except ImportError:  # built without a C compiler: the numpy versions below run instead
+    _native = None
+if getattr(_native, "INTERFACE", None) != NATIVE_INTERFACE:  # built from an older _decode.c
     _native = None
 
 # MLX's CPU backend has no fused attention: mx.fast.scaled_dot_product_attention materializes

@@ -11,9 +11,16 @@ from mlx_qwen3vl.cpu_kernels import NumpyOps
 
 native = cpu_kernels._native
 if native is None:
-    pytest.fail("the C extension is not built: pip install -e . (needs a C compiler)", pytrace=False)
+    pytest.fail("the C extension is not built, or built from an older _decode.c: pip install -e . (needs a C "
+                "compiler)", pytrace=False)
 
 rng = np.random.default_rng(0)
+
+
+def test_interface_matches():
+    from mlx_qwen3vl import _decode
+
+    assert _decode.INTERFACE == cpu_kernels.NATIVE_INTERFACE
 
 
 def randn(*shape):
