@@ -118,6 +118,23 @@ static void release(fbuf *bufs, int count) {
     for (int i = 0; i < count; i++) PyBuffer_Release(&bufs[i].view);
 }
 
+/* The end of every entry point: release the buffers, then None, or NULL with the error set. */
+static PyObject *finish(fbuf *b, int count, int ok) {
+    release(b, count);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* All of objs as float32 buffers, writable where `access` says 'w'; on failure none stays held. */
+static int get_all(PyObject *const *objs, const char *const *names, const char *access, int count, fbuf *b) {
+    for (int i = 0; i < count; i++)
+        if (get_f32(objs[i], &b[i], access[i] == 'w', names[i]) < 0) {
+            release(b, i);
+            return -1;
+        }
+    return 0;
+}
+
 #define NEED(cond, msg)                                  \
     do {                                                 \
         if (!(cond)) {                                   \
@@ -248,29 +265,21 @@ static void silu_mul_vec(const float *g, const float *u, float *out, Py_ssize_t 
  * eps) * weight, row by row over x's last axis (weight's length). */
 static PyObject *py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     fbuf b[4];
-    int held = 0, has_delta;
     if (nargs != 5) return PyErr_Format(PyExc_TypeError, "rms_norm takes 5 arguments"), NULL;
-    has_delta = args[1] != Py_None;
+    int has_delta = args[1] != Py_None;
     float eps = (float)PyFloat_AsDouble(args[3]);
     if (PyErr_Occurred()) return NULL;
-    if (get_f32(args[0], &b[held], 1, "x") < 0) goto fail;
-    held++;
-    if (get_f32(has_delta ? args[1] : args[0], &b[held], 0, "delta") < 0) goto fail;
-    held++;
-    if (get_f32(args[2], &b[held], 0, "weight") < 0) goto fail;
-    held++;
-    if (get_f32(args[4], &b[held], 1, "out") < 0) goto fail;
-    held++;
+    PyObject *objs[4] = {args[0], has_delta ? args[1] : args[0], args[2], args[4]};
+    const char *names[4] = {"x", "delta", "weight", "out"};
+    if (get_all(objs, names, "wrrw", 4, b) < 0) return NULL;
     Py_ssize_t d = b[2].n;
     NEED(d > 0 && b[0].n % d == 0 && b[1].n == b[0].n && b[3].n == b[0].n, "rms_norm: shapes do not match");
     Py_BEGIN_ALLOW_THREADS
     rms_norm_rows(b[0].data, has_delta ? b[1].data : NULL, b[2].data, eps, b[3].data, b[0].n / d, d);
     Py_END_ALLOW_THREADS
-    release(b, held);
-    Py_RETURN_NONE;
+    return finish(b, 4, 1);
 fail:
-    release(b, held);
-    return NULL;
+    return finish(b, 4, 0);
 }
 
 /* qk_norm_rope(qkv, q_heads, k_heads, q_weight, k_weight, eps, cos, sin): in place on qkv (B,
@@ -278,17 +287,13 @@ fail:
  * rotate-half rotary with cos / sin (B, hd). The v heads are left as they are. */
 static PyObject *py_qk_norm_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     fbuf b[5];
-    int held = 0;
     if (nargs != 8) return PyErr_Format(PyExc_TypeError, "qk_norm_rope takes 8 arguments"), NULL;
     Py_ssize_t nq = PyLong_AsSsize_t(args[1]), nkv = PyLong_AsSsize_t(args[2]);
     float eps = (float)PyFloat_AsDouble(args[5]);
     if (PyErr_Occurred()) return NULL;
     PyObject *objs[5] = {args[0], args[3], args[4], args[6], args[7]};
     const char *names[5] = {"qkv", "q_weight", "k_weight", "cos", "sin"};
-    for (int i = 0; i < 5; i++) {
-        if (get_f32(objs[i], &b[held], i == 0, names[i]) < 0) goto fail;
-        held++;
-    }
+    if (get_all(objs, names, "wrrrr", 5, b) < 0) return NULL;
     Py_ssize_t hd = b[1].n, all = nq + 2 * nkv;
     NEED(hd > 0 && hd % 2 == 0 && b[2].n == hd && nq > 0 && nkv > 0 && b[3].n % hd == 0,
          "qk_norm_rope: shapes do not match");
@@ -303,17 +308,14 @@ static PyObject *py_qk_norm_rope(PyObject *self, PyObject *const *args, Py_ssize
     qk_norm_rope_heads(b[0].data, batch, all, nq + nkv, nq, hd, b[1].data, b[2].data, eps, b[3].data, b[4].data, tmp);
     Py_END_ALLOW_THREADS
     free(tmp);
-    release(b, held);
-    Py_RETURN_NONE;
+    return finish(b, 5, 1);
 fail:
-    release(b, held);
-    return NULL;
+    return finish(b, 5, 0);
 }
 
 /* attend(qkv, q_heads, k_heads, head_dim, keys, values, S, scale, out): see attend_group. */
 static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     fbuf b[4];
-    int held = 0;
     float *scratch = NULL;
     if (nargs != 9) return PyErr_Format(PyExc_TypeError, "attend takes 9 arguments"), NULL;
     Py_ssize_t nq = PyLong_AsSsize_t(args[1]), nkv = PyLong_AsSsize_t(args[2]), hd = PyLong_AsSsize_t(args[3]);
@@ -322,10 +324,7 @@ static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (PyErr_Occurred()) return NULL;
     PyObject *objs[4] = {args[0], args[4], args[5], args[8]};
     const char *names[4] = {"qkv", "keys", "values", "out"};
-    for (int i = 0; i < 4; i++) {
-        if (get_f32(objs[i], &b[held], i == 3, names[i]) < 0) goto fail;
-        held++;
-    }
+    if (get_all(objs, names, "rrrw", 4, b) < 0) return NULL;
     NEED(nq > 0 && nkv > 0 && nq % nkv == 0 && hd > 0 && S >= 0, "attend: head counts do not match");
     NEED(b[3].n % (nq * hd) == 0, "attend: out must be (B, q_heads * head_dim)");
     Py_ssize_t batch = b[3].n / (nq * hd), rep = nq / nkv;
@@ -348,33 +347,25 @@ static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nar
                          nq, nkv, hd, cap, S, scale);
     Py_END_ALLOW_THREADS
     free(scratch);
-    release(b, held);
-    Py_RETURN_NONE;
+    return finish(b, 4, 1);
 fail:
     free(scratch);
-    release(b, held);
-    return NULL;
+    return finish(b, 4, 0);
 }
 
 /* silu_mul(gate, up, out): out = gate * sigmoid(gate) * up, as gate / (1 + exp(-gate)) * up. */
 static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     fbuf b[3];
-    int held = 0;
     if (nargs != 3) return PyErr_Format(PyExc_TypeError, "silu_mul takes 3 arguments"), NULL;
     const char *names[3] = {"gate", "up", "out"};
-    for (int i = 0; i < 3; i++) {
-        if (get_f32(args[i], &b[held], i == 2, names[i]) < 0) goto fail;
-        held++;
-    }
+    if (get_all(args, names, "rrw", 3, b) < 0) return NULL;
     NEED(b[1].n == b[0].n && b[2].n == b[0].n, "silu_mul: shapes do not match");
     Py_BEGIN_ALLOW_THREADS
     silu_mul_vec(b[0].data, b[1].data, b[2].data, b[0].n);
     Py_END_ALLOW_THREADS
-    release(b, held);
-    Py_RETURN_NONE;
+    return finish(b, 3, 1);
 fail:
-    release(b, held);
-    return NULL;
+    return finish(b, 3, 0);
 }
 
 static PyMethodDef methods[] = {
