@@ -6,8 +6,8 @@ every float32 matmul to `cblas_sgemm` — even a matrix-vector product, which MK
 whose GEMV reads weights at 30-35 GB/s and whose GEMM reaches ~160 GFLOP/s (MKL through MLX: ~105).
 So on the CPU backend, float32 linears with large weights, attentions and activations evaluate
 their inputs and compute in numpy, with the same float32 formulas (only the summation order
-differs), and a decode step's decoder layers run wholly in numpy. Small ones stay lazy in MLX, and
-on a GPU nothing here runs.
+differs), and a decode step's decoder stack runs wholly outside MLX. Small ones stay lazy in MLX,
+and on a GPU nothing here runs.
 This is the one place where a forward pass leaves the MLX graph; MLX_QWEN3VL_CPU_KERNELS=mlx
 (or the older MLX_QWEN3VL_CPU_ATTENTION=mlx) turns it off. The work between a decode step's GEMVs
 runs in a small C extension (_decode.c, built at install when a C compiler is at hand), or in numpy
