@@ -95,7 +95,7 @@ def main(argv=None):
     text = model.language_model
     out = {"machine": bench.machine_info(), "blas": _blas.describe(), "preset": args.preset,
            "note": "seconds, medians; 'mlx' = MLX_QWEN3VL_CPU_KERNELS=mlx (every op in MLX), "
-                   "'numpy' = the CPU kernels as shipped (a decode step's layers wholly in numpy), "
+                   "'numpy' = the CPU kernels as shipped (a decode step's stack in numpy and the C extension), "
                    "'numpy linears, layer in MLX' = DECODE_LAYER_MAX_TOKENS=0, "
                    "'numpy, no C extension' = MLX_QWEN3VL_CPU_KERNELS=numpy (the C extension's work in numpy)"}
 

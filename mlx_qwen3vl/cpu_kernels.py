@@ -56,15 +56,22 @@ def cpu_kernels_enabled() -> bool:
 NUMPY_LINEAR_MIN_WEIGHT = 1 << 20
 
 
-def _matmul_t(a, w):
-    """a @ w.T for a (M, K) in numpy. OpenBLAS's GEMM streams the weight far slower for a few rows
-    than its GEMV does (2048 -> 65536, float32: 1 row 18 ms, 2 rows 92 ms as one GEMM), so up to 4
-    rows (batched decode) are separate GEMVs."""
+def _matmul_t(a, w, out=None):
+    """a @ w.T for a (M, K) in numpy, into `out` (M, N) when given. OpenBLAS's GEMM streams the
+    weight far slower for a few rows than its GEMV does (2048 -> 65536, float32: 1 row 18 ms, 2 rows
+    92 ms as one GEMM), so up to 4 rows (batched decode) are separate GEMVs."""
     import numpy as np
 
-    if 1 < a.shape[0] <= 4:
-        return np.concatenate([np.matmul(a[i:i + 1], w.T) for i in range(a.shape[0])])
-    return np.matmul(a, w.T)
+    if a.shape[0] > 4:
+        if out is None:
+            return np.matmul(a, w.T)
+        out[...] = np.matmul(a, w.T)
+        return out
+    if out is None:
+        out = np.empty((a.shape[0], w.shape[0]), np.result_type(a, w))
+    for i in range(a.shape[0]):
+        np.matmul(a[i], w.T, out=out[i])
+    return out
 
 
 def linear(x, weight, bias=None):
@@ -390,15 +397,10 @@ def _rms_norm_into(ops, h, delta, module, out):
 
 
 def _linear_into(a, module, out):
-    """out = a @ weight.T (+ bias) for a (B, K): one GEMV per row up to 4 rows (see _matmul_t)."""
+    """out = a @ weight.T (+ bias) for a (B, K)."""
     import numpy as np
 
-    w = np.asarray(module["weight"])
-    if a.shape[0] <= 4:
-        for b in range(a.shape[0]):
-            np.matmul(a[b], w.T, out=out[b])
-    else:
-        out[...] = np.matmul(a, w.T)
+    _matmul_t(a, np.asarray(module["weight"]), out)
     if "bias" in module:
         out += np.asarray(module["bias"])
     return out
