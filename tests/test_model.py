@@ -143,7 +143,8 @@ def test_cpu_log_softmax_matches_mlx(monkeypatch):
 def test_cpu_decode_token_path_matches_mlx(checkpoint, batch, ops, monkeypatch):
     """The decoder stack for one decode token (cache update queued, settled once per step), with
     its per-layer work in the C extension or in numpy, gives MLX's hidden states and leaves the
-    same KV cache, over steps that cross the cache's 256-slot growth."""
+    same KV cache, over steps that cross the cache's 256-slot growth; one step carries DeepStack
+    additions (a one-token prefill chunk at an image position)."""
     from mlx_qwen3vl import cpu_kernels
 
     assert cpu_kernels._native is not None, "the C extension is not built: pip install -e . (needs a C compiler)"
@@ -155,6 +156,7 @@ def test_cpu_decode_token_path_matches_mlx(checkpoint, batch, ops, monkeypatch):
     key = mx.random.key(5)
     prompt = mx.random.normal((batch, 253, D), key=key)
     tokens = [mx.random.normal((batch, 1, D), key=mx.random.key(6 + i)) for i in range(5)]
+    deepstack = [mx.random.normal((batch, 1, D), key=mx.random.key(20 + j)) for j in range(min(3, len(text.layers)))]
     calls = []
     original = cpu_kernels.decode_tokens
     monkeypatch.setattr(cpu_kernels, "decode_tokens", lambda *a: calls.append(cpu_kernels._ops()) or original(*a))
@@ -165,7 +167,7 @@ def test_cpu_decode_token_path_matches_mlx(checkpoint, batch, ops, monkeypatch):
         cache = model.make_cache()
         outs = [text(prompt, mx.zeros((batch,), mx.int32), None, cache)]
         for i, t in enumerate(tokens):
-            outs.append(text(t, mx.full((batch,), 253 + i, mx.int32), None, cache))
+            outs.append(text(t, mx.full((batch,), 253 + i, mx.int32), None, cache, deepstack if i == 2 else None))
         return [np.array(o) for o in outs], [np.array(a[:, :, :c.offset]) for c in cache for a in (c.keys, c.values)]
 
     fast_out, fast_cache = run()
