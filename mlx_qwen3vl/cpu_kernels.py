@@ -483,3 +483,19 @@ def _attend_cached(q, k, v, keys, values, S, scale):
     out += scores[..., S:] * v.reshape(B, nkv, 1, 1, hd)
     out /= total
     return out.reshape(B, H * hd)
+
+
+class CPUBackend:
+    """The Linux CPU path as the token loop sees it (see backend.py): eager, numpy log-softmax."""
+
+    name = "cpu"
+    eager = True
+    log_softmax = staticmethod(log_softmax)
+
+    def describe(self) -> str:
+        from . import _blas
+
+        return f"cpu (numpy/C fast path, {'C extension' if _native else 'numpy ops'}; BLAS: {_blas.describe()})"
+
+
+CPU_BACKEND = CPUBackend()

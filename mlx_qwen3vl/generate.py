@@ -14,7 +14,7 @@ from typing import Iterator, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from .cpu_kernels import cpu_kernels_enabled, log_softmax
+from .backend import backend_of
 from .errors import InputError, Qwen3VLError
 from .positions import IMAGE, VIDEO
 
@@ -204,7 +204,7 @@ def decode_step(model, tokens, cache, positions, key_mask=None):
     return model.logits(hidden[:, -1, :])
 
 
-def sample(logits, sampler, logits_processors, history):
+def sample(logits, sampler, logits_processors, history, log_softmax):
     """logits (B, V) → tokens (B,), log-probs (B, V). Processors (e.g. repetition penalty) see each
     sequence's own history."""
     if logits_processors:
@@ -227,7 +227,8 @@ def generate_tokens(model, inputs, cache, *, sampler, logits_processors=None, ma
     key_mask = _mask_or_none(inputs)
     ids = np.asarray(inputs["input_ids"])
     history = [mx.array(ids[b]) for b in range(ids.shape[0])] if logits_processors else None
-    y, _ = sample(logits, sampler, logits_processors, history)
+    backend = backend_of(model)
+    y, _ = sample(logits, sampler, logits_processors, history, backend.log_softmax)
     mx.async_eval(y)
     if on_prefill_done:
         mx.eval(y)
@@ -235,7 +236,7 @@ def generate_tokens(model, inputs, cache, *, sampler, logits_processors=None, ma
     # With the CPU kernels the forward runs eagerly (it evaluates as it goes), so the next token
     # is computed after this one is handed out; on a GPU its graph is queued first, so the device
     # works while the caller handles the token.
-    eager = cpu_kernels_enabled()
+    eager = backend.eager
 
     def advance(y):
         nonlocal key_mask, history, positions
@@ -245,7 +246,7 @@ def generate_tokens(model, inputs, cache, *, sampler, logits_processors=None, ma
             history = [mx.concatenate([h, y[b: b + 1]]) for b, h in enumerate(history)]
         logits = decode_step(model, y, cache, positions, key_mask)
         positions = positions + 1
-        next_y, _ = sample(logits, sampler, logits_processors, history)
+        next_y, _ = sample(logits, sampler, logits_processors, history, backend.log_softmax)
         mx.async_eval(next_y)
         return next_y
 
