@@ -1,5 +1,5 @@
 """The package is described in pyproject.toml; this only adds the optional C extension of the CPU
-decode path (mlx_qwen3vl/_decode.c, see cpu_kernels.decode_tokens). Without a C compiler the build
+decode path (mlx_qwen3vl/cpu/_decode.c, see mlx_qwen3vl/cpu/decode.py). Without a C compiler the build
 skips it and the same steps run in numpy."""
 
 import sys
@@ -14,7 +14,7 @@ FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "
 
 extensions = []
 if sys.platform != "win32":  # GCC / clang vector extensions
-    extensions.append(Extension("mlx_qwen3vl._decode", ["mlx_qwen3vl/_decode.c"], extra_compile_args=FLAGS,
+    extensions.append(Extension("mlx_qwen3vl.cpu._decode", ["mlx_qwen3vl/cpu/_decode.c"], extra_compile_args=FLAGS,
                                 optional=True))
 
 setup(ext_modules=extensions)

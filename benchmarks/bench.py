@@ -386,7 +386,7 @@ def worker_ours(args, spec):
     import mlx.core as mx
 
     import mlx_qwen3vl
-    from mlx_qwen3vl import _blas
+    from mlx_qwen3vl.cpu import blas as _blas
 
     gen = sys.modules["mlx_qwen3vl.generate"]  # the module (the package exports the function)
     from mlx_qwen3vl.weights import load_model
@@ -551,7 +551,7 @@ def mlx_vlm_agent(model, vlm_processor, spec, stream_generate):
 # -------------------------------------------------------------------------- engine: mlx-vlm
 def worker_mlx_vlm(args, spec):
     if spec.get("same_blas"):
-        import mlx_qwen3vl._blas as blas  # the same optimized BLAS as ours, before mlx.core
+        import mlx_qwen3vl.cpu.blas as blas  # the same optimized BLAS as ours, before mlx.core
 
         blas_note = blas.describe()
     else:
@@ -782,7 +782,7 @@ def machine_info():
         pass
     import mlx.core as mx
 
-    from mlx_qwen3vl import _blas
+    from mlx_qwen3vl.cpu import blas as _blas
 
     gpu = None
     try:
@@ -981,7 +981,7 @@ def main(argv=None):
 
     sys.path.insert(0, str(ROOT))
     import mlx_qwen3vl
-    from mlx_qwen3vl import _blas
+    from mlx_qwen3vl.cpu import blas as _blas
     from mlx_qwen3vl.config import ModelConfig
     from mlx_qwen3vl.hub import resolve_model_path
 

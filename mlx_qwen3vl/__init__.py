@@ -5,7 +5,7 @@
     print(generate(model, processor, "Describe this image.", images=["examples/screenshot.png"]).text)
 """
 
-from . import _blas  # noqa: F401  (must run before mlx.core is first imported)
+from .cpu import blas  # noqa: F401  (loads an optimized BLAS, so it must run before mlx.core is imported)
 import warnings
 
 # `python -m mlx_qwen3vl.generate` runs a module this package has already imported (for the
@@ -23,8 +23,9 @@ __all__ = ["load", "generate", "stream_generate", "batch_generate", "ChatSession
            "GenerationResult", "GenerationResponse", "Processor", "load_model"]
 
 
-def load(path_or_hub_id, dtype=None):
+def load(path_or_hub_id, dtype=None, backend=None):
     """A local checkpoint folder or a hub repo id → (model, processor). dtype defaults to float32
-    on the CPU backend and to the checkpoint's dtype on a GPU."""
+    on the CPU backend and to the checkpoint's dtype on a GPU; backend "mlx", "cpu" or None
+    (automatic, see backend.py)."""
     path = resolve_model_path(path_or_hub_id)
-    return load_model(path, dtype), Processor.from_pretrained(path)
+    return load_model(path, dtype, backend), Processor.from_pretrained(path)

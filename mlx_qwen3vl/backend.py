@@ -1,12 +1,26 @@
-"""Which backend runs a model's forward, as the token loop sees it.
+"""Which backend runs a model's forward: the seam between the model and the token loop.
 
-The token loop (generate.py) asks `backend_of(model)` for the two things it does differently per
-backend: whether the forward is eager (it evaluates as it goes, so the next token is computed after
-this one is handed out) and the log-softmax of the sampler. A backend is installed on the model
-once, at load (`model.backend`); a model built by hand runs the plain MLX graph.
+A backend is installed on the model once, at load (`install`), as `model.backend`. The token loop
+(generate.py) asks it for the two things it does differently per backend: whether the forward is
+eager (it evaluates as it goes, so the next token is computed after this one is handed out) and
+the log-softmax of the sampler; `model.make_cache()` asks it for the KV caches its forward reads.
+
+Two backends exist: the plain MLX graph (every device, dtype and quantization) and the Linux CPU
+path (mlx_qwen3vl/cpu/), which `install` puts in place of some of the model's modules when the
+model computes in float32 on the CPU. MLX_QWEN3VL_CPU_KERNELS chooses: auto (the default), c or
+numpy (the CPU path, its per-layer decode work in the C extension or in numpy), mlx (the plain
+graph everywhere).
 """
 
+import os
+
 import mlx.core as mx
+import mlx.nn as nn
+
+from .errors import ConfigError
+
+ENV = "MLX_QWEN3VL_CPU_KERNELS"
+ENV_CHOICES = ("auto", "c", "numpy", "mlx")
 
 
 class MLXBackend:
@@ -19,18 +33,62 @@ class MLXBackend:
     def log_softmax(logits):
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
+    @staticmethod
+    def make_cache(model):
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache() for _ in model.language_model.layers]
+
     def describe(self) -> str:
-        return f"mlx ({mx.default_device()})"
+        return f"mlx graph on {mx.default_device()}"
 
 
 MLX = MLXBackend()
 
 
 def backend_of(model):
-    backend = getattr(model, "backend", None)
-    if backend is not None:
-        return backend
-    # Transitional: until load installs the CPU path, it is chosen by device and environment.
-    from . import cpu_kernels
+    return getattr(model, "backend", MLX)
 
-    return cpu_kernels.CPU_BACKEND if cpu_kernels.cpu_kernels_enabled() else MLX
+
+def env_choice() -> str:
+    """MLX_QWEN3VL_CPU_KERNELS, checked: an unknown value is an error, never ignored."""
+    value = os.environ.get(ENV, "").strip().lower() or "auto"
+    if value not in ENV_CHOICES:
+        raise ConfigError(f"{ENV}={os.environ[ENV]!r} is not one of {', '.join(ENV_CHOICES)}: unset it (auto) "
+                          "or pick one of those")
+    return value
+
+
+def cpu_path_fits(model) -> str:
+    """Why the CPU path cannot run this model ('' when it can): it computes in float32 and
+    unquantized, and it is only faster on the CPU device."""
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return f"the default device is {mx.default_device()}"
+    if any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules()):
+        return "the model is quantized"
+    dtype = model.language_model.embed_tokens.weight.dtype
+    if dtype != mx.float32:
+        return f"the model computes in {dtype}, not float32"
+    return ""
+
+
+def install(model, backend=None):
+    """Put a backend in place on a loaded model, once; returns the model.
+
+    backend "mlx": the plain graph. "cpu": the CPU path (an error where it cannot run, see
+    cpu_path_fits). None: the CPU path where it fits, unless MLX_QWEN3VL_CPU_KERNELS=mlx.
+    The C extension or numpy for the CPU path's decode work follows MLX_QWEN3VL_CPU_KERNELS."""
+    if backend not in (None, "mlx", "cpu"):
+        raise ConfigError(f"backend {backend!r} is not one of 'mlx', 'cpu' or None (automatic)")
+    choice = env_choice()
+    if backend == "mlx" or (backend is None and choice == "mlx"):
+        return model
+    why_not = cpu_path_fits(model)
+    if why_not:
+        if backend == "cpu":
+            raise ConfigError(f"the CPU path cannot run this model: {why_not}; load it in float32 on the CPU "
+                              "or use backend='mlx'")
+        return model
+    from . import cpu
+
+    return cpu.install(model, ops=None if choice in ("auto", "mlx") else choice)

@@ -233,7 +233,7 @@ def generate_tokens(model, inputs, cache, *, sampler, logits_processors=None, ma
     if on_prefill_done:
         mx.eval(y)
         on_prefill_done()
-    # With the CPU kernels the forward runs eagerly (it evaluates as it goes), so the next token
+    # With the CPU path the forward runs eagerly (it evaluates as it goes), so the next token
     # is computed after this one is handed out; on a GPU its graph is queued first, so the device
     # works while the caller handles the token.
     eager = backend.eager
@@ -501,7 +501,7 @@ def build_parser():
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--chat", action="store_true", help="interactive multi-turn chat with prefix reuse")
-    p.add_argument("--verbose", action="store_true", help="print the BLAS in use and the prompt")
+    p.add_argument("--verbose", action="store_true", help="print the backend and BLAS in use, and the prompt")
     return p
 
 
@@ -516,11 +516,11 @@ def _print_stats(last, out=sys.stderr):
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
-        from . import load, _blas
+        from . import load
 
-        if args.verbose:
-            print(f"[mlx_qwen3vl] BLAS: {_blas.describe()}", file=sys.stderr)
         model, processor = load(args.model, dtype=args.dtype)
+        if args.verbose:
+            print(f"[mlx_qwen3vl] backend: {backend_of(model).describe()}", file=sys.stderr)
         kwargs = dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
                       min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                       repetition_context_size=args.repetition_context_size, seed=args.seed,

@@ -4,10 +4,8 @@ DeepStack (vision features from early ViT blocks added after the first decoder l
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import cpu_kernels
-from .cpu_kernels import Linear, attention, silu_mul
 from .config import TextConfig
-from .rope import TextRotary, apply_rotary
+from .rope import TextRotary
 
 
 class Attention(nn.Module):
@@ -18,38 +16,39 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         bias = config.attention_bias
-        self.q_proj = Linear(config.hidden_size, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = Linear(self.n_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def __call__(self, x, rope, mask, cache=None):
         B, L, _ = x.shape
-        cos, sin = rope
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rope(q), rope(k)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        if mask is None or isinstance(mask, str):  # unpadded: causal for a chunk, none for one query
-            out = attention(q, k, v, self.scale, causal=mask == "causal")
-        else:
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = self.attend(q, k, v, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def attend(self, q, k, v, mask):
+        """softmax(q k^T * scale, masked) v over grouped heads; mask None, "causal" (lower-right
+        aligned, so it holds with a KV cache) or boolean (B, 1, L, S)."""
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
 
 
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.gate_proj = Linear(dim, hidden, bias=False)
-        self.up_proj = Linear(dim, hidden, bias=False)
-        self.down_proj = Linear(hidden, dim, bias=False)
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def __call__(self, x):
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -61,8 +60,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def __call__(self, x, rope, mask, cache=None):
-        if cpu_kernels.decode_layer_applies(self, x, mask, cache):
-            return cpu_kernels.decode_layer(self, x, rope, cache)
         h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -89,7 +86,7 @@ class TextModel(nn.Module):
 
     def __call__(self, inputs_embeds, position_ids, mask=None, cache=None, deepstack_embeds=None):
         """inputs_embeds (B, L, D); position_ids (3, B, L), or (B,) for a text-only chunk (see
-        TextRotary.cos_sin); mask None / "causal" / boolean (B, 1, L, S); deepstack_embeds: list of
+        TextRotary); mask None / "causal" / boolean (B, 1, L, S); deepstack_embeds: list of
         (B, L, D) arrays, zero except at visual positions.
 
         DeepStack: the k-th tapped vision feature is added right after decoder layer k, i.e. to
@@ -98,11 +95,7 @@ class TextModel(nn.Module):
         h = inputs_embeds
         cache = cache or [None] * len(self.layers)
         deepstack_embeds = deepstack_embeds or []
-        rope = self.rotary.cos_sin(position_ids, h.shape[1], h.dtype)
-        if cache[0] is not None and cpu_kernels.decode_layer_applies(self.layers[0], h, mask, cache[0]):
-            cpu_kernels.settle_caches(cache)  # the previous token's queued cache writes, in one sync
-            if cpu_kernels.decode_tokens_apply(h, cache):
-                return cpu_kernels.decode_tokens(self.layers, h, rope, cache, deepstack_embeds, self.norm)
+        rope = self.rotary(position_ids, h.shape[1], h.dtype)
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             h = layer(h, rope, mask, c)
             if i < len(deepstack_embeds):

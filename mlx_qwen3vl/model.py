@@ -12,8 +12,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .backend import MLX
 from .config import ModelConfig
-from .cpu_kernels import Linear, linear
 from .errors import InputError
 from .language import TextModel, attention_mask_for
 from .positions import get_rope_index, mm_token_type_ids_from
@@ -54,8 +54,9 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         self.config = config
         self.visual = VisionModel(config.vision_config)
         self.language_model = TextModel(config.text_config)
+        self.backend = MLX  # what runs the forward; load may install another (see backend.py)
         if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
 
     @property
     def spatial_merge_size(self):
@@ -71,8 +72,7 @@ class Qwen3VLForConditionalGeneration(nn.Module):
     # --- decoder ------------------------------------------------------------------------------
     def logits(self, hidden):
         if self.config.tie_word_embeddings:
-            embed = self.language_model.embed_tokens
-            return embed.as_linear(hidden) if isinstance(embed, nn.QuantizedEmbedding) else linear(hidden, embed.weight)
+            return self.language_model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
 
     def get_rope_index(self, input_ids, mm_token_type_ids=None, image_grid_thw=None, video_grid_thw=None,
@@ -150,9 +150,8 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         return self.language_model(embeds, positions, mask, cache, deepstack)
 
     def make_cache(self):
-        from mlx_lm.models.cache import KVCache
-
-        return [KVCache() for _ in self.language_model.layers]
+        """One KV cache per decoder layer, of the type the installed backend reads."""
+        return self.backend.make_cache(self)
 
     @staticmethod
     def make_mask(attention_mask, query_len: int, key_len: int):

@@ -13,8 +13,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cpu_kernels import Linear, attention, gelu_approx
 from .config import VisionConfig
+from .errors import InputError
 from .rope import VisionRotary, apply_rotary
 
 
@@ -92,7 +92,7 @@ class PatchEmbed(nn.Module):
     def __init__(self, config: VisionConfig):
         super().__init__()
         in_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
-        self.proj = Linear(in_dim, config.hidden_size, bias=True)
+        self.proj = nn.Linear(in_dim, config.hidden_size, bias=True)
 
     def __call__(self, x):
         return self.proj(x)
@@ -103,8 +103,8 @@ class VisionAttention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
-        self.qkv = Linear(dim, 3 * dim, bias=True)
-        self.proj = Linear(dim, dim, bias=True)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
+        self.proj = nn.Linear(dim, dim, bias=True)
 
     def __call__(self, x, cos, sin, segments):
         n, dim = x.shape
@@ -115,20 +115,24 @@ class VisionAttention(nn.Module):
         for start, count, length in segments:
             end = start + count * length
             window = lambda a: a[start:end].reshape(count, length, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
-            o = attention(window(q), window(k), window(v), scale=self.head_dim**-0.5)
+            o = self.attend(window(q), window(k), window(v))
             outs.append(o.transpose(0, 2, 1, 3).reshape(count * length, dim))
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
         return self.proj(out)
+
+    def attend(self, q, k, v):
+        """Unmasked attention within each window, q, k, v (windows, heads, length, head_dim)."""
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)
 
 
 class VisionMLP(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.linear_fc1 = Linear(dim, hidden, bias=True)
-        self.linear_fc2 = Linear(hidden, dim, bias=True)
+        self.linear_fc1 = nn.Linear(dim, hidden, bias=True)
+        self.linear_fc2 = nn.Linear(hidden, dim, bias=True)
 
     def __call__(self, x):
-        return self.linear_fc2(gelu_approx(self.linear_fc1(x)))  # gelu_pytorch_tanh
+        return self.linear_fc2(nn.gelu_approx(self.linear_fc1(x)))  # gelu_pytorch_tanh
 
 
 class VisionBlock(nn.Module):
@@ -154,8 +158,8 @@ class PatchMerger(nn.Module):
         self.merged_dim = config.hidden_size * config.spatial_merge_size**2
         self.use_postshuffle_norm = use_postshuffle_norm
         self.norm = nn.LayerNorm(self.merged_dim if use_postshuffle_norm else config.hidden_size, eps=1e-6)
-        self.linear_fc1 = Linear(self.merged_dim, self.merged_dim, bias=True)
-        self.linear_fc2 = Linear(self.merged_dim, config.out_hidden_size, bias=True)
+        self.linear_fc1 = nn.Linear(self.merged_dim, self.merged_dim, bias=True)
+        self.linear_fc2 = nn.Linear(self.merged_dim, config.out_hidden_size, bias=True)
 
     def __call__(self, x):
         if self.use_postshuffle_norm:
@@ -188,8 +192,6 @@ class VisionModel(nn.Module):
         (merged (N/4, out_hidden), [DeepStack features (N/4, out_hidden)] in deepstack index order)."""
         layout = self.layout(grid_thw)
         if pixel_values.shape[0] != layout.interp_indices.shape[0]:
-            from .errors import InputError
-
             raise InputError(
                 f"pixel_values has {pixel_values.shape[0]} patches but grid_thw describes "
                 f"{layout.interp_indices.shape[0]}: pass the processor's pixel_values and grid together"

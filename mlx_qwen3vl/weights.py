@@ -283,6 +283,9 @@ def build_model(path, dtype=None, lazy=False):
     return model, kind
 
 
-def load_model(path, dtype=None) -> Qwen3VLForConditionalGeneration:
-    """Load a hub, converted or mlx-vlm checkpoint folder (see the module docstring)."""
-    return build_model(path, dtype)[0]
+def load_model(path, dtype=None, backend=None) -> Qwen3VLForConditionalGeneration:
+    """Load a hub, converted or mlx-vlm checkpoint folder (see the module docstring), with its
+    backend installed: "mlx", "cpu" or None (automatic, see backend.install)."""
+    from .backend import install
+
+    return install(build_model(path, dtype)[0], backend)

@@ -27,15 +27,42 @@ def rel_err(ours, ref):
 
 
 _models = {}
+ALL_SIZES = ("LINEAR_MIN_WEIGHT", "ATTENTION_MIN_SCORES", "ACTIVATION_MIN_SIZE")
 
 
-def load_fixture_model(name, dtype=None):
+def load_fixture_model(name, dtype=None, backend=None):
+    """A tiny checkpoint, loaded once per (dtype, backend): "mlx" (the plain graph), "cpu" (the CPU
+    path as shipped: the tiny weights are below its size thresholds, so mostly MLX around the
+    decode stack), "cpu-all" (the CPU path for every size, as on the 2B model; only under the
+    `backend` fixture or `cpu_path_for_every_size`), None (what load picks)."""
+    from mlx_qwen3vl.cpu import kernels
     from mlx_qwen3vl.weights import load_model
 
-    key = (name, dtype)
+    key = (name, dtype, backend)
     if key not in _models:
-        _models[key] = load_model(FIXTURES / name, dtype=dtype)
+        if backend == "cpu-all":
+            assert kernels.LINEAR_MIN_WEIGHT == 0, "cpu-all needs cpu_path_for_every_size"
+        _models[key] = load_model(FIXTURES / name, dtype=dtype, backend="cpu" if backend == "cpu-all" else backend)
     return _models[key]
+
+
+def cpu_path_for_every_size(monkeypatch):
+    from mlx_qwen3vl.cpu import kernels
+
+    for name in ALL_SIZES:
+        monkeypatch.setattr(kernels, name, 0)
+
+
+@pytest.fixture
+def on_cpu():
+    """Pin the default device to the CPU for the test (so backend comparisons mean the same on a
+    Mac, where the CPU path never runs on its own)."""
+    import mlx.core as mx
+
+    before = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(before)
 
 
 @pytest.fixture(params=CHECKPOINTS)
@@ -43,17 +70,15 @@ def checkpoint(request):
     return request.param
 
 
-@pytest.fixture(params=["default", "numpy", "mlx"])
-def cpu_kernels(request, monkeypatch):
-    """Run a test with the CPU fast paths as shipped ("default": the tiny fixtures are below their
-    size thresholds, so mostly MLX), forced on for every size ("numpy": every float32 linear,
-    attention and activation through cpu_kernels' numpy code, as on the 2B model), and off ("mlx":
-    the pure-MLX graph and the queued decode loop a GPU gets)."""
-    if request.param == "mlx":
-        monkeypatch.setenv("MLX_QWEN3VL_CPU_KERNELS", "mlx")
-    if request.param == "numpy":
-        from mlx_qwen3vl import cpu_kernels
+BACKENDS = ["mlx", "cpu", "cpu-all"]
 
-        for name in ("NUMPY_LINEAR_MIN_WEIGHT", "NUMPY_ATTENTION_MIN_SCORES", "NUMPY_ACTIVATION_MIN_SIZE"):
-            monkeypatch.setattr(cpu_kernels, name, 0)
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch, on_cpu):
+    """Run a test on the plain MLX graph (with its lazy, queued decode loop, as a GPU gets it), on
+    the CPU path as shipped, and on the CPU path for every size (every float32 linear, attention
+    and activation through numpy, as on the 2B model); all on the CPU device. Load the model
+    with load_fixture_model(name, backend=backend)."""
+    if request.param == "cpu-all":
+        cpu_path_for_every_size(monkeypatch)
     return request.param

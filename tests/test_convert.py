@@ -338,7 +338,7 @@ def test_reconvert_quantized_mlxvlm_folder(tmp_path):
 def test_mlxvlm_float_folder_gives_the_hub_logits():
     model, kind = build_model(FIXTURES / "mlxvlm-float", "float32")
     assert kind == "mlx-vlm"
-    hub = load_fixture_model("tiny-a", "float32")
+    hub = load_fixture_model("tiny-a", "float32", backend="mlx")  # build_model installs no backend
     for case in CASES:
         assert np.array_equal(np.array(model(**case_inputs(case))), np.array(hub(**case_inputs(case)))), case
 

@@ -1,15 +1,15 @@
-"""The C extension of the CPU decode path (mlx_qwen3vl/_decode.c) against its numpy versions
-(cpu_kernels.NumpyOps), on shapes that reach every branch: head sizes that are and are not
+"""The C extension of the CPU decode path (mlx_qwen3vl/cpu/_decode.c) against its numpy versions
+(cpu.decode.NumpyOps), on shapes that reach every branch: head sizes that are and are not
 multiples of the vector width, odd query groups, caches whose length is not a multiple of the
 key block, and exp's edges."""
 
 import numpy as np
 import pytest
 
-from mlx_qwen3vl import cpu_kernels
-from mlx_qwen3vl.cpu_kernels import NumpyOps
+from mlx_qwen3vl.cpu import decode
+from mlx_qwen3vl.cpu.decode import NumpyOps
 
-native = cpu_kernels._native
+native = decode.native
 if native is None:
     pytest.fail("the C extension is not built, or built from an older _decode.c: pip install -e . (needs a C "
                 "compiler)", pytrace=False)
@@ -18,9 +18,9 @@ rng = np.random.default_rng(0)
 
 
 def test_interface_matches():
-    from mlx_qwen3vl import _decode
+    from mlx_qwen3vl.cpu import _decode
 
-    assert _decode.INTERFACE == cpu_kernels.NATIVE_INTERFACE
+    assert _decode.INTERFACE == decode.NATIVE_INTERFACE
 
 
 def randn(*shape):

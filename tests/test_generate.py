@@ -41,10 +41,10 @@ def loaded():
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_greedy_equals_transformers(checkpoint, case, cpu_kernels):
+def test_greedy_equals_transformers(checkpoint, case, backend):
     """From the recorded inputs, with a tiny prefill chunk so chunks split images and DeepStack spans;
-    with the CPU kernels as shipped and forced on (numpy linears, attention over cache views)."""
-    model = load_fixture_model(checkpoint)
+    on the plain MLX graph and on the CPU path (as shipped, and for every size)."""
+    model = load_fixture_model(checkpoint, backend=backend)
     inputs = case_inputs(case)
     tokens = [np.array(y) for y in generate_tokens(model, inputs, model.make_cache(), sampler=make_sampler(0.0),
                                                     max_tokens=16, prefill_step_size=7)]

@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import CASES, case_inputs, load_fixture_model, reference, rel_err
+from conftest import CASES, FIXTURES, case_inputs, cpu_path_for_every_size, load_fixture_model, reference, rel_err
 from mlx_qwen3vl.rope import apply_rotary
 
 TOL = 1e-4
@@ -23,8 +23,8 @@ def test_positions_match_exactly(checkpoint, case):
 
 
 @pytest.mark.parametrize("case", ["image", "two_images", "video"])
-def test_vision_and_deepstack_features(checkpoint, case):
-    model = load_fixture_model(checkpoint)
+def test_vision_and_deepstack_features(checkpoint, case, backend):
+    model = load_fixture_model(checkpoint, backend=backend)
     inputs, ref = case_inputs(case), reference(checkpoint, case)
     kind, px, grid = (("video", "pixel_values_videos", "video_grid_thw") if case == "video"
                       else ("image", "pixel_values", "image_grid_thw"))
@@ -37,8 +37,8 @@ def test_vision_and_deepstack_features(checkpoint, case):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_logits(checkpoint, case):
-    model = load_fixture_model(checkpoint)
+def test_logits(checkpoint, case, backend):
+    model = load_fixture_model(checkpoint, backend=backend)
     inputs, ref = case_inputs(case), reference(checkpoint, case)
     logits = np.array(model(**inputs))
     real = inputs["attention_mask"].astype(bool)  # padded positions are garbage in both engines
@@ -108,72 +108,62 @@ def test_text_only_positions_reduce_to_1d_rope(checkpoint):
     np.testing.assert_allclose(np.array(ours), np.array(plain), atol=2e-5)
 
 
-def test_mlx_kernels_match_cpu_fast_paths(checkpoint, monkeypatch):
-    """With the numpy CPU fast paths forced on for every size, and off (as on a GPU), the logits are
-    the same."""
-    from mlx_qwen3vl import cpu_kernels
-
-    for name in ("NUMPY_LINEAR_MIN_WEIGHT", "NUMPY_ATTENTION_MIN_SCORES", "NUMPY_ACTIVATION_MIN_SIZE"):
-        monkeypatch.setattr(cpu_kernels, name, 0)
-    model = load_fixture_model(checkpoint)
+def test_cpu_path_matches_mlx_graph(checkpoint, monkeypatch, on_cpu):
+    """The CPU path for every size (numpy linears, attention, activations) and the plain MLX graph
+    give the same logits, on the same device."""
+    cpu_path_for_every_size(monkeypatch)
     inputs, ref = case_inputs("two_images"), reference(checkpoint, "two_images")
-    fast = np.array(model(**inputs))
-    monkeypatch.setenv("MLX_QWEN3VL_CPU_KERNELS", "mlx")
-    pure = np.array(model(**inputs))
+    fast = np.array(load_fixture_model(checkpoint, backend="cpu-all")(**inputs))
+    pure = np.array(load_fixture_model(checkpoint, backend="mlx")(**inputs))
     assert rel_err(pure, ref["logits"]) < TOL and rel_err(fast, ref["logits"]) < TOL
     assert rel_err(fast, pure) < 5e-5  # float32 summation order only
 
 
-def test_cpu_log_softmax_matches_mlx(monkeypatch):
+def test_cpu_log_softmax_matches_mlx(on_cpu):
     """The sampler's normalization through numpy (a decode step's vocabulary on the CPU) equals
     MLX's: top-p sampling reads exp(logprobs) as probabilities."""
-    from mlx_qwen3vl import cpu_kernels
+    from mlx_qwen3vl.backend import MLX
+    from mlx_qwen3vl.cpu import kernels
 
     logits = mx.random.normal((2, 151936), key=mx.random.key(3)) * 8
-    monkeypatch.delenv("MLX_QWEN3VL_CPU_KERNELS", raising=False)
-    fast = cpu_kernels.log_softmax(logits)
-    monkeypatch.setenv("MLX_QWEN3VL_CPU_KERNELS", "mlx")
-    pure = cpu_kernels.log_softmax(logits)
+    fast, pure = kernels.log_softmax(logits), MLX.log_softmax(logits)
     np.testing.assert_allclose(np.array(fast), np.array(pure), atol=2e-5)
     np.testing.assert_allclose(np.exp(np.array(fast, np.float64)).sum(-1), 1.0, atol=1e-5)
 
 
-@pytest.mark.parametrize("ops", ["native", "numpy"])
+@pytest.mark.parametrize("ops", ["c", "numpy"])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_cpu_decode_token_path_matches_mlx(checkpoint, batch, ops, monkeypatch):
-    """The decoder stack for one decode token (cache update queued, settled once per step), with
-    its per-layer work in the C extension or in numpy, gives MLX's hidden states and leaves the
-    same KV cache, over steps that cross the cache's 256-slot growth; one step carries DeepStack
-    additions (a one-token prefill chunk at an image position)."""
-    from mlx_qwen3vl import cpu_kernels
+def test_cpu_decode_token_path_matches_mlx(checkpoint, batch, ops, monkeypatch, on_cpu):
+    """The decoder stack for one decode token (cache writes queued, settled with the next step's
+    inputs), with its per-layer work in the C extension or in numpy, gives the MLX graph's hidden
+    states and leaves the same KV cache, over steps that cross the cache's 256-slot growth; one
+    step carries DeepStack additions (a one-token prefill chunk at an image position)."""
+    from mlx_qwen3vl.cpu import decode
+    from mlx_qwen3vl.weights import load_model
 
-    assert cpu_kernels._native is not None, "the C extension is not built: pip install -e . (needs a C compiler)"
-    if ops == "numpy":
-        monkeypatch.setenv("MLX_QWEN3VL_CPU_KERNELS", "numpy")
-    model = load_fixture_model(checkpoint)
-    text = model.language_model
-    D = text.config.hidden_size
-    key = mx.random.key(5)
-    prompt = mx.random.normal((batch, 253, D), key=key)
+    assert decode.native is not None, "the C extension is not built: pip install -e . (needs a C compiler)"
+    monkeypatch.setenv("MLX_QWEN3VL_CPU_KERNELS", ops)
+    fast_model = load_model(FIXTURES / checkpoint, backend="cpu")
+    pure_model = load_fixture_model(checkpoint, backend="mlx")
+    D = pure_model.config.text_config.hidden_size
+    prompt = mx.random.normal((batch, 253, D), key=mx.random.key(5))
     tokens = [mx.random.normal((batch, 1, D), key=mx.random.key(6 + i)) for i in range(5)]
-    deepstack = [mx.random.normal((batch, 1, D), key=mx.random.key(20 + j)) for j in range(min(3, len(text.layers)))]
+    n_layers = len(pure_model.language_model.layers)
+    deepstack = [mx.random.normal((batch, 1, D), key=mx.random.key(20 + j)) for j in range(min(3, n_layers))]
     calls = []
-    original = cpu_kernels.decode_tokens
-    monkeypatch.setattr(cpu_kernels, "decode_tokens", lambda *a: calls.append(cpu_kernels._ops()) or original(*a))
-    for name in ("NUMPY_LINEAR_MIN_WEIGHT", "NUMPY_ATTENTION_MIN_SCORES", "NUMPY_ACTIVATION_MIN_SIZE"):
-        monkeypatch.setattr(cpu_kernels, name, 0)
+    original = decode.decode_tokens
+    monkeypatch.setattr(decode, "decode_tokens", lambda *a: calls.append(a[-1]) or original(*a))
 
-    def run():
-        cache = model.make_cache()
+    def run(model):
+        text, cache = model.language_model, model.make_cache()
         outs = [text(prompt, mx.zeros((batch,), mx.int32), None, cache)]
         for i, t in enumerate(tokens):
             outs.append(text(t, mx.full((batch,), 253 + i, mx.int32), None, cache, deepstack if i == 2 else None))
         return [np.array(o) for o in outs], [np.array(a[:, :, :c.offset]) for c in cache for a in (c.keys, c.values)]
 
-    fast_out, fast_cache = run()
-    assert calls == [cpu_kernels._native if ops == "native" else cpu_kernels.NumpyOps] * len(tokens)
-    monkeypatch.setenv("MLX_QWEN3VL_CPU_KERNELS", "mlx")
-    pure_out, pure_cache = run()
+    fast_out, fast_cache = run(fast_model)
+    assert calls == [decode.native if ops == "c" else decode.NumpyOps] * len(tokens)
+    pure_out, pure_cache = run(pure_model)
     assert len(calls) == len(tokens)
     assert fast_cache[0].shape[2] == 258
     for fast, pure in zip(fast_out + fast_cache, pure_out + pure_cache):

@@ -6,8 +6,8 @@ CBLAS loaded there first with RTLD_GLOBAL — pip's `mkl` (the `cpu` extra) or a
 serves them instead (about 200 GFLOP/s). This must run before `mlx.core` is first imported,
 which is why the package imports this module first.
 
-With the CPU kernels on (cpu_kernels.py), the large float32 matmuls go through numpy's own BLAS
-instead; this one serves MLX's remaining matmuls, and all of them with MLX_QWEN3VL_CPU_KERNELS=mlx.
+With the CPU path installed (cpu/layers.py), the large float32 matmuls go through numpy's own
+BLAS instead; this one serves MLX's remaining matmuls, and all of them on the plain MLX graph.
 
 MLX_QWEN3VL_BLAS=off disables it; MLX_QWEN3VL_BLAS=/path/to/libcblas.so picks a library.
 """
@@ -49,14 +49,9 @@ def load():
         return None
     for path in _candidates():
         if "mkl" in os.path.basename(path):
-            # GNU OpenMP (libgomp) threading. Measured on the 2-core EPYC, each layer in fresh
-            # processes, interleaved, 2 rounds, medians (machine shared, load ~2): GNU 145 GFLOP/s
-            # 1024^3 sgemm, 104 GFLOP/s on a 256x2048x6144 prefill GEMM, 18.6 GB/s GEMV; INTEL
-            # (libiomp5) 121 / 94 / 18.0; SEQUENTIAL 73 / 60 / 19.4. GNU is at least as fast and it
-            # is the OpenMP runtime torch and most wheels already load, so no second runtime (and
-            # no libiomp5 spin-waiting for 200 ms after each call, stealing a core from MLX's own
-            # threads) ends up in the process. Earlier one-off runs that favoured INTEL were not
-            # interleaved and the machine load varied between them.
+            # GNU OpenMP threading: at least as fast as MKL's others here (benchmarks/README.md,
+            # "The CPU path"), and the OpenMP runtime most wheels already load, so no second one
+            # (libiomp5 spin-waits after each call, stealing a core from MLX's own threads).
             os.environ.setdefault("MKL_THREADING_LAYER", "GNU")
         try:
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)

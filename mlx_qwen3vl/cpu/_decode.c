@@ -1,4 +1,4 @@
-/* The work between the weight GEMVs of a CPU decode step, in C (see cpu_kernels.decode_tokens).
+/* The work between the weight GEMVs of a CPU decode step, in C (see cpu/decode.py).
  *
  * A 2B decode step streams ~7 GB of weights through ~200 numpy GEMVs. Everything between them (RMS
  * norms, q/k norm and rotary, attention over the KV cache, SwiGLU) runs with caches the last GEMV
@@ -193,7 +193,7 @@ static inline float dot_row(const float *q, const float *k, Py_ssize_t hd) {
 /* One query token per sequence against the cache's S earlier positions and the new key/value.
  * qkv (B, nq + 2 nkv, hd): the rotated queries, then the new keys, then the new values. keys /
  * values (B, nkv, cap, hd) are the cache's buffers (positions >= S unused). out (B, nq * hd).
- * Same math as cpu_kernels._attend_cached: softmax((q * scale) . k - max) over the cached keys
+ * Same math as decode.attend_cached: softmax((q * scale) . k - max) over the cached keys
  * and the new one, the weighted values summed, then divided by the weights' total.
  *
  * Memory access decides the speed: each key and value row is read once for every query head of
@@ -378,7 +378,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_decode", NULL, -1, methods};
 
-/* cpu_kernels uses the module only when INTERFACE matches its own: an install built from an older
+/* cpu/decode.py uses the module only when INTERFACE matches its own: an install built from an older
  * _decode.c (an editable checkout pulled without reinstalling) falls back to numpy instead of
  * failing mid-decode. Bump it with any change to the calls above. */
 PyMODINIT_FUNC PyInit__decode(void) {

@@ -1,0 +1,14 @@
+"""The Linux CPU path: where MLX's CPU backend is slow, float32 work runs in numpy and C.
+
+    blas     an optimized CBLAS for MLX's own matmuls, loaded before mlx.core (hence first here)
+    kernels  numpy linears, attention, activations, log-softmax (MLX arrays in and out)
+    decode   one decode token through the whole decoder stack (numpy GEMVs + _decode.c or its
+             numpy twin), and the KV cache it writes
+    layers   the model's modules in their CPU versions, and `install`, which swaps them in
+
+backend.install puts this path on a float32 model at load on the CPU; nothing in the model files
+refers to it.
+"""
+
+from . import blas  # noqa: F401  (must run before mlx.core is first imported)
+from .layers import CPUBackend, install  # noqa: E402, F401

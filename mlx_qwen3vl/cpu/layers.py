@@ -1,0 +1,118 @@
+"""The CPU path's versions of the model's modules, and `install`, which puts them in place.
+
+Each class here subclasses a module of the plain MLX model and changes only how it computes
+(numpy and C instead of MLX ops), never its parameters, so `install` swaps classes on the loaded
+modules in place, as nn.quantize swaps modules by a class predicate. The decoder layer of this
+path is decode.decode_tokens (one token through the whole stack); longer inputs (prefill) run the
+MLX layers with these linears, attentions and activations inside.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .. import language, vision
+from . import blas, decode, kernels
+
+
+class Linear(nn.Linear):
+    def __call__(self, x):
+        return kernels.linear(x, self.weight, self.get("bias"))
+
+
+class Embedding(nn.Embedding):
+    def as_linear(self, x):  # the tied LM head: the largest GEMV of a decode step
+        return kernels.linear(x, self.weight)
+
+
+class Attention(language.Attention):
+    def attend(self, q, k, v, mask):
+        return kernels.attention(q, k, v, self.scale, mask)
+
+
+class MLP(language.MLP):
+    def __call__(self, x):
+        return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class VisionAttention(vision.VisionAttention):
+    def attend(self, q, k, v):
+        return kernels.attention(q, k, v, self.head_dim**-0.5)
+
+
+class VisionMLP(vision.VisionMLP):
+    def __call__(self, x):
+        return self.linear_fc2(kernels.gelu_approx(self.linear_fc1(x)))
+
+
+class TextModel(language.TextModel):
+    """One token per sequence goes through decode.decode_tokens; anything else through the layers."""
+
+    ops = None  # the C extension or decode.NumpyOps, set by `install`
+
+    def __call__(self, inputs_embeds, position_ids, mask=None, cache=None, deepstack_embeds=None):
+        if decode.applies(inputs_embeds, mask, cache):
+            return decode.decode_tokens(self, inputs_embeds, position_ids, cache, deepstack_embeds or [], self.ops)
+        return super().__call__(inputs_embeds, position_ids, mask, cache, deepstack_embeds)
+
+
+TWINS = {
+    language.Attention: Attention,
+    language.MLP: MLP,
+    vision.VisionAttention: VisionAttention,
+    vision.VisionMLP: VisionMLP,
+}
+
+
+class CPUBackend:
+    """The CPU path as the token loop sees it (see backend.py): eager, numpy log-softmax, the
+    KV cache its decode stack reads and writes."""
+
+    name = "cpu"
+    eager = True
+    log_softmax = staticmethod(kernels.log_softmax)
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    @staticmethod
+    def make_cache(model):
+        return [decode.KVCache() for _ in model.language_model.layers]
+
+    def describe(self) -> str:
+        ops = "C extension" if self.ops is decode.native else "numpy (no C extension)"
+        return f"cpu path (numpy + {ops}); BLAS for MLX: {blas.describe()}"
+
+
+def choose_ops(ops=None):
+    """ops None: the C extension where it is built, else numpy; "c" (an error where it is not
+    built) or "numpy"."""
+    if ops == "numpy" or (ops is None and decode.native is None):
+        return decode.NumpyOps
+    if decode.native is None:
+        from ..errors import ConfigError
+
+        raise ConfigError("the C extension of the CPU path (mlx_qwen3vl/cpu/_decode.c) is not built: "
+                          "reinstall with a C compiler at hand, or set MLX_QWEN3VL_CPU_KERNELS=numpy")
+    return decode.native
+
+
+def install(model, ops=None):
+    """Swap a float32 model's modules for their CPU versions, in place, once; returns the model.
+    Linears (and the tied embedding's LM head) only from kernels.LINEAR_MIN_WEIGHT elements."""
+    ops = choose_ops(ops)
+    big = lambda m: m.weight.size >= kernels.LINEAR_MIN_WEIGHT and m.weight.dtype == mx.float32
+    for _, module in model.named_modules():
+        kind = type(module)
+        if kind in TWINS:
+            module.__class__ = TWINS[kind]
+        elif kind is nn.Linear and big(module):
+            module.__class__ = Linear
+        elif kind is nn.Embedding and big(module):
+            module.__class__ = Embedding
+    text = model.language_model
+    # The decode stack is the dense Qwen3 layer; other layers (MoE) keep the MLX loop.
+    if type(text) is language.TextModel and all(type(layer.mlp) is MLP for layer in text.layers):
+        text.__class__ = TextModel
+        text.ops = ops
+    model.backend = CPUBackend(ops)
+    return model

@@ -1,0 +1,98 @@
+"""The backend seam: load installs the CPU path exactly where it fits, the environment switch is
+checked, and the model files stay plain MLX."""
+
+import ast
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from conftest import FIXTURES, case_inputs, load_fixture_model
+from mlx_qwen3vl import cpu, language, vision
+from mlx_qwen3vl.backend import MLX, backend_of
+from mlx_qwen3vl.errors import ConfigError
+from mlx_qwen3vl.weights import load_model
+
+PACKAGE = Path(language.__file__).parent
+
+
+@pytest.mark.parametrize("name", ["language", "vision", "model", "rope"])
+def test_model_files_are_plain_mlx(name):
+    """No import of the CPU path, numpy kernels or the environment in the model files."""
+    tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            imported.add(node.module or "")
+            imported.update(f"{node.module or ''}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            imported.update(a.name for a in node.names)
+    assert not [m for m in imported if "cpu" in m.split(".") or m in ("os", "os.environ")], imported
+    assert "mx.eval(" not in (PACKAGE / f"{name}.py").read_text()  # no host syncs inside a forward
+
+
+def test_float32_on_cpu_gets_the_cpu_path(monkeypatch, on_cpu):
+    monkeypatch.delenv("MLX_QWEN3VL_CPU_KERNELS", raising=False)
+    model = load_model(FIXTURES / "tiny-a")
+    assert isinstance(model.backend, cpu.CPUBackend) and backend_of(model) is model.backend
+    assert model.backend.eager and "cpu path" in model.backend.describe() and "BLAS" in model.backend.describe()
+    assert type(model.language_model) is cpu.layers.TextModel
+    assert all(type(layer.self_attn) is cpu.layers.Attention for layer in model.language_model.layers)
+    assert all(type(block.mlp) is cpu.layers.VisionMLP for block in model.visual.blocks)
+    caches = model.make_cache()
+    assert all(type(c) is cpu.decode.KVCache for c in caches)
+    from mlx_lm.models.cache import KVCache
+
+    assert all(isinstance(c, KVCache) for c in caches)
+
+
+@pytest.mark.parametrize("how", ["backend", "env"])
+def test_mlx_graph_on_request(how, monkeypatch, on_cpu):
+    if how == "env":
+        monkeypatch.setenv("MLX_QWEN3VL_CPU_KERNELS", "mlx")
+    model = load_model(FIXTURES / "tiny-a", backend="mlx" if how == "backend" else None)
+    assert model.backend is MLX and not model.backend.eager
+    kinds = {type(m) for _, m in model.named_modules()}
+    assert not any(k.__module__.startswith("mlx_qwen3vl.cpu") for k in kinds)
+    assert type(model.make_cache()[0]).__module__ == "mlx_lm.models.cache"
+
+
+@pytest.mark.parametrize("variant", ["bfloat16", "quantized"])
+def test_other_models_get_the_mlx_graph(variant, monkeypatch, on_cpu):
+    monkeypatch.delenv("MLX_QWEN3VL_CPU_KERNELS", raising=False)
+    path, dtype = (FIXTURES / "tiny-a", "bfloat16") if variant == "bfloat16" else (FIXTURES / "mlxvlm-q4", "float32")
+    model = load_model(path, dtype=dtype)
+    assert model.backend is MLX
+    if variant == "quantized":
+        assert any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
+    with pytest.raises(ConfigError, match="CPU path cannot run this model"):
+        load_model(path, dtype=dtype, backend="cpu")
+
+
+def test_unknown_switch_values_are_errors(monkeypatch):
+    monkeypatch.setenv("MLX_QWEN3VL_CPU_KERNELS", "nmupy")
+    with pytest.raises(ConfigError, match="MLX_QWEN3VL_CPU_KERNELS='nmupy' is not one of auto, c, numpy, mlx"):
+        load_model(FIXTURES / "tiny-a")
+    monkeypatch.delenv("MLX_QWEN3VL_CPU_KERNELS")
+    with pytest.raises(ConfigError, match="backend 'gpu'"):
+        load_model(FIXTURES / "tiny-a", backend="gpu")
+
+
+def test_numpy_switch_picks_the_numpy_decode_ops(monkeypatch, on_cpu):
+    monkeypatch.setenv("MLX_QWEN3VL_CPU_KERNELS", "numpy")
+    model = load_model(FIXTURES / "tiny-a")
+    assert model.backend.ops is cpu.decode.NumpyOps and "numpy (no C extension)" in model.backend.describe()
+
+
+def test_backends_share_the_module_classes_they_replace(on_cpu):
+    """Each CPU module subclasses the MLX one it stands for, with the same parameters."""
+    for base, twin in cpu.layers.TWINS.items():
+        assert issubclass(twin, base)
+    pure, fast = load_fixture_model("tiny-b", backend="mlx"), load_fixture_model("tiny-b", backend="cpu")
+    from mlx.utils import tree_flatten
+
+    assert [k for k, _ in tree_flatten(pure.parameters())] == [k for k, _ in tree_flatten(fast.parameters())]
+    assert isinstance(fast.visual, vision.VisionModel)
+    x = case_inputs("text")
+    assert mx.array_equal(fast(**x).argmax(-1), pure(**x).argmax(-1))
