@@ -161,20 +161,10 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         key_mask = mx.array(attention_mask)[:, :key_len]
         return attention_mask_for(key_mask, query_len)
 
-    def __call__(
-        self,
-        input_ids,
-        attention_mask=None,
-        pixel_values=None,
-        image_grid_thw=None,
-        pixel_values_videos=None,
-        video_grid_thw=None,
-        mm_token_type_ids=None,
-        cache=None,
-        position_ids=None,
-    ):
-        """Full-prompt forward → logits (B, L, vocab). With a non-empty `cache`, pass `position_ids`
-        ((3, B, L), or (B,) first positions of a text-only chunk); see generate.py."""
+    def __call__(self, input_ids, attention_mask=None, cache=None, position_ids=None, **media):
+        """Full-prompt forward → logits (B, L, vocab); `media`: prepare_inputs' pixel, grid and
+        token-type arguments, by name. With a non-empty `cache`, pass `position_ids` ((3, B, L), or
+        (B,) first positions of a text-only chunk); see generate.py."""
         if cache is not None and cache[0].offset > 0:
             if position_ids is None:
                 raise InputError("position_ids are required when continuing from a non-empty cache")
@@ -182,8 +172,5 @@ class Qwen3VLForConditionalGeneration(nn.Module):
             embeds = self.language_model.embed_tokens(ids)
             mask = self.make_mask(attention_mask, ids.shape[1], cache[0].offset + ids.shape[1])
             return self.logits(self.language_model(embeds, position_ids, mask, cache))
-        prepared = self.prepare_inputs(
-            input_ids, attention_mask, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
-            mm_token_type_ids,
-        )
+        prepared = self.prepare_inputs(input_ids, attention_mask, **media)
         return self.logits(self.decode_hidden(prepared, attention_mask, cache))
