@@ -1,0 +1,279 @@
+"""`python -m mlx_qwen3vl.eval_grounding`: ScreenSpot / ScreenSpot-Pro style grounding accuracy.
+
+    python -m mlx_qwen3vl.eval_grounding --model PATH --data screenspot.jsonl [--limit N]
+
+Each JSONL record: `image` (path, relative to the JSONL's folder unless absolute), `instruction`,
+`bbox` = [x1, y1, x2, y2] in that image's pixels, optional `id`, `type` (or `ui_type` /
+`data_type`), `platform`; a negative sample (target absent) has `"negative": true` (or
+`"gt_type": "negative"`) and needs no bbox. A positive is right when the predicted point lies
+inside the box, borders included; a negative is right when the model gives no point (refuses).
+
+Per-sample results go to --output (JSONL, one line per sample as it finishes); rerunning with the
+same --output resumes where it stopped. The report (JSON) goes to stdout.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Callable, List, Optional
+
+from .agent import GROUNDING_FORMATS, grounding_messages, parse_grounding
+from .errors import InputError, Qwen3VLError
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+def _sample_type(record):
+    for key in ("type", "ui_type", "data_type"):
+        if record.get(key) is not None:
+            return str(record[key])
+    return None
+
+
+def read_records(path: str) -> List[dict]:
+    """Validated records of a grounding JSONL file (image paths resolved); InputError names the
+    line of the first bad record."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise InputError(f"--data {path!r} could not be read ({e.strerror or e}); check the path") from None
+    root = os.path.dirname(os.path.abspath(path))
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path} line {n}"
+        try:
+            r = json.loads(line)
+        except ValueError as e:
+            raise InputError(f"{where} is not valid JSON ({e}); fix or remove the line") from None
+        if not isinstance(r, dict) or not isinstance(r.get("image"), str) or not isinstance(r.get("instruction"), str):
+            raise InputError(f"{where} needs string fields 'image' and 'instruction'")
+        negative = r.get("negative") is True or r.get("gt_type") == "negative"
+        bbox = r.get("bbox")
+        if not negative:
+            if not (isinstance(bbox, list) and len(bbox) == 4 and all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) for v in bbox)):
+                raise InputError(f"{where} needs 'bbox' = [x1, y1, x2, y2] in pixels "
+                                 "(or \"negative\": true for a sample whose target is absent)")
+        image = r["image"]
+        if not image.startswith(("http://", "https://", "data:")) and not os.path.isabs(image):
+            image = os.path.join(root, image)
+        if not image.startswith(("http://", "https://", "data:")) and not os.path.isfile(image):
+            raise InputError(f"{where}: image {r['image']!r} not found (paths are relative to the JSONL's folder)")
+        records.append({"index": len(records), "id": r.get("id", len(records)), "image": image,
+                        "instruction": r["instruction"], "bbox": None if negative else bbox,
+                        "negative": negative, "type": _sample_type(r),
+                        "platform": None if r.get("platform") is None else str(r["platform"])})
+    if not records:
+        raise InputError(f"--data {path!r} has no records")
+    return records
+
+
+def inside(point, bbox) -> bool:
+    """The point lies in the box, borders included (box corners in any order)."""
+    x, y = point
+    x1, x2 = sorted(bbox[0::2])
+    y1, y2 = sorted(bbox[1::2])
+    return x1 <= x <= x2 and y1 <= y <= y2
+
+
+def score(record, answer: str, width: int, height: int) -> dict:
+    """One sample's result line: the parsed answer and whether it is right."""
+    g = parse_grounding(answer, width, height)
+    correct = g.point is None if record["negative"] else (g.point is not None and inside(g.point, record["bbox"]))
+    return {"index": record["index"], "id": record["id"], "instruction": record["instruction"],
+            "type": record["type"], "platform": record["platform"], "negative": record["negative"],
+            "bbox": record["bbox"], "image_size": [width, height], "answer": answer,
+            "point": list(g.point) if g.point else None, "status": g.status, "correct": bool(correct)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Results file (resumable)
+# ---------------------------------------------------------------------------------------------
+def read_results(path: str, records: List[dict]) -> dict:
+    """Results already in `path`, by record index. A partial last line (an interrupted write) is
+    cut off; results written for other data are refused rather than mixed in."""
+    if not os.path.exists(path):
+        return {}
+    with open(path, "rb") as f:
+        data = f.read()
+    good_end = data.rfind(b"\n") + 1
+    done = {}
+    for n, line in enumerate(data[:good_end].decode("utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            i = r["index"]
+            same = 0 <= i < len(records) and r["instruction"] == records[i]["instruction"]
+        except (ValueError, KeyError, TypeError):
+            same = False
+        if not same:
+            raise InputError(f"--output {path!r} line {n} is not a result for this --data; "
+                             "pass another --output or delete the file to start over")
+        done[i] = r
+    if good_end < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+    return done
+
+
+def summarize(results: List[dict]) -> dict:
+    """Accuracy overall, on positives / negatives, per type and per platform."""
+    def acc(rows):
+        n, c = len(rows), sum(r["correct"] for r in rows)
+        return {"samples": n, "correct": c, "accuracy": round(c / n, 4) if n else None}
+
+    def split(key):
+        groups = {}
+        for r in results:
+            if r.get(key) is not None:
+                groups.setdefault(r[key], []).append(r)
+        return {k: acc(v) for k, v in sorted(groups.items())}
+
+    report = acc(results)
+    report.update(positive=acc([r for r in results if not r["negative"]]),
+                  negative=acc([r for r in results if r["negative"]]),
+                  refused=sum(r["status"] == "refused" for r in results),
+                  malformed=sum(r["status"] == "malformed" for r in results),
+                  by_type=split("type"), by_platform=split("platform"))
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+# ---------------------------------------------------------------------------------------------
+class ModelPredictor:
+    """Answers grounding samples with a loaded model: one generate() call for a single sample, one
+    left-padded batch_generate() call for several (each answer equals that sample run alone)."""
+
+    def __init__(self, model, processor, format="venus", allow_refusal=True, min_pixels=None,
+                 max_pixels=None, max_tokens=128):
+        self.model, self.processor = model, processor
+        self.format, self.allow_refusal = format, allow_refusal
+        self.options = dict(max_tokens=max_tokens, min_pixels=min_pixels, max_pixels=max_pixels)
+
+    def __call__(self, samples: List[dict]) -> List[str]:
+        from . import batch_generate, generate
+
+        msgs = [grounding_messages(s["pixels"], s["instruction"], self.format, self.allow_refusal) for s in samples]
+        if len(msgs) == 1:
+            return [generate(self.model, self.processor, messages=msgs[0], **self.options).text]
+        return [r.text for r in batch_generate(self.model, self.processor, [dict(messages=m) for m in msgs],
+                                               **self.options)]
+
+
+def evaluate(records: List[dict], predictor: Callable[[List[dict]], List[str]], output: str, *,
+             limit: Optional[int] = None, batch_size: int = 1, progress: bool = True) -> dict:
+    """Run `predictor` on the records not yet in `output` (the first `limit` of them), appending
+    one result line per sample as its batch finishes; return the report over those records.
+
+    `predictor(samples) -> answers` gets dicts with the record fields plus `pixels` (the loaded
+    RGB array); ModelPredictor wraps a model, and a test can pass any function."""
+    from .agent import _load_image
+
+    done = read_results(output, records)
+    records = records[:limit] if limit is not None else records
+    todo = [r for r in records if r["index"] not in done]
+    if done and todo:
+        print(f"resuming {output}: {len(done)} of {len(records)} samples done", file=sys.stderr)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(records), initial=len(done), unit="sample", file=sys.stderr, dynamic_ncols=True)
+    tic = time.perf_counter()
+    try:
+        with open(output, "a", encoding="utf-8") as out:
+            for s in range(0, len(todo), max(1, batch_size)):
+                batch = [dict(r, pixels=_load_image(r["image"])) for r in todo[s: s + max(1, batch_size)]]
+                answers = predictor(batch)
+                for r, answer in zip(batch, answers):
+                    height, width = r["pixels"].shape[:2]
+                    done[r["index"]] = result = score(r, answer, width, height)
+                    out.write(json.dumps(result, ensure_ascii=False) + "\n")
+                out.flush()
+                if bar is not None:
+                    bar.update(len(batch))
+    finally:
+        if bar is not None:
+            bar.close()
+    seconds = time.perf_counter() - tic
+    report = summarize([done[r["index"]] for r in records])
+    report.update(evaluated_now=len(todo), resumed=len(records) - len(todo),
+                  samples_per_s=round(len(todo) / seconds, 3) if todo and seconds > 0 else None,
+                  results=output)
+    return report
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m mlx_qwen3vl.eval_grounding",
+                                description="Grounding accuracy on ScreenSpot-style JSONL data.")
+    p.add_argument("--model", help="local folder or Hugging Face repo id")
+    p.add_argument("--data", required=True, help="JSONL: image, instruction, bbox [x1,y1,x2,y2] px, "
+                                                 "optional type, platform, negative")
+    p.add_argument("--output", help="per-sample results JSONL (default: <data name>.results.jsonl in the "
+                                    "current folder); an existing file is resumed")
+    p.add_argument("--report", help="also write the report JSON to this file")
+    p.add_argument("--limit", type=int, default=None, help="only the first N records")
+    p.add_argument("--format", choices=GROUNDING_FORMATS, default="venus")
+    p.add_argument("--no-refusal", action="store_true", help="venus format: no [-1,-1] clause in the prompt")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="samples per batch (default: 8 on a GPU, 1 on the CPU, where batching does not pay)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--min-pixels", type=int, default=None)
+    p.add_argument("--max-pixels", type=int, default=None)
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return p
+
+
+def main(argv=None, predictor=None):
+    """CLI entry point. `predictor` (samples -> answers) replaces loading --model: tests use it to
+    evaluate scripted answers through the same command line."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.limit is not None and args.limit < 1:
+            raise InputError(f"--limit {args.limit}: give a positive number of records")
+        if args.batch_size is not None and args.batch_size < 1:
+            raise InputError(f"--batch-size {args.batch_size}: give a positive number")
+        records = read_records(args.data)
+        output = args.output or os.path.splitext(os.path.basename(args.data))[0] + ".results.jsonl"
+        batch_size = args.batch_size
+        if predictor is None:
+            if not args.model:
+                raise InputError("give --model: the checkpoint to evaluate")
+            import mlx.core as mx
+
+            from . import load
+
+            model, processor = load(args.model, dtype=args.dtype)
+            predictor = ModelPredictor(model, processor, args.format, not args.no_refusal, args.min_pixels,
+                                       args.max_pixels, args.max_tokens)
+            if batch_size is None:
+                batch_size = 8 if mx.default_device().type == mx.gpu else 1
+        report = evaluate(records, predictor, output, limit=args.limit, batch_size=batch_size or 1,
+                          progress=not args.no_progress)
+        if args.report:
+            with open(args.report, "w", encoding="utf-8") as f:
+                json.dump(report, f, indent=2)
+    except Qwen3VLError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {e.filename or ''}: {e.strerror or e}; check the path", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
