@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import List, Optional, Sequence, Tuple
 
+from .errors import InputError
+
 SCALE = 1000  # Qwen3-VL's relative coordinate range
 
 # ---------------------------------------------------------------------------------------------
@@ -225,7 +227,7 @@ def grounding_prompt(instruction: str, format: str = "venus", allow_refusal: boo
         return QWEN_GROUNDING_PROMPT.format(instruction)
     if format == "computer_use":
         return instruction
-    raise ValueError(f"unknown grounding format {format!r}; use venus, qwen or computer_use")
+    raise InputError(f"unknown grounding format {format!r}; use venus, qwen or computer_use")
 
 
 GROUNDING_FORMATS = ("venus", "qwen", "computer_use")
@@ -253,7 +255,7 @@ def navigation_prompt(task: str, history: Sequence = (), kind: str = "mobile",
     objects, Actions from parse_action, or (think, action) pairs), numbered from 0 in the window."""
     template = {"mobile": VENUS_MOBILE_PROMPT, "web": VENUS_WEB_PROMPT}.get(kind)
     if template is None:
-        raise ValueError(f"unknown navigation prompt kind {kind!r}; use mobile or web")
+        raise InputError(f"unknown navigation prompt kind {kind!r}; use mobile or web")
     recent = list(history)[-history_length:] if history_length > 0 else []
     lines = []
     for i, step in enumerate(recent):
@@ -296,7 +298,7 @@ def to_pixel(v, size: int) -> int:
     floor(v / 1000 * size), clamped to [0, size - 1], computed exactly."""
     f = _number(v)
     if f is None:
-        raise ValueError(f"coordinate {v!r} is not a number")
+        raise InputError(f"coordinate {v!r} is not a number")
     return max(0, min(size - 1, math.floor(f * size / SCALE)))
 
 
@@ -320,7 +322,8 @@ class Grounding:
     """A grounding answer in the original image's pixels.
 
     status: "ok" (a point, and a box when the answer gave one), "refused" (the model said the
-    target is absent: [-1,-1], or a computer_use `terminate`), "malformed" (no usable coordinates)."""
+    target is absent: UI-Venus' [-1,-1], Qwen's empty JSON list [], or a computer_use
+    `terminate`), "malformed" (no usable coordinates: neither a point nor a refusal)."""
 
     point: Optional[Tuple[int, int]]
     box: Optional[Tuple[int, int, int, int]]
@@ -335,6 +338,7 @@ _GROUP = re.compile(r"[\[(]\s*" + _NUM + _SEP + _NUM + r"(?:" + _SEP + _NUM + _S
 _SECOND_POINT = re.compile(r"\s*,?\s*[\[(]\s*" + _NUM + _SEP + _NUM + r"\s*[\])]")
 _TAG = {tag: re.compile(rf"<{tag}>(.*?)(?:</{tag}>|$)", re.S) for tag in ("think", "action", "conclusion", "answer")}
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+_EMPTY_JSON_LIST = re.compile(r"\s*(?:```(?:json)?\s*)?\[\s*\]\s*(?:```)?\s*")
 
 
 def _tag(text, tag):
@@ -359,9 +363,11 @@ def parse_grounding(text: str, width: int, height: int) -> Grounding:
     Understood: `[x,y]` / `(x,y)`; a box `[x1,y1,x2,y2]` or two corners `[x1,y1],[x2,y2]` (point
     = the box centre); Qwen's `{"bbox_2d": [...]}` / `{"point_2d": [...]}` JSON (first object);
     UI-Venus actions such as `Click(box=(x,y))` (inside <action> when present); a `computer_use`
-    tool call's `coordinate`. `[-1,-1]` and a `terminate` call are refusals."""
+    tool call's `coordinate`. `[-1,-1]`, an empty JSON list and a `terminate` call are refusals."""
     answer = text if isinstance(text, str) else ""
     body = answer
+    if _EMPTY_JSON_LIST.fullmatch(body):
+        return Grounding(None, None, "refused", answer)
     call = _TOOL_CALL.search(body)
     if call:
         args = _tool_arguments(call.group(1))
@@ -581,7 +587,7 @@ def ground(model, processor, image, instruction: str, *, format: str = "venus", 
     from . import generate
 
     if format not in GROUNDING_FORMATS:
-        raise ValueError(f"unknown grounding format {format!r}; use {', '.join(GROUNDING_FORMATS)}")
+        raise InputError(f"unknown grounding format {format!r}; use {', '.join(GROUNDING_FORMATS)}")
     rgb = _load_image(image)
     height, width = rgb.shape[:2]
     tic = time.perf_counter()

@@ -6,7 +6,8 @@ Each JSONL record: `image` (path, relative to the JSONL's folder unless absolute
 `bbox` = [x1, y1, x2, y2] in that image's pixels, optional `id`, `type` (or `ui_type` /
 `data_type`), `platform`; a negative sample (target absent) has `"negative": true` (or
 `"gt_type": "negative"`) and needs no bbox. A positive is right when the predicted point lies
-inside the box, borders included; a negative is right when the model gives no point (refuses).
+inside the box, borders included; a negative is right when the model refuses ([-1,-1], an empty
+JSON list, a `terminate` call); a malformed answer is wrong for both.
 
 Per-sample results go to --output (JSONL, one line per sample as it finishes); rerunning with the
 same --output resumes where it stopped. The report (JSON) goes to stdout.
@@ -85,7 +86,7 @@ def inside(point, bbox) -> bool:
 def score(record, answer: str, width: int, height: int) -> dict:
     """One sample's result line: the parsed answer and whether it is right."""
     g = parse_grounding(answer, width, height)
-    correct = g.point is None if record["negative"] else (g.point is not None and inside(g.point, record["bbox"]))
+    correct = g.status == "refused" if record["negative"] else (g.point is not None and inside(g.point, record["bbox"]))
     return {"index": record["index"], "id": record["id"], "instruction": record["instruction"],
             "type": record["type"], "platform": record["platform"], "negative": record["negative"],
             "bbox": record["bbox"], "image_size": [width, height], "answer": answer,
@@ -95,16 +96,17 @@ def score(record, answer: str, width: int, height: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Results file (resumable)
 # ---------------------------------------------------------------------------------------------
-def read_results(path: str, records: List[dict]) -> dict:
+def read_results(path: str, records: List[dict], settings: Optional[dict] = None) -> dict:
     """Results already in `path`, by record index. A partial last line (an interrupted write) is
-    cut off; results written for other data are refused rather than mixed in."""
+    cut off; results of other data or of a run with other settings (model, format, pixel budget,
+    ...) are refused rather than mixed in."""
     if not os.path.exists(path):
         return {}
     with open(path, "rb") as f:
         data = f.read()
     good_end = data.rfind(b"\n") + 1
     done = {}
-    for n, line in enumerate(data[:good_end].decode("utf-8").splitlines(), 1):
+    for n, line in enumerate(data[:good_end].decode("utf-8", errors="replace").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -115,6 +117,9 @@ def read_results(path: str, records: List[dict]) -> dict:
             same = False
         if not same:
             raise InputError(f"--output {path!r} line {n} is not a result for this --data; "
+                             "pass another --output or delete the file to start over")
+        if r.get("settings") != settings:
+            raise InputError(f"--output {path!r} line {n} was written with other settings ({r.get('settings')}); "
                              "pass another --output or delete the file to start over")
         done[i] = r
     if good_end < len(data):
@@ -169,15 +174,18 @@ class ModelPredictor:
 
 
 def evaluate(records: List[dict], predictor: Callable[[List[dict]], List[str]], output: str, *,
-             limit: Optional[int] = None, batch_size: int = 1, progress: bool = True) -> dict:
+             limit: Optional[int] = None, batch_size: int = 1, progress: bool = True,
+             settings: Optional[dict] = None) -> dict:
     """Run `predictor` on the records not yet in `output` (the first `limit` of them), appending
     one result line per sample as its batch finishes; return the report over those records.
 
     `predictor(samples) -> answers` gets dicts with the record fields plus `pixels` (the loaded
-    RGB array); ModelPredictor wraps a model, and a test can pass any function."""
+    RGB array); ModelPredictor wraps a model, and a test can pass any function. `settings` (what
+    produced the answers: model, format, ...) is stored with each result, and a resumed file must
+    have been written with the same."""
     from .agent import _load_image
 
-    done = read_results(output, records)
+    done = read_results(output, records, settings)
     records = records[:limit] if limit is not None else records
     todo = [r for r in records if r["index"] not in done]
     if done and todo:
@@ -195,7 +203,7 @@ def evaluate(records: List[dict], predictor: Callable[[List[dict]], List[str]], 
                 answers = predictor(batch)
                 for r, answer in zip(batch, answers):
                     height, width = r["pixels"].shape[:2]
-                    done[r["index"]] = result = score(r, answer, width, height)
+                    done[r["index"]] = result = dict(score(r, answer, width, height), settings=settings)
                     out.write(json.dumps(result, ensure_ascii=False) + "\n")
                 out.flush()
                 if bar is not None:
@@ -217,8 +225,8 @@ def build_parser():
     p.add_argument("--model", help="local folder or Hugging Face repo id")
     p.add_argument("--data", required=True, help="JSONL: image, instruction, bbox [x1,y1,x2,y2] px, "
                                                  "optional type, platform, negative")
-    p.add_argument("--output", help="per-sample results JSONL (default: <data name>.results.jsonl in the "
-                                    "current folder); an existing file is resumed")
+    p.add_argument("--output", help="per-sample results JSONL (default: <data name>.<model name>.results.jsonl "
+                                    "in the current folder); an existing file of the same run is resumed")
     p.add_argument("--report", help="also write the report JSON to this file")
     p.add_argument("--limit", type=int, default=None, help="only the first N records")
     p.add_argument("--format", choices=GROUNDING_FORMATS, default="venus")
@@ -243,7 +251,15 @@ def main(argv=None, predictor=None):
         if args.batch_size is not None and args.batch_size < 1:
             raise InputError(f"--batch-size {args.batch_size}: give a positive number")
         records = read_records(args.data)
-        output = args.output or os.path.splitext(os.path.basename(args.data))[0] + ".results.jsonl"
+        settings = None
+        if predictor is None or args.model:
+            settings = {"model": args.model, "format": args.format, "refusal": not args.no_refusal,
+                        "min_pixels": args.min_pixels, "max_pixels": args.max_pixels, "max_tokens": args.max_tokens,
+                        "dtype": args.dtype}
+        stem = os.path.splitext(os.path.basename(args.data))[0]
+        if args.model:
+            stem += "." + (os.path.basename(os.path.normpath(args.model)) or "model").replace("/", "_")
+        output = args.output or stem + ".results.jsonl"
         batch_size = args.batch_size
         if predictor is None:
             if not args.model:
@@ -258,7 +274,7 @@ def main(argv=None, predictor=None):
             if batch_size is None:
                 batch_size = 8 if mx.default_device().type == mx.gpu else 1
         report = evaluate(records, predictor, output, limit=args.limit, batch_size=batch_size or 1,
-                          progress=not args.no_progress)
+                          progress=not args.no_progress, settings=settings)
         if args.report:
             with open(args.report, "w", encoding="utf-8") as f:
                 json.dump(report, f, indent=2)

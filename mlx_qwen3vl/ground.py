@@ -48,6 +48,9 @@ def write_png_atomically(image, path):
     try:
         with os.fdopen(fd, "wb") as f:
             image.save(f, format="PNG")
+        umask = os.umask(0)  # mkstemp makes the file private; give it the usual permissions
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except OSError as e:
         raise InputError(f"--annotate {path!r} could not be written ({e.strerror or e}); check the path") from None

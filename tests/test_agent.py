@@ -79,7 +79,7 @@ def test_answer_formats_map_to_original_pixels(answer, points, boxes, size):
 
 
 @pytest.mark.parametrize("answer", [
-    "[-1,-1]", "[-1, -1]", "(-1,-1)",
+    "[-1,-1]", "[-1, -1]", "(-1,-1)", "[]", "```json\n[]\n```",
     '<tool_call>\n{"name": "computer_use", "arguments": {"action": "terminate", "status": "failure"}}\n</tool_call>'])
 def test_refusals(answer):
     g = parse_grounding(answer, 123, 77)
@@ -385,6 +385,16 @@ FULL_REPORT = {
 }
 
 
+@pytest.mark.parametrize("answer,negative_right,positive_right", [
+    ("[-1,-1]", True, False), ("[]", True, False), ("I see no such thing", False, False),
+    ("[500,500]", False, True), ("[0,0]", False, False)])
+def test_scoring_rules(answer, negative_right, positive_right):
+    negative = {"index": 0, "id": 0, "instruction": "x", "type": None, "platform": None, "negative": True, "bbox": None}
+    positive = dict(negative, negative=False, bbox=[50, 50, 60, 60])
+    assert eval_grounding.score(negative, answer, 100, 100)["correct"] is negative_right
+    assert eval_grounding.score(positive, answer, 100, 100)["correct"] is positive_right
+
+
 class Scripted:
     """A model whose answers are known: records every batch it was asked."""
 
@@ -503,16 +513,26 @@ def test_eval_bad_arguments(capsys):
 
 def test_eval_end_to_end_on_the_tiny_checkpoint(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default --output lands in the current folder
-    code, out, _ = _cli(eval_grounding.main, ["--model", str(TINY), "--data", str(DATA), "--limit", "3",
-                                              "--batch-size", "2", "--max-tokens", "4", "--no-progress"], capsys)
+    base = ["--model", str(TINY), "--data", str(DATA), "--limit", "3", "--max-tokens", "4", "--no-progress"]
+    code, out, _ = _cli(eval_grounding.main, base + ["--batch-size", "2"], capsys)
     assert code == 0
     report = json.loads(out)
     assert report["samples"] == 3 and report["evaluated_now"] == 3
-    rows = [json.loads(line) for line in (tmp_path / "screenspot_tiny.results.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "screenspot_tiny.tiny-a.results.jsonl").read_text().splitlines()]
     assert [r["index"] for r in rows] == [0, 1, 2]
+    assert rows[0]["settings"]["model"] == str(TINY) and rows[0]["settings"]["max_tokens"] == 4
     for r in rows:  # whatever the random model said, it was scored by the same rule
         assert r["point"] == (list(parse_point(r["answer"], *r["image_size"]) or []) or None)
     assert report["correct"] == sum(r["correct"] for r in rows)
+    # Batched answers (a 300x200 and a 300x200 image, then a 90x260 one) equal one-by-one answers.
+    code, out, _ = _cli(eval_grounding.main, base + ["--batch-size", "1", "--output", "single.jsonl"], capsys)
+    assert code == 0
+    single = [json.loads(line) for line in (tmp_path / "single.jsonl").read_text().splitlines()]
+    assert [r["answer"] for r in single] == [r["answer"] for r in rows]
+    # Resuming a file written with other settings is refused, not mixed.
+    code, out, err = _cli(eval_grounding.main, base + ["--format", "qwen", "--output",
+                                                       "screenspot_tiny.tiny-a.results.jsonl"], capsys)
+    assert code == 2 and "other settings" in err and err.count("\n") == 1
 
 
 # ---------------------------------------------------------------------------------------------
