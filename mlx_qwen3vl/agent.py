@@ -15,7 +15,7 @@ mapped by the same rule. Values outside 0-1000 are a malformed answer, except th
 
     from mlx_qwen3vl import load
     from mlx_qwen3vl.agent import ground, parse_action
-    model, processor = load("inclusionAI/UI-Venus-1.5-8B")
+    model, processor = load("path/to/UI-Venus-1.5")
     hit = ground(model, processor, "screen.png", "the Apply button")
     print(hit.point, hit.box, hit.answer)
 """
