@@ -599,6 +599,21 @@ def ground(model, processor, image, instruction: str, *, format: str = "venus", 
                            out.prompt_tokens, out.generation_tokens, out.prompt_tps, out.generation_tps)
 
 
+def navigate(model, processor, image, task: str, history: Sequence = (), *, kind: str = "mobile",
+             history_length: int = VENUS_HISTORY_LENGTH, **generate_kwargs) -> Tuple[str, Optional[Action]]:
+    """One UI-Venus-1.5 navigation step on `image`: its prompt (the last `history_length` steps of
+    `history` as text), sampled as UI-Venus' runner does (VENUS_NAVIGATION_SAMPLING, overridable).
+    Returns the raw answer and its Action in the image's pixels (None if the answer has none);
+    append the Action to `history` for the next step."""
+    from . import generate
+
+    rgb = _load_image(image)
+    height, width = rgb.shape[:2]
+    options = {**VENUS_NAVIGATION_SAMPLING, **generate_kwargs}
+    out = generate(model, processor, messages=navigation_messages(rgb, task, history, kind, history_length), **options)
+    return out.text, parse_action(out.text, width, height)
+
+
 def annotate(image, point=None, box=None, path=None):
     """Draw `box` (outline) and `point` (ringed dot with a crosshair) on a copy of the image (RGB
     array or PIL image); returns the PIL image, also written to `path` as PNG when given."""
@@ -623,7 +638,7 @@ def annotate(image, point=None, box=None, path=None):
     return im
 
 
-__all__ = ["ground", "annotate", "parse_point", "parse_grounding", "parse_action", "to_pixel",
+__all__ = ["ground", "navigate", "annotate", "parse_point", "parse_grounding", "parse_action", "to_pixel",
            "grounding_prompt", "grounding_messages", "navigation_prompt", "navigation_messages",
            "computer_use_messages", "computer_use_system_prompt", "computer_use_tool", "Action", "Step",
            "Grounding", "GroundingResult", "VENUS_NAVIGATION_SAMPLING", "GROUNDING_FORMATS"]

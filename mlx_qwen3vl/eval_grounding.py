@@ -285,7 +285,7 @@ def main(argv=None, predictor=None):
         print(f"error: {e.filename or ''}: {e.strerror or e}; check the path", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("\ninterrupted; rerun the same command to resume", file=sys.stderr)
+        print("interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
     print(json.dumps(report, indent=2))
     return 0

@@ -285,6 +285,15 @@ def test_ground_end_to_end_maps_to_original_size(tiny, image, budget):
     assert d["image_size"] == [width, height] and d["answer"] == result.answer
 
 
+def test_navigate_step_on_the_tiny_checkpoint(tiny):
+    model, processor = tiny
+    history = [Step("look", "Click(box=(10, 10))")]
+    answer, action = agent.navigate(model, processor, str(MEDIA / "img_90x260.png"), "Open Wi-Fi", history,
+                                    max_tokens=4)
+    assert isinstance(answer, str)
+    assert action == parse_action(answer, 90, 260)
+
+
 # ---------------------------------------------------------------------------------------------
 # The ground CLI
 # ---------------------------------------------------------------------------------------------
@@ -312,6 +321,18 @@ def test_ground_cli_json_and_annotation(tmp_path, capsys):
     assert (after[23, 24] != before[23, 24]).any()  # the point
     assert (after[15, 12] != before[15, 12]).any()  # the box's corner
     assert (after[70, 110] == before[70, 110]).all()  # far from both: untouched
+
+
+def test_ground_cli_takes_data_urls_without_subtype(tmp_path, capsys):
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    Image.new("RGB", (90, 260), (9, 9, 9)).save(buf, format="PNG")
+    for prefix in ("data:image;base64,", "data:image/png;base64,"):
+        url = prefix + base64.b64encode(buf.getvalue()).decode()
+        code, out, _ = _cli(ground_cli.main, ["--image", url, "--instruction", "x", "--answer", "[500,500]"], capsys)
+        assert code == 0 and json.loads(out)["point"] == [45, 130] and json.loads(out)["image_size"] == [90, 260]
 
 
 def test_ground_cli_refusal_draws_nothing(tmp_path, capsys):
