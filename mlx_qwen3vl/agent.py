@@ -217,6 +217,9 @@ def _image_block(image):
     return {"type": "image", "image": image}
 
 
+GROUNDING_FORMATS = ("venus", "qwen", "computer_use")
+
+
 def grounding_prompt(instruction: str, format: str = "venus", allow_refusal: bool = True) -> str:
     """The user text that asks for `instruction`'s location, in the model's trained wording."""
     if format == "venus":
@@ -227,10 +230,7 @@ def grounding_prompt(instruction: str, format: str = "venus", allow_refusal: boo
         return QWEN_GROUNDING_PROMPT.format(instruction)
     if format == "computer_use":
         return instruction
-    raise InputError(f"unknown grounding format {format!r}; use venus, qwen or computer_use")
-
-
-GROUNDING_FORMATS = ("venus", "qwen", "computer_use")
+    raise InputError(f"unknown grounding format {format!r}; use {', '.join(GROUNDING_FORMATS)}")
 
 
 def grounding_messages(image, instruction: str, format: str = "venus", allow_refusal: bool = True) -> list:

@@ -2,7 +2,8 @@
 
     python -m mlx_qwen3vl.eval_grounding --model PATH --data screenspot.jsonl [--limit N]
 
-Each JSONL record: `image` (path, relative to the JSONL's folder unless absolute), `instruction`,
+Each JSONL record: `image` (or ScreenSpot-Pro's `img_filename`; a path relative to the JSONL's
+folder unless absolute), `instruction`,
 `bbox` = [x1, y1, x2, y2] in that image's pixels, optional `id`, `type` (or `ui_type` /
 `data_type`), `platform`; a negative sample (target absent) has `"negative": true` (or
 `"gt_type": "negative"`) and needs no bbox. A positive is right when the predicted point lies
@@ -52,8 +53,10 @@ def read_records(path: str) -> List[dict]:
             r = json.loads(line)
         except ValueError as e:
             raise InputError(f"{where} is not valid JSON ({e}); fix or remove the line") from None
+        if isinstance(r, dict) and "image" not in r and "img_filename" in r:
+            r["image"] = r["img_filename"]
         if not isinstance(r, dict) or not isinstance(r.get("image"), str) or not isinstance(r.get("instruction"), str):
-            raise InputError(f"{where} needs string fields 'image' and 'instruction'")
+            raise InputError(f"{where} needs string fields 'image' (or 'img_filename') and 'instruction'")
         negative = r.get("negative") is True or r.get("gt_type") == "negative"
         bbox = r.get("bbox")
         if not negative:

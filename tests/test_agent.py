@@ -514,6 +514,8 @@ def test_eval_refuses_results_of_other_data(tmp_path, capsys):
     (['{"image": "../media/img_123x77.png", "instruction": "x", "bbox": [0, 0, 1, 1]}',
       '{"image": "nope.png", "instruction": "y", "bbox": [0, 0, 1, 1]}'], "line 2: image 'nope.png' not found"),
     (['{"instruction": "x", "bbox": [0, 0, 1, 1]}'], "line 1 needs string fields"),
+    (['{"img_filename": "../media/img_123x77.png", "instruction": "x", "bbox": [0, 0, 1, 1]}', "[1, 2]"],
+     "line 2 needs string fields"),  # ScreenSpot-Pro's img_filename is accepted; a non-object line is not
     ([], "has no records"),
 ])
 def test_eval_bad_data(tmp_path, lines, needle, capsys):
