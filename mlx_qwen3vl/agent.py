@@ -50,6 +50,8 @@ VENUS_REFUSAL_CLAUSE = (
 # UI-Venus-1.5 navigation (models/navigation/utils.py): one user turn per step, the prompt text
 # then the screenshot, after the system line "You are a helpful assistant."; earlier steps enter as
 # text only ("Step i: <think>..</think><action>..</action>", the last 5 in scripts/run_navi.sh).
+# That runner still rescales answers by the resized image (a UI-Venus-1.0 / Qwen2.5-VL leftover);
+# the 1.5 models answer 0-1000 like Qwen3-VL, which its Venus_framework maps by / 1000, as here.
 VENUS_MOBILE_PROMPT = """
 **You are a GUI Agent.**  
 Your task is to analyze a given user task, review current screenshot and previous actions, and determine the next action to complete the task.

@@ -460,10 +460,11 @@ def test_eval_scripted_report_and_results(tmp_path, capsys):
 
 def test_eval_batches_give_the_same_report(tmp_path, capsys):
     model = Scripted()
-    code, report, _ = _eval(["--data", str(DATA), "--output", str(tmp_path / "r.jsonl"), "--batch-size", "3"],
-                            capsys, model)
-    assert code == 0 and _core(report) == FULL_REPORT
+    code, out, err = _cli(eval_grounding.main, ["--data", str(DATA), "--output", str(tmp_path / "r.jsonl"),
+                                                "--batch-size", "3"], capsys, predictor=model)
+    assert code == 0 and _core(json.loads(out)) == FULL_REPORT
     assert [len(b) for b in model.batches] == [3, 3, 2]
+    assert "8/8" in err  # the progress bar, on stderr
 
 
 def test_eval_limit_then_resume(tmp_path, capsys):
