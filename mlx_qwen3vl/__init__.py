@@ -8,24 +8,26 @@
 from .cpu import blas  # noqa: F401  (loads an optimized BLAS, so it must run before mlx.core is imported)
 import warnings
 
-# `python -m mlx_qwen3vl.generate` runs a module this package has already imported (for the
-# public `generate` function, as mlx-lm does); runpy's warning about that is harmless here.
+# `python -m mlx_qwen3vl.generate` (the older spelling of `python -m mlx_qwen3vl`) runs a module
+# this package has already imported for its public `generate` function; runpy's warning about
+# that is harmless here.
 warnings.filterwarnings("ignore", message=r"'mlx_qwen3vl\.generate' found in sys\.modules", category=RuntimeWarning)
 
-from .generate import (ChatSession, GenerationResponse, GenerationResult, PromptCache,  # noqa: E402
-                       batch_generate, generate, stream_generate)
+from .generate import GenerationResponse, GenerationResult, batch_generate, generate, stream_generate  # noqa: E402
+from .prompt_cache import ChatSession, PromptCache  # noqa: E402
+from .sampling import SamplingParams  # noqa: E402
 from .hub import resolve_model_path  # noqa: E402
 from .processor import Processor  # noqa: E402
 from .weights import load_model  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["load", "generate", "stream_generate", "batch_generate", "ChatSession", "PromptCache",
-           "GenerationResult", "GenerationResponse", "Processor", "load_model"]
+           "SamplingParams", "GenerationResult", "GenerationResponse", "Processor", "load_model"]
 
 
 def load(path_or_hub_id, dtype=None, backend=None):
     """A local checkpoint folder or a hub repo id → (model, processor). dtype defaults to float32
     on the CPU backend and to the checkpoint's dtype on a GPU; backend "mlx", "cpu" or None
     (automatic, see backend.py)."""
-    path = resolve_model_path(path_or_hub_id)
+    path = resolve_model_path(path_or_hub_id, flag="load()'s path")
     return load_model(path, dtype, backend), Processor.from_pretrained(path)

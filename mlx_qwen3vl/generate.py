@@ -1,11 +1,11 @@
-"""Generation: chunked prefill, KV-cached decode, sampling, streaming, batching, multi-turn reuse,
-and the command line (`python -m mlx_qwen3vl.generate`).
+"""The token loop: chunked prefill, KV-cached decode, sampling, streaming and batching.
 
 The pieces follow gpt-fast's shape: `prefill` (vision once, then the prompt in chunks),
-`decode_step` (one token through the cache) and `sample`, composed by `generate_tokens`.
+`decode_step` (one token through the cache) and `sample`, composed by `generate_step`. Reuse
+across turns lives in prompt_cache.py, sampling settings in sampling.py, the CLI in __main__.py
+(`python -m mlx_qwen3vl`; `python -m mlx_qwen3vl.generate` runs the same).
 """
 
-import argparse
 import sys
 import time
 from dataclasses import dataclass, field
@@ -15,10 +15,11 @@ import mlx.core as mx
 import numpy as np
 
 from .backend import backend_of
-from .errors import InputError, Qwen3VLError
-from .positions import IMAGE, VIDEO
+from .errors import InputError
+from .prompt_cache import PromptCache, media_after
+from .sampling import FIELD_NAMES, Sampler, SamplingParams
 
-DEFAULT_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
+TEMPLATE_MARKER = "<|im_start|>"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -26,17 +27,23 @@ DEFAULT_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class GenerationResponse:
-    """One streamed piece: the new text plus running statistics."""
+    """One streamed piece: the new text plus running statistics (mlx-lm's field names)."""
 
     text: str
     token: Optional[int]
+    logprobs: Optional[mx.array]  # log-probabilities over the vocabulary for this step (V,)
     prompt_tokens: int
-    generation_tokens: int
     prompt_tps: float
+    generation_tokens: int
     generation_tps: float
-    peak_memory_gb: float
+    peak_memory: float  # GB
     finish_reason: Optional[str] = None  # "stop" (EOS or stop string) or "length", on the last piece
+    from_draft: bool = False
     cached_tokens: int = 0  # prompt tokens reused from a previous turn's cache
+
+    @property
+    def peak_memory_gb(self):
+        return self.peak_memory
 
 
 @dataclass
@@ -44,20 +51,17 @@ class GenerationResult:
     text: str
     token_ids: List[int]
     prompt_tokens: int
-    generation_tokens: int
     prompt_tps: float
+    generation_tokens: int
     generation_tps: float
-    peak_memory_gb: float
+    peak_memory: float  # GB
     finish_reason: str
     cached_tokens: int = 0
+    logprobs: List[float] = field(default_factory=list)  # of each chosen token
 
-
-@dataclass
-class PromptCache:
-    """KV cache plus the token ids it holds, kept between turns of one conversation (batch 1)."""
-
-    cache: list
-    tokens: List[int] = field(default_factory=list)
+    @property
+    def peak_memory_gb(self):
+        return self.peak_memory
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,96 +75,82 @@ def build_messages(prompt=None, images=(), videos=(), system=None):
     return messages + [{"role": "user", "content": content}]
 
 
-def encode_prompt(processor, prompt=None, *, messages=None, images=None, videos=None, video_fps=None,
-                  system=None, min_pixels=None, max_pixels=None, sample_frames=True, chat_template_kwargs=None):
-    """A raw prompt string (already templated), or a user prompt / messages → processor inputs."""
-    images = list(images or [])
-    videos = list(videos or [])
-    if messages is None and prompt is None:
-        raise InputError("give a prompt or messages")
-    if messages is None and ("<|im_start|>" in prompt):
-        text = prompt  # already a templated prompt
-    else:
-        if messages is None:
-            messages = build_messages(prompt, images, videos, system)
-        from .processor import extract_media
+def render_prompt(processor, prompt=None, *, messages=None, images=None, videos=None, system=None,
+                  templated=False, chat_template_kwargs=None):
+    """(prompt text, images, videos) of one request. The rules, shared by every entry point:
 
-        found_images, found_videos = extract_media(messages)
-        images = found_images or images
-        videos = found_videos or videos
-        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                             **(chat_template_kwargs or {}))
+    - `templated=True` marks `prompt` as already chat-templated text, used as it is (its image and
+      video placeholders take `images` / `videos` in order); nothing else does. A plain prompt that
+      contains `<|im_start|>` is refused rather than guessed at.
+    - Otherwise `prompt` is the user's text, or `messages` the conversation (not both); media come
+      from the messages' blocks, else from `images` / `videos`.
+    - `system=` adds a system message first; with messages that already start with one it is an error.
+    """
+    images, videos = list(images or []), list(videos or [])
+    if (prompt is None) == (messages is None):
+        raise InputError("give either a prompt or messages (one of them)")
+    if templated:
+        if not isinstance(prompt, str):
+            raise InputError("templated=True takes the templated text as prompt=, not messages=")
+        if system is not None:
+            raise InputError("system= cannot be added to an already templated prompt; put it in the text")
+        return prompt, images, videos
+    if messages is None:
+        if not isinstance(prompt, str):
+            raise InputError(f"prompt must be a string, not {type(prompt).__name__}")
+        if TEMPLATE_MARKER in prompt:
+            raise InputError(f"the prompt contains {TEMPLATE_MARKER}; if it is already chat-templated text, "
+                             "pass templated=True, else remove the marker")
+        messages = build_messages(prompt, images, videos, system)
+    elif system is not None:
+        if messages and isinstance(messages[0], dict) and messages[0].get("role") == "system":
+            raise InputError("system= was given but the messages already start with a system message; give one")
+        messages = [{"role": "system", "content": system}] + list(messages)
+    from .processor import extract_media
+
+    found_images, found_videos = extract_media(messages)
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         **(chat_template_kwargs or {}))
+    return text, found_images or images, found_videos or videos
+
+
+def encode_prompt(processor, prompt=None, *, messages=None, images=None, videos=None, video_fps=None,
+                  system=None, templated=False, min_pixels=None, max_pixels=None, sample_frames=True,
+                  chat_template_kwargs=None):
+    """One request → processor inputs (see render_prompt for the rules)."""
+    text, images, videos = render_prompt(processor, prompt, messages=messages, images=images, videos=videos,
+                                         system=system, templated=templated,
+                                         chat_template_kwargs=chat_template_kwargs)
     return processor(text=text, images=images or None, videos=videos or None, video_fps=video_fps,
                      sample_frames=sample_frames, min_pixels=min_pixels, max_pixels=max_pixels)
 
 
-def _vision_runs(types: np.ndarray):
-    """[(kind, start, end)] of each run of image/video placeholder tokens in one sequence."""
-    runs, i = [], 0
-    while i < len(types):
-        if types[i] != 0:
-            j = i
-            while j < len(types) and types[j] == types[i]:
-                j += 1
-            runs.append((int(types[i]), i, j))
-            i = j
-        else:
-            i += 1
-    return runs
-
-
-def _media_split(inputs, start):
-    """Move `start` back so no image/video is split by the cached prefix; return the new start and,
-    per kind, the index of the first image/video (and its first pixel row) after it."""
-    types = np.asarray(inputs["mm_token_type_ids"])[0]
-    runs = _vision_runs(types)
-    video_groups = np.asarray(inputs["video_grid_thw"])[:, 0] if "video_grid_thw" in inputs else np.zeros(0, int)
-    # Each video has t frame-group runs; map run → media index.
-    owner, counters = [], {IMAGE: 0, VIDEO: 0}
-    video_run = 0
-    for kind, s, e in runs:
-        if kind == IMAGE:
-            owner.append(counters[IMAGE])
-            counters[IMAGE] += 1
-        else:
-            idx = int(np.searchsorted(np.cumsum(video_groups), video_run, side="right"))
-            owner.append(idx)
-            video_run += 1
-    first_new = {IMAGE: counters[IMAGE], VIDEO: len(video_groups)}
-    for (kind, s, e), idx in zip(runs, owner):
-        if e > start:
-            first_new[kind] = min(first_new[kind], idx)
-    for (kind, s, e), idx in zip(runs, owner):  # back off to the first run of a partly cached media
-        if idx >= first_new[kind]:
-            start = min(start, s)
-    return start, first_new
-
-
-def _slice_media(inputs, first_new):
-    """Pixel rows and grids of the images / videos from `first_new` on."""
-    out = {}
-    for kind, px, grid in ((IMAGE, "pixel_values", "image_grid_thw"), (VIDEO, "pixel_values_videos", "video_grid_thw")):
-        if grid not in inputs:
-            continue
-        grids = np.asarray(inputs[grid])
-        k = first_new[kind]
-        if k >= len(grids):
-            continue
-        row = int(grids[:k].prod(-1).sum())
-        out[px], out[grid] = np.asarray(inputs[px])[row:], grids[k:]
-    return out
+def check_context(model, inputs):
+    """Refuse a prompt the model's positions do not reach, before any work is done."""
+    limit = model.config.text_config.max_position_embeddings
+    n = int(np.asarray(inputs["input_ids"]).shape[1])
+    if n >= limit:
+        raise InputError(f"the prompt is {n} tokens but the model's context is {limit} "
+                         "(max_position_embeddings); shorten it or use fewer or smaller images")
 
 
 # ---------------------------------------------------------------------------------------------
 # Prefill, decode, sample
 # ---------------------------------------------------------------------------------------------
+def _generation_stream():
+    # mlx_lm is imported on first use: importing it pulls in transformers (seconds of startup).
+    from mlx_lm.generate import generation_stream
+
+    return generation_stream
+
+
 def prefill(model, inputs, cache, *, start=0, prefill_step_size=2048):
     """Encode the new images/videos once, then run prompt positions [start, L) through the decoder
     in chunks of `prefill_step_size`, so activations stay bounded for long prompts.
 
     Returns (logits of the last position (B, V), next 1D position per sequence (B,)). DeepStack
     tensors are sliced with the chunk, so features land on the right positions across chunks."""
-    media = _slice_media(inputs, _media_split(inputs, start)[1]) if start else inputs
+    media = media_after(inputs, start)
     image_features = video_features = None
     if "pixel_values" in media:
         image_features = model.get_image_features(media["pixel_values"], media["image_grid_thw"])
@@ -180,6 +170,7 @@ def prefill(model, inputs, cache, *, start=0, prefill_step_size=2048):
         hidden = model.decode_hidden(prepared, mask, cache, s, e)
         if e < n:
             mx.eval([c.state for c in cache])
+            mx.clear_cache()
     logits = model.logits(hidden[:, -1, :])
     real = np.asarray(inputs["attention_mask"]).sum(-1) if "attention_mask" in inputs else np.full(
         logits.shape[0], np.asarray(inputs["input_ids"]).shape[-1])
@@ -204,32 +195,40 @@ def decode_step(model, tokens, cache, positions, key_mask=None):
     return model.logits(hidden[:, -1, :])
 
 
-def sample(logits, sampler, logits_processors, history, log_softmax):
-    """logits (B, V) → tokens (B,), log-probs (B, V). Processors (e.g. repetition penalty) see each
-    sequence's own history."""
-    if logits_processors:
-        rows = []
-        for b in range(logits.shape[0]):
-            row = logits[b: b + 1]
-            for proc in logits_processors:
-                row = proc(history[b], row)
-            rows.append(row)
-        logits = mx.concatenate(rows, axis=0)
+def sample(logits, sampler, histories, log_softmax):
+    """logits (B, V) → tokens (B,), log-probs (B, V).
+
+    `sampler` is one function over the batch's log-probs (e.g. mlx-lm's make_sampler), or one
+    `Sampler` per row: each applies its repetition penalty to its own row's history (real tokens
+    only, never the left-padding) and draws from its own random stream."""
+    if callable(sampler):
+        logprobs = log_softmax(logits)
+        return sampler(logprobs), logprobs
+    if any(s.processors for s in sampler):
+        logits = mx.concatenate([s.process(h, logits[b: b + 1]) for b, (s, h) in enumerate(zip(sampler, histories))])
     logprobs = log_softmax(logits)
-    return sampler(logprobs), logprobs
+    if all(s.greedy for s in sampler):
+        return mx.argmax(logprobs, axis=-1), logprobs
+    return mx.concatenate([s(logprobs[b: b + 1]) for b, s in enumerate(sampler)]), logprobs
 
 
-def generate_tokens(model, inputs, cache, *, sampler, logits_processors=None, max_tokens=256, start=0,
-                    prefill_step_size=2048, on_prefill_done=None) -> Iterator[mx.array]:
-    """Yield sampled tokens (B,) one step at a time. A yielded token may or may not have been fed
-    into `cache` yet (see `eager` below); callers keeping the cache trim it to what they keep."""
-    logits, positions = prefill(model, inputs, cache, start=start, prefill_step_size=prefill_step_size)
-    key_mask = _mask_or_none(inputs)
-    ids = np.asarray(inputs["input_ids"])
-    history = [mx.array(ids[b]) for b in range(ids.shape[0])] if logits_processors else None
+def generate_step(model, inputs, cache, *, sampler, max_tokens=256, start=0, prefill_step_size=2048,
+                  on_prefill_done=None) -> Iterator[tuple]:
+    """Yield (tokens (B,), log-probs (B, V)) one step at a time. A yielded token may or may not
+    have been fed into `cache` yet (see `eager` below); callers keeping the cache trim it to what
+    they keep."""
+    stream = _generation_stream()
     backend = backend_of(model)
-    y, _ = sample(logits, sampler, logits_processors, history, backend.log_softmax)
-    mx.async_eval(y)
+    with mx.stream(stream):
+        logits, positions = prefill(model, inputs, cache, start=start, prefill_step_size=prefill_step_size)
+        key_mask = _mask_or_none(inputs)
+        histories = None
+        if not callable(sampler) and any(s.processors for s in sampler):
+            ids = np.asarray(inputs["input_ids"])
+            real = np.asarray(inputs.get("attention_mask", np.ones_like(ids))).astype(bool)
+            histories = [mx.array(ids[b][real[b]]) for b in range(ids.shape[0])]
+        y, logprobs = sample(logits, sampler, histories, backend.log_softmax)
+        mx.async_eval(y, logprobs)
     if on_prefill_done:
         mx.eval(y)
         on_prefill_done()
@@ -239,27 +238,36 @@ def generate_tokens(model, inputs, cache, *, sampler, logits_processors=None, ma
     eager = backend.eager
 
     def advance(y):
-        nonlocal key_mask, history, positions
-        if key_mask is not None:
-            key_mask = mx.concatenate([key_mask, mx.ones((key_mask.shape[0], 1), key_mask.dtype)], axis=1)
-        if history is not None:
-            history = [mx.concatenate([h, y[b: b + 1]]) for b, h in enumerate(history)]
-        logits = decode_step(model, y, cache, positions, key_mask)
-        positions = positions + 1
-        next_y, _ = sample(logits, sampler, logits_processors, history, backend.log_softmax)
-        mx.async_eval(next_y)
-        return next_y
+        nonlocal key_mask, histories, positions
+        with mx.stream(stream):
+            if key_mask is not None:
+                key_mask = mx.concatenate([key_mask, mx.ones((key_mask.shape[0], 1), key_mask.dtype)], axis=1)
+            if histories is not None:
+                histories = [mx.concatenate([h, y[b: b + 1]]) for b, h in enumerate(histories)]
+            logits = decode_step(model, y, cache, positions, key_mask)
+            positions = positions + 1
+            step = sample(logits, sampler, histories, backend.log_softmax)
+            mx.async_eval(*step)
+        return step
 
     for n in range(max_tokens):
         last = n + 1 == max_tokens
-        next_y = None if eager or last else advance(y)
-        yield y
+        ahead = None if eager or last else advance(y)
+        yield y, logprobs
         if not last:
-            y = advance(y) if next_y is None else next_y
+            y, logprobs = advance(y) if ahead is None else ahead
+        if n % 256 == 255:
+            mx.clear_cache()
+
+
+def generate_tokens(model, inputs, cache, **kwargs) -> Iterator[mx.array]:
+    """generate_step's tokens alone (B,), for callers that need no log-probs."""
+    for y, _ in generate_step(model, inputs, cache, **kwargs):
+        yield y
 
 
 # ---------------------------------------------------------------------------------------------
-# User-facing API
+# Tokens → text
 # ---------------------------------------------------------------------------------------------
 def eos_token_ids(model, processor) -> set:
     """The checkpoint's EOS ids (generation_config.json) and the tokenizer's."""
@@ -269,306 +277,193 @@ def eos_token_ids(model, processor) -> set:
     return ids
 
 
-def _sampling(temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, seed):
-    # mlx_lm is imported on first use: importing it pulls in transformers (seconds of startup).
-    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+class AnswerText:
+    """One request's answer as it streams: mlx-lm's streaming detokenizer (multi-byte characters
+    never break), EOS tokens and stop strings end it, max_tokens bounds it. Text that could still
+    turn out to be the start of a stop string is held back until it is decided, so the streamed
+    pieces always add up to the final text."""
 
-    if seed is not None:
-        mx.random.seed(seed)
-    sampler = make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
-    processors = make_logits_processors(
-        repetition_penalty=repetition_penalty if repetition_penalty not in (None, 1.0) else None,
-        repetition_context_size=repetition_context_size,
-    )
-    return sampler, processors
+    def __init__(self, processor, stop_ids, params: SamplingParams):
+        from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+        self.detok = TokenizerWrapper(processor.tokenizer).detokenizer
+        self.detok.reset()
+        self.stop_ids, self.stops, self.max_tokens = stop_ids, params.stop_strings, params.max_tokens
+        self.tokens, self.text, self.pending, self.finish = [], "", "", None
+
+    def _held(self, text):
+        """Length of the longest end of `text` that begins some stop string."""
+        return max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:k])), default=0)
+
+    def add(self, token: int) -> str:
+        """Take one token; return the text it releases (self.finish says whether it ended)."""
+        self.tokens.append(token)
+        if token in self.stop_ids:
+            self.finish = "stop"
+        else:
+            self.detok.add_token(token)
+        if self.finish is None and len(self.tokens) >= self.max_tokens:
+            self.finish = "length"
+        if self.finish:
+            self.detok.finalize()
+        pending = self.pending + self.detok.last_segment
+        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            pending, self.finish = pending[:min(hits)], "stop"
+        keep = 0 if self.finish else self._held(pending)
+        piece, self.pending = pending[:len(pending) - keep], pending[len(pending) - keep:]
+        self.text += piece
+        return piece
 
 
-def _common_prefix(a: List[int], b: List[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+def _sampling(sampling, kwargs) -> SamplingParams:
+    return SamplingParams.build(sampling, **{k: kwargs.pop(k) for k in list(kwargs) if k in FIELD_NAMES})
 
 
-def _trim(prompt_cache: PromptCache, keep: int):
-    drop = prompt_cache.cache[0].offset - keep if prompt_cache.cache else 0
-    if drop > 0:
-        for c in prompt_cache.cache:
-            c.trim(drop)
-    prompt_cache.tokens = prompt_cache.tokens[:keep]
-
-
+# ---------------------------------------------------------------------------------------------
+# User-facing API
+# ---------------------------------------------------------------------------------------------
 def stream_generate(model, processor, prompt=None, *, messages=None, images=None, videos=None, video_fps=None,
-                    system=None, max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
-                    repetition_penalty=None, repetition_context_size=20, seed=None, stop=None,
+                    system=None, templated=False, sampling: Optional[SamplingParams] = None,
                     prefill_step_size=2048, min_pixels=None, max_pixels=None, sample_frames=True,
-                    prompt_cache: Optional[PromptCache] = None,
-                    chat_template_kwargs=None) -> Iterator[GenerationResponse]:
-    """Yield the answer piece by piece (mlx-lm's streaming detokenizer, so multi-byte characters
-    never break), each piece with running statistics; the last one carries finish_reason.
+                    prompt_cache: Optional[PromptCache] = None, chat_template_kwargs=None, inputs=None,
+                    **sampling_kwargs) -> Iterator[GenerationResponse]:
+    """Yield the answer piece by piece, each piece with running statistics; the last one carries
+    finish_reason. Sampling settings come as `sampling=SamplingParams(...)` and/or as its field
+    names (max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop, ...).
 
-    With `prompt_cache`, the KV cache of earlier turns is reused for the longest common token
-    prefix and only the rest of the prompt (and only new images) is computed."""
-    inputs = encode_prompt(processor, prompt, messages=messages, images=images, videos=videos,
-                           video_fps=video_fps, system=system, min_pixels=min_pixels, max_pixels=max_pixels,
-                           sample_frames=sample_frames, chat_template_kwargs=chat_template_kwargs)
+    With `prompt_cache`, the KV cache of earlier turns is reused for the longest prefix that holds
+    the same tokens and the same images and videos, and only the rest is computed. `inputs` takes
+    processor outputs instead of a prompt."""
+    params = _sampling(sampling, sampling_kwargs)
+    if sampling_kwargs:
+        raise TypeError(f"stream_generate got unexpected argument(s) {', '.join(sorted(sampling_kwargs))}")
+    if inputs is None:
+        inputs = encode_prompt(processor, prompt, messages=messages, images=images, videos=videos,
+                               video_fps=video_fps, system=system, templated=templated, min_pixels=min_pixels,
+                               max_pixels=max_pixels, sample_frames=sample_frames,
+                               chat_template_kwargs=chat_template_kwargs)
     ids = np.asarray(inputs["input_ids"])
     if ids.shape[0] != 1:
         raise InputError("stream_generate takes one prompt; use batch_generate for several")
-    sampler, processors = _sampling(temperature, top_p, top_k, min_p, repetition_penalty,
-                                    repetition_context_size, seed)
-    start = 0
-    if prompt_cache is not None:
-        # Reuse the longest cached prefix, leaving at least one token to compute (its logits start
-        # the answer) and never splitting an image or video.
-        start = _common_prefix(prompt_cache.tokens, ids[0, :-1].tolist())
-        start, _ = _media_split(inputs, start)
-        _trim(prompt_cache, start)
-        cache = prompt_cache.cache
-    else:
-        cache = model.make_cache()
-
-    stop_ids = eos_token_ids(model, processor)
-    stop_strings = [stop] if isinstance(stop, str) else list(stop or [])
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-    detok = TokenizerWrapper(processor.tokenizer).detokenizer
-    detok.reset()
+    check_context(model, inputs)
+    start = prompt_cache.reuse(inputs) if prompt_cache is not None else 0
+    cache = prompt_cache.cache if prompt_cache is not None else model.make_cache()
+    answer = AnswerText(processor, eos_token_ids(model, processor), params)
     mx.reset_peak_memory()
     tic = time.perf_counter()
     timing = {}
 
-    def prefill_done():
-        timing["prompt"] = time.perf_counter() - tic
+    def stats():
+        prompt_s = timing.get("prompt", 1e-9)
+        n = len(answer.tokens)
+        return dict(prompt_tokens=ids.shape[1], cached_tokens=start,
+                    prompt_tps=(ids.shape[1] - start) / max(prompt_s, 1e-9), generation_tokens=n,
+                    generation_tps=(n - 1) / max(time.perf_counter() - tic - prompt_s, 1e-9) if n > 1 else 0.0,
+                    peak_memory=mx.get_peak_memory() / 1e9)
 
-    n_prompt = ids.shape[1] - start
-    tokens, text, finish = [], "", None
-    stats = lambda: dict(
-        prompt_tokens=ids.shape[1], cached_tokens=start,
-        generation_tokens=len(tokens),
-        prompt_tps=n_prompt / max(timing.get("prompt", 1e-9), 1e-9),
-        generation_tps=(len(tokens) - 1) / max(time.perf_counter() - tic - timing.get("prompt", 0), 1e-9)
-        if len(tokens) > 1 else 0.0,
-        peak_memory_gb=mx.get_peak_memory() / 1e9,
-    )
-    for y in generate_tokens(model, inputs, cache, sampler=sampler, logits_processors=processors,
-                             max_tokens=max_tokens, start=start, prefill_step_size=prefill_step_size,
-                             on_prefill_done=prefill_done):
-        token = int(y.item())
-        tokens.append(token)
-        if token in stop_ids:
-            finish = "stop"
-        else:
-            detok.add_token(token)
-        if finish is None and len(tokens) == max_tokens:
-            finish = "length"
-        if finish:
-            detok.finalize()
-        piece = detok.last_segment
-        if stop_strings:
-            combined = text + piece
-            hit = min((combined.find(s) for s in stop_strings if s in combined), default=-1)
-            if hit >= 0:
-                piece, finish = combined[:hit][len(text):], "stop"
-        text += piece
-        yield GenerationResponse(text=piece, token=token, finish_reason=finish, **stats())
-        if finish:
-            break
-    if prompt_cache is not None:
-        # The decode loop may have fed the last token (or not): keep the prompt and all generated
-        # tokens but the last, which the next turn's template renders again anyway.
-        prompt_cache.tokens = ids[0].tolist() + tokens[:-1]
-        _trim(prompt_cache, len(prompt_cache.tokens))
+    from mlx_lm.generate import wired_limit
+
+    prefilled = False
+    try:
+        with wired_limit(model, [_generation_stream()]):
+            for y, logprobs in generate_step(
+                    model, inputs, cache, sampler=[Sampler(params)], max_tokens=params.max_tokens, start=start,
+                    prefill_step_size=prefill_step_size,
+                    on_prefill_done=lambda: timing.setdefault("prompt", time.perf_counter() - tic)):
+                prefilled = True
+                token = int(y.item())
+                piece = answer.add(token)
+                yield GenerationResponse(text=piece, token=token, logprobs=logprobs[0],
+                                         finish_reason=answer.finish, **stats())
+                if answer.finish:
+                    break
+    finally:
+        if prompt_cache is not None:
+            if prefilled:
+                prompt_cache.record(inputs, answer.tokens)
+            else:  # prefill failed part way: keep what the cache held before it
+                prompt_cache.trim(start)
 
 
 def generate(model, processor, prompt=None, **kwargs) -> GenerationResult:
     """Run to completion; see stream_generate for the arguments."""
-    text, tokens, last = "", [], None
+    text, tokens, logprobs, last = "", [], [], None
     for last in stream_generate(model, processor, prompt, **kwargs):
         text += last.text
         tokens.append(last.token)
-    return GenerationResult(text=text, token_ids=tokens, prompt_tokens=last.prompt_tokens,
+        logprobs.append(float(last.logprobs[last.token]))
+    return GenerationResult(text=text, token_ids=tokens, logprobs=logprobs, prompt_tokens=last.prompt_tokens,
                             generation_tokens=last.generation_tokens, prompt_tps=last.prompt_tps,
-                            generation_tps=last.generation_tps, peak_memory_gb=last.peak_memory_gb,
+                            generation_tps=last.generation_tps, peak_memory=last.peak_memory,
                             finish_reason=last.finish_reason, cached_tokens=last.cached_tokens)
 
 
-def batch_generate(model, processor, requests, *, max_tokens=256, temperature=0.0, top_p=1.0, top_k=0,
-                   min_p=0.0, repetition_penalty=None, repetition_context_size=20, seed=None,
-                   prefill_step_size=2048, min_pixels=None, max_pixels=None) -> List[GenerationResult]:
-    """Several requests (dicts with messages= or prompt=, images=, videos=, video_fps=) as one
-    left-padded batch with per-sequence rope deltas; each result equals that request run alone."""
-    texts, images, videos, fps = [], [], [], []
-    from .processor import extract_media
+REQUEST_KEYS = {"prompt", "messages", "images", "videos", "video_fps", "system", "templated"} | FIELD_NAMES
 
-    for r in requests:
-        messages = r.get("messages") or build_messages(r.get("prompt"), r.get("images"), r.get("videos"),
-                                                       r.get("system"))
-        found_i, found_v = extract_media(messages)
-        images += found_i or list(r.get("images") or [])
-        v = found_v or list(r.get("videos") or [])
-        videos += v
-        fps += [r.get("video_fps")] * len(v)
-        texts.append(processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+
+def batch_generate(model, processor, requests, *, sampling: Optional[SamplingParams] = None, prefill_step_size=2048,
+                   min_pixels=None, max_pixels=None, **sampling_kwargs) -> List[GenerationResult]:
+    """Several requests as one left-padded batch with per-sequence rope deltas; each result equals
+    that request run alone with generate(), sampling included (each request draws from its own
+    random stream, seeded by its `seed`).
+
+    A request is a dict with `prompt=` or `messages=` and optionally images, videos, video_fps,
+    system, templated (the rules of render_prompt), and any sampling field to override the batch's
+    (seed, temperature, max_tokens, stop, ...)."""
+    base = _sampling(sampling, sampling_kwargs)
+    if sampling_kwargs:
+        raise TypeError(f"batch_generate got unexpected argument(s) {', '.join(sorted(sampling_kwargs))}")
+    texts, images, videos, fps, params = [], [], [], [], []
+    for i, r in enumerate(requests):
+        if not isinstance(r, dict) or set(r) - REQUEST_KEYS:
+            extra = sorted(set(r) - REQUEST_KEYS) if isinstance(r, dict) else type(r).__name__
+            raise InputError(f"request {i + 1}: unexpected {extra}; use keys among {', '.join(sorted(REQUEST_KEYS))}")
+        params.append(SamplingParams.build(base, **{k: r[k] for k in r if k in FIELD_NAMES}))
+        text, found_i, found_v = render_prompt(processor, r.get("prompt"), messages=r.get("messages"),
+                                               images=r.get("images"), videos=r.get("videos"),
+                                               system=r.get("system"), templated=r.get("templated", False))
+        texts.append(text)
+        images += found_i
+        videos += found_v
+        fps += [r.get("video_fps")] * len(found_v)
+    if not texts:
+        return []
     inputs = processor(text=texts, images=images or None, videos=videos or None, video_fps=fps or None,
                        min_pixels=min_pixels, max_pixels=max_pixels, padding=True)
-    sampler, processors = _sampling(temperature, top_p, top_k, min_p, repetition_penalty,
-                                    repetition_context_size, seed)
+    check_context(model, inputs)
     stop_ids = eos_token_ids(model, processor)
-    B = len(texts)
-    out = [[] for _ in range(B)]
-    done = [None] * B
+    answers = [AnswerText(processor, stop_ids, p) for p in params]
+    chosen = [[] for _ in answers]
     mx.reset_peak_memory()
     tic = time.perf_counter()
     timing = {}
-    for y in generate_tokens(model, inputs, model.make_cache(), sampler=sampler, logits_processors=processors,
-                             max_tokens=max_tokens, prefill_step_size=prefill_step_size,
-                             on_prefill_done=lambda: timing.setdefault("prompt", time.perf_counter() - tic)):
-        for b, t in enumerate(y.tolist()):
-            if done[b] is None:
-                out[b].append(t)
-                if t in stop_ids:
-                    done[b] = "stop"
-                elif len(out[b]) == max_tokens:
-                    done[b] = "length"
-        if all(done):
-            break
+    from mlx_lm.generate import wired_limit
+
+    with wired_limit(model, [_generation_stream()]):
+        for y, logprobs in generate_step(
+                model, inputs, model.make_cache(), sampler=[Sampler(p) for p in params],
+                max_tokens=max(p.max_tokens for p in params), prefill_step_size=prefill_step_size,
+                on_prefill_done=lambda: timing.setdefault("prompt", time.perf_counter() - tic)):
+            tokens = y.tolist()
+            for b, answer in enumerate(answers):
+                if answer.finish is None:
+                    answer.add(tokens[b])
+                    chosen[b].append(float(logprobs[b, tokens[b]]))
+            if all(a.finish for a in answers):
+                break
     total = time.perf_counter() - tic
     real = np.asarray(inputs["attention_mask"]).sum(-1)
-    results = []
-    for b in range(B):
-        toks = [t for t in out[b] if t not in stop_ids]
-        results.append(GenerationResult(
-            text=processor.tokenizer.decode(toks), token_ids=out[b], prompt_tokens=int(real[b]),
-            generation_tokens=len(out[b]), prompt_tps=float(real.sum()) / timing["prompt"],
-            generation_tps=sum(len(o) for o in out) / max(total - timing["prompt"], 1e-9),
-            peak_memory_gb=mx.get_peak_memory() / 1e9, finish_reason=done[b] or "length"))
-    return results
+    generated = sum(len(a.tokens) for a in answers)
+    return [GenerationResult(
+        text=a.text, token_ids=a.tokens, logprobs=chosen[b], prompt_tokens=int(real[b]),
+        generation_tokens=len(a.tokens), prompt_tps=float(real.sum()) / timing["prompt"],
+        generation_tps=generated / max(total - timing["prompt"], 1e-9),
+        peak_memory=mx.get_peak_memory() / 1e9, finish_reason=a.finish or "length") for b, a in enumerate(answers)]
 
 
-class ChatSession:
-    """A multi-turn conversation that keeps its KV cache between turns: an agent that sends a new
-    screenshot each turn pays for that screenshot and the new text only."""
+if __name__ == "__main__":  # `python -m mlx_qwen3vl.generate`, the older spelling of `python -m mlx_qwen3vl`
+    from .__main__ import main
 
-    def __init__(self, model, processor, system=None, **generation_kwargs):
-        self.model, self.processor = model, processor
-        self.messages = [{"role": "system", "content": system}] if system else []
-        self.prompt_cache = PromptCache(model.make_cache())
-        self.generation_kwargs = generation_kwargs
-        self.last: Optional[GenerationResponse] = None
-
-    def stream(self, text, images=None, videos=None, video_fps=None, **kwargs) -> Iterator[GenerationResponse]:
-        content = [{"type": "image", "image": im} for im in images or []]
-        content += [{"type": "video", "video": v} for v in videos or []]
-        content.append({"type": "text", "text": text})
-        self.messages.append({"role": "user", "content": content})
-        answer = ""
-        for piece in stream_generate(self.model, self.processor, messages=self.messages, video_fps=video_fps,
-                                     prompt_cache=self.prompt_cache, **{**self.generation_kwargs, **kwargs}):
-            answer += piece.text
-            self.last = piece
-            yield piece
-        self.messages.append({"role": "assistant", "content": answer})
-
-    def send(self, text, images=None, videos=None, **kwargs) -> str:
-        return "".join(p.text for p in self.stream(text, images, videos, **kwargs))
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line
-# ---------------------------------------------------------------------------------------------
-def build_parser():
-    p = argparse.ArgumentParser(prog="python -m mlx_qwen3vl.generate",
-                                description="Generate text from images/videos and a prompt with Qwen3-VL.")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="local folder or Hugging Face repo id")
-    p.add_argument("--prompt", default="Describe this image.")
-    p.add_argument("--image", nargs="+", default=[], help="image paths or URLs")
-    p.add_argument("--video", nargs="+", default=[], help="video files (needs the `video` extra)")
-    p.add_argument("--system", default=None)
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temp", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=None)
-    p.add_argument("--repetition-context-size", type=int, default=20)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--min-pixels", type=int, default=None)
-    p.add_argument("--max-pixels", type=int, default=None)
-    p.add_argument("--fps", type=float, default=None, help="source fps for videos given as frames")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
-    p.add_argument("--prefill-step-size", type=int, default=2048)
-    p.add_argument("--chat", action="store_true", help="interactive multi-turn chat with prefix reuse")
-    p.add_argument("--verbose", action="store_true", help="print the backend and BLAS in use, and the prompt")
-    return p
-
-
-def _print_stats(last, out=sys.stderr):
-    if last is None:
-        return
-    print(f"\nPrompt: {last.prompt_tokens} tokens ({last.cached_tokens} cached), {last.prompt_tps:.1f} tokens/s"
-          f"\nGeneration: {last.generation_tokens} tokens, {last.generation_tps:.2f} tokens/s"
-          f"\nPeak memory: {last.peak_memory_gb:.2f} GB", file=out)
-
-
-def main(argv=None):
-    args = build_parser().parse_args(argv)
-    try:
-        from . import load
-
-        model, processor = load(args.model, dtype=args.dtype)
-        if args.verbose:
-            print(f"[mlx_qwen3vl] backend: {backend_of(model).describe()}", file=sys.stderr)
-        kwargs = dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
-                      min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                      repetition_context_size=args.repetition_context_size, seed=args.seed,
-                      min_pixels=args.min_pixels, max_pixels=args.max_pixels,
-                      prefill_step_size=args.prefill_step_size)
-        if args.chat:
-            return _chat(model, processor, args, kwargs)
-        last = None
-        for last in stream_generate(model, processor, args.prompt, images=args.image, videos=args.video,
-                                    video_fps=args.fps, system=args.system, **kwargs):
-            print(last.text, end="", flush=True)
-        print()
-        _print_stats(last)
-        return 0
-    except Qwen3VLError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-
-
-def _chat(model, processor, args, kwargs):
-    session = ChatSession(model, processor, system=args.system, **kwargs)
-    images, videos = list(args.image), list(args.video)
-    print("Chat with the model; /image PATH attaches an image to the next turn, Ctrl-D quits.", file=sys.stderr)
-    while True:
-        try:
-            line = input(">> ").strip()
-        except EOFError:
-            print(file=sys.stderr)
-            return 0
-        if line.startswith("/image "):
-            images.append(line.split(maxsplit=1)[1])
-            continue
-        if not line:
-            continue
-        try:
-            for piece in session.stream(line, images=images, videos=videos, video_fps=args.fps):
-                print(piece.text, end="", flush=True)
-        except Qwen3VLError as e:
-            session.messages.pop()
-            print(f"error: {e}", file=sys.stderr)
-            continue
-        finally:
-            images, videos = [], []
-        print()
-        _print_stats(session.last)
-
-
-if __name__ == "__main__":
     sys.exit(main())

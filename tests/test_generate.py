@@ -131,10 +131,9 @@ def test_prefix_cache_logits_equal_from_scratch(loaded, checkpoint):
     turn2 = turn1 + [{"role": "assistant", "content": answer},
                      {"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "Again"}]}]
     inputs = processor.apply_chat_template(turn2, tokenize=True)
-    from mlx_qwen3vl.generate import _common_prefix, _media_split, _trim, prefill
+    from mlx_qwen3vl.generate import prefill
 
-    start, _ = _media_split(inputs, _common_prefix(cache.tokens, inputs["input_ids"][0, :-1].tolist()))
-    _trim(cache, start)
+    start = cache.reuse(inputs)
     assert start > 80
     reused, _ = prefill(model, inputs, cache.cache, start=start)
     fresh, _ = prefill(model, inputs, model.make_cache())

@@ -1,0 +1,264 @@
+"""Reuse across turns: a KV cache that remembers which tokens *and which images and videos* it
+holds, the rule for how much of a new prompt it can serve, and multi-turn chats on top of it.
+
+Same-size images expand to identical placeholder tokens, so token ids alone cannot tell a new
+screenshot from the old one. The cache therefore records a content hash of each image and video
+(of the preprocessed pixels and grid: the same screenshot resent as PNG or JPEG of equal pixels
+still matches), and the reusable prefix ends before the first one whose hash differs.
+`reusable_prefix` is that rule as a function, for any cache that keeps (tokens, media) pairs.
+"""
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional
+
+import numpy as np
+
+from .errors import InputError
+from .positions import IMAGE, VIDEO
+
+_PIXELS = {IMAGE: ("pixel_values", "image_grid_thw"), VIDEO: ("pixel_values_videos", "video_grid_thw")}
+
+
+@dataclass(frozen=True)
+class MediaSpan:
+    """One image or video of a prompt: its token span (a video's spans the timestamps between its
+    frame groups too) and its rows of pixel_values / pixel_values_videos."""
+
+    kind: int  # positions.IMAGE or positions.VIDEO
+    index: int  # among the prompt's images, or among its videos
+    start: int
+    end: int
+    rows: tuple  # (first, last + 1)
+
+
+def _runs(types: np.ndarray):
+    """[(kind, start, end)] of each run of image / video placeholder tokens."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], types, [0]])) != 0)
+    return [(int(types[s]), int(s), int(e)) for s, e in zip(edges[:-1], edges[1:]) if types[s] != 0]
+
+
+def media_spans(inputs) -> List[MediaSpan]:
+    """The images and videos of a one-sequence prompt, in token order."""
+    types = np.asarray(inputs["mm_token_type_ids"])[0]
+    grids = {k: np.asarray(inputs[g]) if g in inputs else np.zeros((0, 3), int) for k, (_, g) in _PIXELS.items()}
+    runs_left = {IMAGE: [1] * len(grids[IMAGE]), VIDEO: [int(t) for t in grids[VIDEO][:, 0]]}  # runs per item
+    rows = {k: np.concatenate([[0], np.cumsum(g.prod(-1))]).astype(int) for k, g in grids.items()}
+    spans, current = [], {IMAGE: 0, VIDEO: 0}
+    opened = {}
+    for kind, s, e in _runs(types):
+        i = current[kind]
+        if i >= len(runs_left[kind]):
+            raise InputError(f"the prompt has more {'image' if kind == IMAGE else 'video'} placeholders than media")
+        first = opened.setdefault(kind, s)
+        runs_left[kind][i] -= 1
+        if runs_left[kind][i] == 0:  # the item's last run (a video has one per frame group)
+            spans.append(MediaSpan(kind, i, first, e, (int(rows[kind][i]), int(rows[kind][i + 1]))))
+            current[kind] += 1
+            del opened[kind]
+    return sorted(spans, key=lambda m: m.start)
+
+
+def content_hash(pixels: np.ndarray, grid) -> str:
+    """A digest of one image's or video's preprocessed pixels and grid."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.asarray(grid, dtype=np.int64).tobytes())
+    h.update(str(pixels.dtype).encode())
+    h.update(memoryview(np.ascontiguousarray(pixels)).cast("B"))
+    return h.hexdigest()
+
+
+def media_hashes(inputs, spans: Optional[List[MediaSpan]] = None) -> List[str]:
+    """content_hash of each span's media (computed once per inputs dict, under "media_hashes")."""
+    if "media_hashes" not in inputs:
+        spans = media_spans(inputs) if spans is None else spans
+        out = []
+        for m in spans:
+            px, grid = _PIXELS[m.kind]
+            out.append(content_hash(np.asarray(inputs[px])[m.rows[0]:m.rows[1]], np.asarray(inputs[grid])[m.index]))
+        inputs["media_hashes"] = out
+    return inputs["media_hashes"]
+
+
+def media_keys(inputs, upto: Optional[int] = None) -> list:
+    """[(kind, start, end, hash)] of the media that lie wholly before token `upto`."""
+    spans = media_spans(inputs)
+    hashes = media_hashes(inputs, spans)
+    return [(m.kind, m.start, m.end, h) for m, h in zip(spans, hashes) if upto is None or m.end <= upto]
+
+
+def reusable_prefix(tokens: List[int], media: list, inputs) -> int:
+    """How many leading tokens of the prompt `inputs` a cache holding `tokens` (with the media
+    `media`, as media_keys gives them) can serve: the common token prefix, leaving at least one
+    token to compute (its logits start the answer), cut before the first image or video that is
+    not the same content at the same place, and never inside one."""
+    from mlx_lm.utils import common_prefix_len
+
+    n = common_prefix_len(list(tokens), np.asarray(inputs["input_ids"])[0, :-1].tolist())
+    held = {key[:3]: key[3] for key in media}
+    spans = media_spans(inputs)
+    if not any(m.start < n for m in spans):
+        return n
+    for m, h in zip(spans, media_hashes(inputs, spans)):
+        if m.start >= n:
+            break
+        if m.end > n or held.get((m.kind, m.start, m.end)) != h:
+            return m.start
+    return n
+
+
+def media_after(inputs, start: int) -> dict:
+    """Pixel rows and grids of the images / videos that begin at or after token `start` (the ones
+    a prefill from `start` must encode; a reusable prefix never ends inside one)."""
+    if not start:
+        return {k: inputs[k] for names in _PIXELS.values() for k in names if k in inputs}
+    out = {}
+    for kind, (px, grid) in _PIXELS.items():
+        later = [m for m in media_spans(inputs) if m.kind == kind and m.start >= start]
+        if later:
+            out[px] = np.asarray(inputs[px])[later[0].rows[0]:]
+            out[grid] = np.asarray(inputs[grid])[later[0].index:]
+    return out
+
+
+@dataclass
+class PromptCache:
+    """A KV cache plus what it holds: token ids and the media among them (batch 1), kept between
+    turns of one conversation. Pass it to generate / stream_generate as `prompt_cache=`."""
+
+    cache: list
+    tokens: List[int] = field(default_factory=list)
+    media: list = field(default_factory=list)  # media_keys of the held prompt
+
+    def trim(self, keep: int):
+        """Drop everything after the first `keep` tokens."""
+        drop = self.cache[0].offset - keep if self.cache else 0
+        if drop > 0:
+            for c in self.cache:
+                c.trim(drop)
+        self.tokens = self.tokens[:keep]
+        self.media = [key for key in self.media if key[2] <= keep]
+
+    def reuse(self, inputs) -> int:
+        """Trim to the prefix `inputs` can reuse (see reusable_prefix) and return its length."""
+        keep = reusable_prefix(self.tokens, self.media, inputs)
+        self.trim(keep)
+        return keep
+
+    def record(self, inputs, generated: List[int]):
+        """After a turn: the cache holds the prompt and the answer's tokens but the last, which
+        may or may not have been fed (the next turn's template renders it again anyway)."""
+        self.tokens = np.asarray(inputs["input_ids"])[0].tolist() + list(generated[:-1])
+        self.media = media_keys(inputs)
+        self.trim(len(self.tokens))
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-turn chats
+# ---------------------------------------------------------------------------------------------
+TURN_SETTINGS = ("video_fps", "min_pixels", "max_pixels", "sample_frames")
+
+
+def _concat_inputs(parts: list) -> dict:
+    out = {}
+    for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
+        out[key] = np.concatenate([p[key] for p in parts], axis=1)
+    for px, grid in _PIXELS.values():
+        held = [p for p in parts if grid in p]
+        if held:
+            out[px] = np.concatenate([p[px] for p in held])
+            out[grid] = np.concatenate([p[grid] for p in held])
+    out["media_hashes"] = [h for p in parts for h in media_hashes(p)]
+    return out
+
+
+class ChatSession:
+    """A multi-turn conversation that keeps its KV cache between turns: an agent that sends a new
+    screenshot each turn pays for that screenshot and the new text only.
+
+    Whatever shaped a turn's media (`video_fps`, `min_pixels`, `max_pixels`, `sample_frames`)
+    stays with that turn: each turn's images and videos are processed once, with its settings, and
+    reused as they are by every later turn. Every turn answers as `generate(messages=history)`
+    would, with each turn's media processed with its own settings."""
+
+    def __init__(self, model, processor, system=None, **defaults):
+        self.model, self.processor = model, processor
+        self.messages = [{"role": "system", "content": system}] if system else []
+        self.settings = [None] * len(self.messages)  # per message: the settings its media were processed with
+        self.prompt_cache = PromptCache(model.make_cache())
+        self.defaults = {k: defaults.pop(k) for k in TURN_SETTINGS if k in defaults}
+        self.generation_kwargs = defaults
+        self.last = None  # the last GenerationResponse
+        self._parts = []  # [(key, processed inputs)] per rendered chunk, reused while unchanged
+
+    def _chunk_inputs(self, chunk, media, settings):
+        key = (chunk, tuple(id(m) for _, m in media), tuple(sorted(settings.items())))
+        for k, part in self._parts:
+            if k == key:
+                return key, part
+        images = [m for kind, m in media if kind == IMAGE]
+        videos = [m for kind, m in media if kind == VIDEO]
+        part = self.processor(text=chunk, images=images or None, videos=videos or None, **settings)
+        media_hashes(part)
+        return key, part
+
+    def encode(self) -> dict:
+        """The whole conversation as model inputs. The rendered prompt is cut before every
+        `<|im_start|>` (a special token, so the pieces tokenize exactly as the whole does), and each
+        piece is processed with the settings of the turn its media belong to."""
+        from .processor import extract_media
+
+        items = []  # (kind, media, settings) in conversation order
+        for message, settings in zip(self.messages, self.settings):
+            found_images, found_videos = extract_media([message])
+            order = [b.get("type") for b in message["content"]] if isinstance(message["content"], list) else []
+            it_i, it_v = iter(found_images), iter(found_videos)
+            for kind in order:
+                if kind in ("image", "image_url"):
+                    items.append((IMAGE, next(it_i), settings))
+                elif kind == "video":
+                    items.append((VIDEO, next(it_v), settings))
+        text = self.processor.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=False)
+        chunks = [c for c in re.split(r"(?=<\|im_start\|>)", text) if c]
+        parts, pos = [], 0
+        image_token, video_token = self.processor.image_token, self.processor.video_token
+        for chunk in chunks:
+            n = chunk.count(image_token) + chunk.count(video_token)
+            media = [(kind, m) for kind, m, _ in items[pos:pos + n]]
+            settings = {k: v for k, v in (items[pos][2] if n else {}).items() if v is not None}
+            parts.append(self._chunk_inputs(chunk, media, settings))
+            pos += n
+        self._parts = parts
+        return _concat_inputs([p for _, p in parts])
+
+    def stream(self, text, images=None, videos=None, *, video_fps=None, min_pixels=None, max_pixels=None,
+               sample_frames=None, **kwargs) -> Iterator:
+        from .generate import stream_generate
+
+        content = [{"type": "image", "image": im} for im in images or []]
+        content += [{"type": "video", "video": v} for v in videos or []]
+        content.append({"type": "text", "text": text})
+        given = dict(video_fps=video_fps, min_pixels=min_pixels, max_pixels=max_pixels, sample_frames=sample_frames)
+        settings = {k: given[k] if given[k] is not None else self.defaults.get(k) for k in TURN_SETTINGS}
+        self.messages.append({"role": "user", "content": content})
+        self.settings.append(settings)
+        answer, done = "", False
+        try:
+            inputs = self.encode()
+            for piece in stream_generate(self.model, self.processor, inputs=inputs, prompt_cache=self.prompt_cache,
+                                         **{**self.generation_kwargs, **kwargs}):
+                answer += piece.text
+                self.last = piece
+                yield piece
+            done = True
+        finally:
+            if done:
+                self.messages.append({"role": "assistant", "content": answer})
+                self.settings.append(None)
+            else:  # a failed or abandoned turn leaves the conversation as it was
+                self.messages.pop()
+                self.settings.pop()
+
+    def send(self, text, images=None, videos=None, **kwargs) -> str:
+        return "".join(p.text for p in self.stream(text, images, videos, **kwargs))

@@ -1,0 +1,131 @@
+"""How the next token is chosen: one validated parameter object and a per-request sampler.
+
+`SamplingParams` is the one place the sampling and length settings are named, defaulted and
+range-checked (API, CLI and batch requests all build one). `Sampler` turns it into mlx-lm's
+logits processors and filters plus a random stream of its own, derived from the request's seed:
+a request sampled inside a batch draws exactly what it draws alone.
+"""
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Optional, Sequence, Union
+
+import mlx.core as mx
+
+from .errors import InputError
+
+
+def _finite(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# field name → (accepts value?, allowed range as a user reads it). The CLI names the same checks
+# after its flags (metadata "flag" below).
+_CHECKS = {
+    "max_tokens": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "temperature": (lambda v: _finite(v) and v >= 0, "a number >= 0 (0 = greedy)"),
+    "top_p": (lambda v: _finite(v) and 0 < v <= 1, "a number in (0, 1] (1 = off)"),
+    "top_k": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0 = off)"),
+    "min_p": (lambda v: _finite(v) and 0 <= v <= 1, "a number in [0, 1] (0 = off)"),
+    "repetition_penalty": (lambda v: v is None or (_finite(v) and v > 0), "a number > 0 (1 = off)"),
+    "repetition_context_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "seed": (lambda v: v is None or (_int(v) and 0 <= v < 2**63), "an integer in [0, 2**63)"),
+    "stop": (lambda v: v is None or isinstance(v, str) and v != "" or (
+        isinstance(v, (list, tuple)) and all(isinstance(s, str) and s for s in v)), "a non-empty string or a list of them"),
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling and length settings of one request (mlx-lm's names and meanings)."""
+
+    max_tokens: int = field(default=256, metadata={"flag": "--max-tokens", "help": "most tokens to generate"})
+    temperature: float = field(default=0.0, metadata={"flag": "--temp", "help": "sampling temperature; 0 = greedy"})
+    top_p: float = field(default=1.0, metadata={"flag": "--top-p", "help": "nucleus sampling mass; 1 = off"})
+    top_k: int = field(default=0, metadata={"flag": "--top-k", "help": "sample among the k likeliest; 0 = off"})
+    min_p: float = field(default=0.0, metadata={"flag": "--min-p", "help": "drop tokens below min_p x the top "
+                                                                          "probability; 0 = off"})
+    repetition_penalty: Optional[float] = field(default=None, metadata={
+        "flag": "--repetition-penalty", "help": "penalty for tokens already in the context; 1 or none = off"})
+    repetition_context_size: int = field(default=20, metadata={
+        "flag": "--repetition-context-size", "help": "how many recent tokens the repetition penalty sees"})
+    seed: Optional[int] = field(default=None, metadata={
+        "flag": "--seed", "help": "seed of this request's random stream; none = drawn from MLX's global one"})
+    stop: Union[None, str, Sequence[str]] = field(default=None, metadata={
+        "flag": "--stop", "help": "stop strings (besides the checkpoint's EOS tokens), not part of the answer"})
+
+    def __post_init__(self):
+        check_sampling({f.name: getattr(self, f.name) for f in fields(self)})
+
+    @classmethod
+    def build(cls, base: Optional["SamplingParams"] = None, **overrides) -> "SamplingParams":
+        """`base` (or the defaults) with the given fields replaced; unknown names are an error."""
+        unknown = sorted(set(overrides) - FIELD_NAMES)
+        if unknown:
+            raise TypeError(f"unknown sampling argument(s) {', '.join(unknown)}; use {', '.join(sorted(FIELD_NAMES))}")
+        if base is not None and not isinstance(base, SamplingParams):
+            raise InputError(f"sampling must be a SamplingParams, not {type(base).__name__}")
+        return replace(base or cls(), **overrides)
+
+    @property
+    def stop_strings(self) -> list:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
+
+
+def check_sampling(values: dict, name=lambda field_name: field_name):
+    """Raise InputError for the first value out of range, naming it with `name(field)`."""
+    for key, value in values.items():
+        ok, allowed = _CHECKS[key]
+        if not ok(value):
+            raise InputError(f"{name(key)} = {value!r} is not allowed; use {allowed}")
+
+
+class Sampler:
+    """One request's token choice: mlx-lm's repetition penalty and top-p / min-p / top-k filters,
+    then a categorical draw with this request's own random key (split once per token)."""
+
+    def __init__(self, params: SamplingParams):
+        # mlx_lm is imported on first use: importing it pulls in transformers (seconds of startup).
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
+        penalty = params.repetition_penalty
+        self.processors = make_logits_processors(
+            repetition_penalty=penalty if penalty not in (None, 1.0) else None,
+            repetition_context_size=params.repetition_context_size)
+        self.temperature = float(params.temperature)
+        self.greedy = self.temperature == 0
+        self.filters = []
+        if 0 < params.top_p < 1:
+            self.filters.append(lambda x: apply_top_p(x, params.top_p))
+        if params.min_p > 0:
+            self.filters.append(lambda x: apply_min_p(x, params.min_p))
+        if params.top_k > 0:
+            # top_k >= vocabulary size keeps every token (mlx-lm would refuse it).
+            self.filters.append(lambda x: x if params.top_k >= x.shape[-1] else apply_top_k(x, params.top_k))
+        seed = params.seed
+        if seed is None and not self.greedy:
+            seed = int(mx.random.randint(0, 2**31 - 1, ()).item())  # follows mx.random.seed()
+        self.key = None if self.greedy else mx.random.key(seed)
+
+    def process(self, history, logits):
+        """logits (1, V) after the repetition penalty over `history` (this request's tokens)."""
+        for proc in self.processors:
+            logits = proc(history, logits)
+        return logits
+
+    def __call__(self, logprobs):
+        """logprobs (1, V) → token (1,)."""
+        if self.greedy:
+            return mx.argmax(logprobs, axis=-1)
+        for f in self.filters:
+            logprobs = f(logprobs)
+        keys = mx.random.split(self.key)
+        self.key = keys[0]
+        return mx.random.categorical(logprobs * (1.0 / self.temperature), key=keys[1])
