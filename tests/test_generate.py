@@ -240,3 +240,92 @@ def test_cli_video_file_equals_frames(loaded, tmp_path):
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip("\n") == expected.text.strip("\n")
     assert f"Prompt: {expected.prompt_tokens} tokens" in p.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Each feature equals the plain fresh run it stands for (issue #20)
+# ---------------------------------------------------------------------------------------------
+def test_batch_with_repetition_penalty_equals_single_runs(loaded, checkpoint):
+    """The shorter row's left-padding (the pad id is an EOS id) is not part of its penalty history
+    (a penalty below 1, which favours seen tokens, made the counted padding end that row early)."""
+    model, processor = loaded[checkpoint]
+    long = "Where is the search box on this long page of results? Please answer with coordinates."
+    requests = [dict(prompt="Click."), dict(prompt=long)]
+    kw = dict(max_tokens=12, repetition_penalty=0.5, repetition_context_size=64)
+    results = M.batch_generate(model, processor, requests, **kw)
+    for r, req in zip(results, requests):
+        alone = M.generate(model, processor, req["prompt"], **kw)
+        assert r.token_ids == alone.token_ids and r.text == alone.text
+
+
+def test_templated_prompt_is_used_as_is_everywhere(loaded):
+    """One rule for generate and batch_generate: only templated=True marks text as templated."""
+    model, processor = loaded["tiny-b"]
+    messages = [{"role": "user", "content": "Where is the search box?"}]
+    text = processor.apply_chat_template(messages)
+    expected = M.generate(model, processor, messages=messages, max_tokens=8).token_ids
+    assert M.generate(model, processor, text, templated=True, max_tokens=8).token_ids == expected
+    batch = M.batch_generate(model, processor, [dict(prompt=text, templated=True), dict(messages=messages)],
+                             max_tokens=8)
+    assert [r.token_ids for r in batch] == [expected, expected]
+    with pytest.raises(M.errors.InputError, match="templated=True"):
+        M.generate(model, processor, text, max_tokens=8)  # not guessed at
+    with pytest.raises(M.errors.InputError, match="templated=True"):
+        M.batch_generate(model, processor, [dict(prompt=text)], max_tokens=8)
+
+
+def test_system_with_messages_is_applied_or_refused(loaded):
+    model, processor = loaded["tiny-b"]
+    user = [{"role": "user", "content": "Click OK."}]
+    with_system = [{"role": "system", "content": "You are a GUI agent."}] + user
+    expected = M.generate(model, processor, messages=with_system, max_tokens=8)
+    got = M.generate(model, processor, messages=user, system="You are a GUI agent.", max_tokens=8)
+    assert got.token_ids == expected.token_ids and got.prompt_tokens == expected.prompt_tokens
+    [batched] = M.batch_generate(model, processor, [dict(messages=user, system="You are a GUI agent.")], max_tokens=8)
+    assert batched.token_ids == expected.token_ids
+    with pytest.raises(M.errors.InputError, match="system"):
+        M.generate(model, processor, messages=with_system, system="Another.", max_tokens=8)
+
+
+def test_sampling_in_a_batch_equals_alone_with_the_same_seed(loaded, checkpoint):
+    model, processor = loaded[checkpoint]
+    messages, _ = fixture_messages("batch")
+    kw = dict(max_tokens=12, temperature=1.0, top_p=0.9, top_k=40)
+    requests = [dict(messages=m, seed=11 + i) for i, m in enumerate(messages)]
+    results = M.batch_generate(model, processor, requests, **kw)
+    for r, req in zip(results, requests):
+        alone = M.generate(model, processor, messages=req["messages"], seed=req["seed"], **kw)
+        assert r.token_ids == alone.token_ids
+    greedy = M.batch_generate(model, processor, requests, max_tokens=12)
+    assert [r.token_ids for r in results] != [g.token_ids for g in greedy]  # it did sample
+
+
+def test_stop_string_across_two_tokens_never_shows_its_first_part(loaded, checkpoint):
+    """Streamed pieces and the final text both end right before the stop string, and add up."""
+    model, processor = loaded[checkpoint]
+    messages, _ = fixture_messages("text")
+    full = M.generate(model, processor, messages=messages[0], max_tokens=16)
+    pieces = [processor.tokenizer.decode([t]) for t in full.token_ids]
+    k = next(i for i in range(1, len(pieces)) if pieces[i - 1] and pieces[i]
+             and (pieces[i - 1] + pieces[i]) in full.text)
+    stop = pieces[k - 1][-1] + pieces[k][0]  # the last character of one token and the first of the next
+    cut = full.text[: full.text.find(stop)]
+    streamed = list(M.stream_generate(model, processor, messages=messages[0], max_tokens=16, stop=stop))
+    assert "".join(p.text for p in streamed) == cut
+    assert M.generate(model, processor, messages=messages[0], max_tokens=16, stop=[stop]).text == cut
+    assert streamed[-1].finish_reason == "stop"
+    [batched] = M.batch_generate(model, processor, [dict(messages=messages[0])], max_tokens=16, stop=[stop])
+    assert batched.text == cut and batched.finish_reason == "stop"
+
+
+def test_logprobs_per_token(loaded):
+    model, processor = loaded["tiny-a"]
+    result = M.generate(model, processor, "Where is the search box?", max_tokens=6)
+    pieces = list(M.stream_generate(model, processor, "Where is the search box?", max_tokens=6))
+    assert len(result.logprobs) == 6 and all(lp <= 0 for lp in result.logprobs)
+    for p, lp in zip(pieces, result.logprobs):
+        assert p.logprobs.shape == (model.config.text_config.vocab_size,)
+        assert int(mx.argmax(p.logprobs)) == p.token  # greedy
+        assert abs(float(p.logprobs[p.token]) - lp) < 1e-5
+    [batched] = M.batch_generate(model, processor, [dict(prompt="Where is the search box?")], max_tokens=6)
+    np.testing.assert_allclose(batched.logprobs, result.logprobs, atol=1e-5)
