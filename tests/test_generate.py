@@ -194,6 +194,8 @@ def test_cli_streams_answer_and_stats():
     processor = M.Processor.from_pretrained(FIXTURES / "tiny-a")
     assert p.stdout.strip("\n") == processor.tokenizer.decode(greedy).strip("\n")
     assert "Generation: 16 tokens" in p.stderr and "Peak memory" in p.stderr
+    # Nothing but the statistics on stderr (no library warnings).
+    assert [line.split(":")[0] for line in p.stderr.splitlines() if line] == ["Prompt", "Generation", "Peak memory"]
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -1,0 +1,111 @@
+"""The command line and the API at their edges (issue #14): every bad value ends in one clear
+line (CLI: `error: ...` on stderr, exit status 2, no traceback; API: InputError naming the
+argument and its allowed range), checked before any model is loaded or any prefill runs."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+import mlx_qwen3vl as M
+from conftest import FIXTURES, load_fixture_model
+from mlx_qwen3vl.errors import InputError
+
+ROOT = FIXTURES.parents[1]
+TINY = str(FIXTURES / "tiny-b")
+
+
+def cli(*args, module="mlx_qwen3vl"):
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+
+
+def assert_one_error_line(p, needle):
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], p.stderr
+    assert "Traceback" not in p.stderr and p.stdout == ""
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--max-tokens", "0"], "--max-tokens = 0"),
+    (["--max-tokens", "-1"], "--max-tokens = -1"),
+    (["--seed", "-1"], "--seed = -1"),
+    (["--temp", "nan"], "--temp = nan"),
+    (["--temp", "-1"], "--temp = -1"),
+    (["--top-p", "2"], "--top-p = 2"),
+    (["--top-p", "0"], "(0, 1]"),
+    (["--min-p", "2"], "--min-p = 2"),
+    (["--top-k", "-3"], "--top-k = -3"),
+    (["--repetition-penalty", "-1"], "--repetition-penalty = -1"),
+    (["--repetition-penalty", "inf"], "--repetition-penalty = inf"),
+    (["--prefill-step-size", "0"], "--prefill-step-size = 0"),
+    (["--temp", "warm"], "--temp"),
+    (["--no-such-flag"], "--no-such-flag"),
+])
+def test_bad_values_exit_2_with_one_line(args, needle):
+    assert_one_error_line(cli("--model", TINY, *args), needle)
+
+
+def test_prompt_past_the_context_is_refused_before_prefill(tmp_path):
+    """A checkpoint whose max_position_embeddings is 24: the limit and the prompt length are named."""
+    for f in (FIXTURES / "tiny-b").iterdir():
+        if f.is_file() and f.name != "config.json":
+            (tmp_path / f.name).symlink_to(f)
+    config = json.loads((FIXTURES / "tiny-b" / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = 24
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    p = cli("--model", str(tmp_path), "--prompt", "Tell me about the weather in a long sentence, please.")
+    assert_one_error_line(p, "context is 24")
+
+
+def test_both_entry_points_and_help_show_defaults():
+    for module in ("mlx_qwen3vl", "mlx_qwen3vl.generate"):
+        p = cli("--help", module=module)
+        assert p.returncode == 0 and p.stderr == ""
+        for default in ("Qwen/Qwen3-VL-2B-Instruct", "Describe this image.", "default: 256", "default: 0.0",
+                        "default: 2048"):
+            assert default in p.stdout, default
+    p = cli("--model", TINY, "--prompt", "hi", "--max-tokens", "2", "--verbose")
+    assert p.returncode == 0
+    assert "backend:" in p.stderr and "prompt: 'hi'" in p.stderr
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(max_tokens=0), "max_tokens = 0"),
+    (dict(temperature=math.nan), "temperature = nan"),
+    (dict(top_p=2.0), "top_p = 2.0"),
+    (dict(min_p=-0.1), "min_p"),
+    (dict(seed=-1), "seed = -1"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(stop=[""]), "stop"),
+])
+def test_api_validates_sampling_values(kwargs, needle):
+    model = load_fixture_model("tiny-b")
+    processor = M.Processor.from_pretrained(FIXTURES / "tiny-b")
+    with pytest.raises(InputError, match=needle) as e:
+        M.generate(model, processor, "hi", **kwargs)
+    assert "--" not in str(e.value)  # API messages never name CLI flags
+    with pytest.raises(InputError, match=needle):
+        M.SamplingParams(**kwargs)
+    with pytest.raises(InputError, match=needle):
+        M.batch_generate(model, processor, [dict(prompt="hi", **kwargs)])
+    with pytest.raises(TypeError, match="tempreature"):
+        M.generate(model, processor, "hi", tempreature=1.0)
+
+
+def test_api_refuses_prompt_past_the_context(monkeypatch):
+    model = load_fixture_model("tiny-b")
+    processor = M.Processor.from_pretrained(FIXTURES / "tiny-b")
+    monkeypatch.setattr(model.config.text_config, "max_position_embeddings", 10)
+    with pytest.raises(InputError, match=r"prompt is \d+ tokens but the model's context is 10"):
+        M.generate(model, processor, "hi there")
+
+
+def test_api_load_errors_do_not_mention_cli_flags():
+    with pytest.raises(M.errors.ModelNotFoundError) as e:
+        M.load("/no/such/model")
+    assert "--model" not in str(e.value)
