@@ -132,7 +132,7 @@ class ModelConfig:
     def from_pretrained(cls, path) -> "ModelConfig":
         path = Path(path) / "config.json"
         if not path.is_file():
-            raise ConfigError(f"{path} not found: point --model at a Qwen3-VL checkpoint folder")
+            raise ConfigError(f"{path} not found: the model path must be a Qwen3-VL checkpoint folder")
         try:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as e:

@@ -105,7 +105,10 @@ def test_api_refuses_prompt_past_the_context(monkeypatch):
         M.generate(model, processor, "hi there")
 
 
-def test_api_load_errors_do_not_mention_cli_flags():
+def test_api_load_errors_do_not_mention_cli_flags(tmp_path):
     with pytest.raises(M.errors.ModelNotFoundError) as e:
         M.load("/no/such/model")
     assert "--model" not in str(e.value)
+    with pytest.raises(M.errors.ConfigError) as e:
+        M.load(tmp_path)  # a folder that is no checkpoint
+    assert "--model" not in str(e.value) and "config.json" in str(e.value)
