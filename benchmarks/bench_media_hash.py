@@ -12,8 +12,6 @@ import hashlib
 import statistics
 import time
 
-import numpy as np
-
 from bench_preprocess import MODEL, screenshot
 
 
