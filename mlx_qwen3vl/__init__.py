@@ -6,7 +6,12 @@
 """
 
 from .cpu import blas  # noqa: F401  (loads an optimized BLAS, so it must run before mlx.core is imported)
+import os
 import warnings
+
+# Only transformers' tokenizer and chat template are used, never torch: its "PyTorch was not
+# found" advisory (printed on import) is noise on every run. mlx-lm sets the same.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 # `python -m mlx_qwen3vl.generate` (the older spelling of `python -m mlx_qwen3vl`) runs a module
 # this package has already imported for its public `generate` function; runpy's warning about

@@ -5,7 +5,6 @@ the answer on stdout and only the statistics lines on stderr.
 """
 
 import argparse
-import os
 import sys
 from dataclasses import fields
 
@@ -58,14 +57,7 @@ def _print_stats(last, out=sys.stderr):
           f"\nPeak memory: {last.peak_memory:.2f} GB", file=out)
 
 
-def _quiet_transformers():
-    # Only its tokenizer is used (never torch), so its "PyTorch was not found" advisory is noise.
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-
 def main(argv=None):
-    _quiet_transformers()
     args = build_parser().parse_args(argv)
     from .errors import InputError, Qwen3VLError
     from .sampling import SamplingParams, check_sampling

@@ -112,3 +112,13 @@ def test_api_load_errors_do_not_mention_cli_flags(tmp_path):
     with pytest.raises(M.errors.ConfigError) as e:
         M.load(tmp_path)  # a folder that is no checkpoint
     assert "--model" not in str(e.value) and "config.json" in str(e.value)
+
+
+def test_good_run_prints_only_statistics_on_stderr_without_torch():
+    """As on a machine without torch (transformers would advise 'PyTorch was not found')."""
+    code = ("import sys, runpy; sys.modules['torch'] = None; "
+            f"sys.argv = ['mlx_qwen3vl', '--model', {TINY!r}, '--prompt', 'hi', '--max-tokens', '2']; "
+            "runpy.run_module('mlx_qwen3vl', run_name='__main__')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert [line.split(":")[0] for line in p.stderr.splitlines() if line] == ["Prompt", "Generation", "Peak memory"]
