@@ -30,6 +30,19 @@ def assert_one_error_line(p, needle):
     assert "Traceback" not in p.stderr and p.stdout == ""
 
 
+def in_process(capsys, *args):
+    """main() as the CLI runs it, without a new interpreter (the values are refused before any
+    model work, so this is what a subprocess would print)."""
+    from mlx_qwen3vl.__main__ import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--max-tokens", "0"], "--max-tokens = 0"),
     (["--max-tokens", "-1"], "--max-tokens = -1"),
@@ -46,8 +59,12 @@ def assert_one_error_line(p, needle):
     (["--temp", "warm"], "--temp"),
     (["--no-such-flag"], "--no-such-flag"),
 ])
-def test_bad_values_exit_2_with_one_line(args, needle):
-    assert_one_error_line(cli("--model", TINY, *args), needle)
+def test_bad_values_exit_2_with_one_line(args, needle, capsys):
+    assert_one_error_line(in_process(capsys, "--model", TINY, *args), needle)
+
+
+def test_bad_value_in_a_real_process():
+    assert_one_error_line(cli("--model", TINY, "--seed", "-1"), "--seed = -1")
 
 
 def test_prompt_past_the_context_is_refused_before_prefill(tmp_path):
