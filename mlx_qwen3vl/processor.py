@@ -5,194 +5,37 @@ pillow backend of transformers' image processor (Qwen2VLImageProcessorPil) bit f
 videos follow Qwen3VLVideoProcessor (see video.py).
 """
 
-import base64
-import binascii
-import io
 import json
-import math
 import os
 import re
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image
 
 from . import video as vid
 from .errors import InputError
+from .media import describe, load_image
+from .positions import mm_token_type_ids_from
+from .video import smart_resize
 
-URL_TIMEOUT_S = 10
 CONTENT_TYPES = ("text", "image", "image_url", "video")
 # Keys of a content block that can hold the media, in transformers' order.
 MEDIA_KEYS = {"image": ("image", "url", "path", "base64"), "video": ("video", "url", "path")}
-
-
-# ---------------------------------------------------------------------------- images: loading
-
-
-def _describe(x):
-    if isinstance(x, (str, os.PathLike)):
-        s = str(x)
-        return repr(s if len(s) <= 80 else s[:60] + "...")
-    if isinstance(x, np.ndarray):
-        return f"(array {x.shape} {x.dtype})"
-    return f"({type(x).__name__})"
-
-
-def _reason(e):
-    """An exception as a short single line, for the one-line messages."""
-    return " ".join(str(getattr(e, "reason", e) or type(e).__name__).split())[:200]
-
-
-def _open_bytes(data, label):
-    try:
-        im = Image.open(io.BytesIO(data))
-        im.load()  # surfaces truncated or corrupt files here, with the input's name
-    except (OSError, Image.DecompressionBombError, SyntaxError, ValueError) as e:
-        raise InputError(f"{label} is not a readable image ({_reason(e)}); pass a valid image file") from None
-    return im
-
-
-def _fetch_url(url, label):
-    try:
-        with urllib.request.urlopen(url, timeout=URL_TIMEOUT_S) as r:
-            return r.read()
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        raise InputError(f"{label} could not be fetched ({_reason(e)}); check the URL or pass a local file") from None
-
-
-def _open_string(s, label):
-    """A path, http(s) URL or data: URL → PIL image, upright and RGB, as transformers' load_image."""
-    if s.startswith(("http://", "https://")):
-        im = _open_bytes(_fetch_url(s, label), label)
-    elif s.startswith("data:"):
-        try:
-            data = base64.b64decode(s.split(",", 1)[1], validate=False)
-        except (IndexError, binascii.Error) as e:
-            raise InputError(
-                f"{label} is not a valid base64 data: URL ({_reason(e)}); pass data:image/...;base64,<data>"
-            ) from None
-        im = _open_bytes(data, label)
-    elif os.path.isfile(s):
-        try:
-            with open(s, "rb") as f:
-                data = f.read()
-        except OSError as e:
-            raise InputError(f"{label} could not be read ({_reason(e)}); check the file") from None
-        im = _open_bytes(data, label)
-    else:
-        raise InputError(f"{label} is not an existing file, http(s) URL or data: URL; check the path")
-    return ImageOps.exif_transpose(im).convert("RGB")
-
-
-def _pil_to_rgb(im):
-    """transformers' convert_to_rgb: transparency is composited onto white."""
-    if "A" in im.getbands() or im.info.get("transparency") is not None:
-        im = im.convert("RGBA")
-        white = Image.new("RGBA", im.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, im).convert("RGB")
-    return im.convert("RGB")
-
-
-def _array_to_rgb(a, label):
-    if a.dtype != np.uint8:
-        raise InputError(f"{label} has dtype {a.dtype}; pass uint8 pixels (H, W, 3) in 0..255")
-    if a.ndim == 2:
-        a = a[..., None]
-    if a.ndim != 3 or a.shape[-1] not in (1, 3, 4):
-        raise InputError(f"{label} must be (H, W), (H, W, 1), (H, W, 3) or (H, W, 4); got shape {a.shape}")
-    if a.shape[-1] == 1:
-        return np.repeat(a, 3, axis=-1)
-    if a.shape[-1] == 4:  # composited onto white, as transformers does for 4-channel arrays
-        alpha = a[..., 3:4] / 255
-        return np.round(alpha * a[..., :3] + (1 - alpha) * 255).astype(np.uint8)
-    return a
-
-
-def load_image(x, label="image"):
-    """Any supported image input → RGB uint8 array (H, W, 3)."""
-    if isinstance(x, Path):
-        x = str(x)
-    if isinstance(x, str):
-        im = _open_string(x, f"{label} {_describe(x)}")
-    elif isinstance(x, bytes):
-        im = ImageOps.exif_transpose(_open_bytes(x, f"{label} (bytes)")).convert("RGB")
-    elif isinstance(x, Image.Image):
-        if x.width == 0 or x.height == 0:
-            raise InputError(f"{label} has zero size ({x.width}x{x.height}); pass a non-empty image")
-        try:
-            im = _pil_to_rgb(x)
-        except (OSError, ValueError) as e:
-            raise InputError(
-                f"{label} {_describe(x)} could not be converted to RGB ({_reason(e)}); pass a valid image"
-            ) from None
-    elif isinstance(x, np.ndarray):
-        rgb = _array_to_rgb(x, f"{label} {_describe(x)}")
-        if rgb.shape[0] == 0 or rgb.shape[1] == 0:
-            raise InputError(f"{label} has zero size ({rgb.shape[1]}x{rgb.shape[0]}); pass a non-empty image")
-        return rgb
-    else:
-        raise InputError(
-            f"{label} {_describe(x)} is not a supported image; pass a path, URL, data: URL, PIL.Image or uint8 array"
-        )
-    rgb = np.asarray(im)
-    if rgb.shape[0] == 0 or rgb.shape[1] == 0:
-        raise InputError(f"{label} has zero size ({rgb.shape[1]}x{rgb.shape[0]}); pass a non-empty image")
-    return rgb
+IMAGE_TOKEN, VIDEO_TOKEN = "<|image_pad|>", "<|video_pad|>"
+VISION_START_TOKEN, VISION_END_TOKEN = "<|vision_start|>", "<|vision_end|>"
+VISION_TOKENS = (IMAGE_TOKEN, VIDEO_TOKEN, VISION_START_TOKEN, VISION_END_TOKEN)
 
 
 # ---------------------------------------------------------------------------- images: pixels
 
 
 @dataclass
-class ImageConfig:
-    patch_size: int = 16
-    temporal_patch_size: int = 2
-    merge_size: int = 2
-    min_pixels: int = 56 * 56
-    max_pixels: int = 28 * 28 * 1280
-    image_mean: tuple = (0.48145466, 0.4578275, 0.40821073)
-    image_std: tuple = (0.26862954, 0.26130258, 0.27577711)
-    rescale_factor: float = 1 / 255
-
-    @classmethod
-    def from_dict(cls, d):
-        size = d.get("size") or {}
-        base = cls()
-        return cls(
-            patch_size=d.get("patch_size", base.patch_size),
-            temporal_patch_size=d.get("temporal_patch_size", base.temporal_patch_size),
-            merge_size=d.get("merge_size", base.merge_size),
-            min_pixels=d.get("min_pixels") or size.get("shortest_edge", base.min_pixels),
-            max_pixels=d.get("max_pixels") or size.get("longest_edge", base.max_pixels),
-            image_mean=tuple(d.get("image_mean", base.image_mean)),
-            image_std=tuple(d.get("image_std", base.image_std)),
-            rescale_factor=d.get("rescale_factor", base.rescale_factor),
-        )
-
-    @property
-    def factor(self):
-        return self.patch_size * self.merge_size
-
-
-def smart_resize(height, width, factor, min_pixels, max_pixels):
-    """Image size (h, w): multiples of `factor`, area within [min_pixels, max_pixels], aspect kept."""
-    if max(height, width) / min(height, width) > 200:
-        raise InputError(f"{width}x{height} pixels is an aspect ratio above 200; crop or pad it")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+class ImageConfig(vid.PixelConfig):
+    legacy_pixel_keys: ClassVar[bool] = True  # transformers' image processor reads min/max_pixels
 
 
 @lru_cache(maxsize=8)
@@ -218,10 +61,20 @@ def _normalize(levels, cfg):
     return out
 
 
+def _budget(cfg, min_pixels=None, max_pixels=None):
+    """The image pixel budget of a call: its own values over the config's, validated."""
+    return vid.pixel_budget(
+        cfg.min_pixels if min_pixels is None else min_pixels,
+        cfg.max_pixels if max_pixels is None else max_pixels,
+        cfg.factor,
+    )
+
+
 def preprocess_image(rgb, cfg, min_pixels=None, max_pixels=None):
     """RGB uint8 (H, W, 3) → (patches (N, C·T·16·16) float32, (1, grid_h, grid_w))."""
     h, w = rgb.shape[:2]
-    rh, rw = smart_resize(h, w, cfg.factor, min_pixels or cfg.min_pixels, max_pixels or cfg.max_pixels)
+    min_pixels, max_pixels = _budget(cfg, min_pixels, max_pixels)
+    rh, rw = smart_resize(h, w, cfg.factor, min_pixels, max_pixels)
     resized = np.asarray(Image.fromarray(rgb).resize((rw, rh), Image.BICUBIC))
     # The image fills a whole temporal patch by repetition (a broadcast: copied once, by patchify).
     frames = np.broadcast_to(resized, (cfg.temporal_patch_size, *resized.shape))
@@ -249,24 +102,42 @@ def _is_batch(messages):
     return isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
 
 
+def _check_text(text, where):
+    """Message text may not contain the vision markers: the template puts exactly one
+    vision_start, pad, vision_end per image or video, and a stray one would be read as an image
+    with no pixels (or shift every later image's pixels onto the wrong placeholder)."""
+    if isinstance(text, str):
+        found = [t for t in VISION_TOKENS if t in text]
+        if found:
+            raise InputError(
+                f"{where} contains {found[0]}, a token that marks where images and videos go; remove it "
+                "from the text and pass media as {'type': 'image'} / {'type': 'video'} content items"
+            )
+
+
 def normalize_messages(messages):
     """Copy of one conversation as transformers hands it to the template: keys set to None are
-    dropped, and OpenAI `image_url` blocks become `{"type": "image", "url": ...}`."""
+    dropped, and OpenAI `image_url` blocks become `{"type": "image", "url": ...}`. Messages and
+    content items are counted from 1 in errors."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InputError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     out = []
-    for i, message in enumerate(messages):
+    for i, message in enumerate(messages, 1):
         if not isinstance(message, dict):
             raise InputError(f"message {i} is a {type(message).__name__}; pass dicts with 'role' and 'content'")
         message = {k: v for k, v in message.items() if v is not None}
         content = message.get("content")
+        _check_text(content, f"message {i}'s text")
         if isinstance(content, (list, tuple)):
             blocks = []
-            for j, block in enumerate(content):
-                kind = _block_type(block, f"message {i} content item {j}")
+            for j, block in enumerate(content, 1):
+                where = f"message {i} content item {j}"
+                kind = _block_type(block, where)
                 if kind == "image_url" and "image_url" in block:
                     info = block["image_url"]
                     block = {"type": "image", "url": info.get("url", "") if isinstance(info, dict) else info}
+                if kind == "text":
+                    _check_text(block.get("text"), where)
                 blocks.append(block)
             message["content"] = blocks
         out.append(message)
@@ -341,10 +212,10 @@ def _read_json(path):
 class Processor:
     """Tokenizer + image and video preprocessing for Qwen3-VL."""
 
-    image_token = "<|image_pad|>"
-    video_token = "<|video_pad|>"
-    vision_start_token = "<|vision_start|>"
-    vision_end_token = "<|vision_end|>"
+    image_token = IMAGE_TOKEN
+    video_token = VIDEO_TOKEN
+    vision_start_token = VISION_START_TOKEN
+    vision_end_token = VISION_END_TOKEN
 
     def __init__(self, tokenizer, image_config=None, video_config=None, chat_template=None):
         self.tokenizer = tokenizer
@@ -360,8 +231,11 @@ class Processor:
         self.pad_token_id = pad if pad is not None else tokenizer.eos_token_id
 
     @classmethod
-    def from_pretrained(cls, path, tokenizer=None):
-        """Load from a model folder: tokenizer files, preprocessor configs and chat template."""
+    def from_pretrained(cls, path, tokenizer=None, *, cap_pixels_per_frame=None):
+        """Load from a model folder: tokenizer files, preprocessor configs and chat template.
+
+        `cap_pixels_per_frame` (default: the video config's, else True) sets the video frame cap
+        for every call; see `__call__`."""
         path = Path(path)
         if tokenizer is None:
             from transformers import AutoTokenizer
@@ -370,12 +244,10 @@ class Processor:
         nested = _read_json(path / "processor_config.json") or {}
         image = nested.get("image_processor") or _read_json(path / "preprocessor_config.json") or {}
         video = nested.get("video_processor") or _read_json(path / "video_preprocessor_config.json") or image
-        return cls(
-            tokenizer,
-            ImageConfig.from_dict(image),
-            vid.VideoConfig.from_dict(video),
-            _read_chat_template(path, tokenizer),
-        )
+        video_config = vid.VideoConfig.from_dict(video)
+        if cap_pixels_per_frame is not None:
+            video_config.cap_pixels_per_frame = bool(cap_pixels_per_frame)
+        return cls(tokenizer, ImageConfig.from_dict(image), video_config, _read_chat_template(path, tokenizer))
 
     # -- text
 
@@ -398,6 +270,7 @@ class Processor:
         sample_frames=True,
         min_pixels=None,
         max_pixels=None,
+        cap_pixels_per_frame=None,
         return_tensors="np",
         **template_kwargs,
     ):
@@ -433,6 +306,7 @@ class Processor:
             sample_frames=sample_frames,
             min_pixels=min_pixels,
             max_pixels=max_pixels,
+            cap_pixels_per_frame=cap_pixels_per_frame,
             return_tensors=return_tensors,
         )
 
@@ -441,12 +315,12 @@ class Processor:
     def process_images(self, images, min_pixels=None, max_pixels=None):
         """Images → (pixel_values (N, C·T·16·16) float32, image_grid_thw (n, 3) int64)."""
         patches, grids = [], []
-        for i, image in enumerate(images):
+        for i, image in enumerate(images, 1):
             rgb = load_image(image, f"image {i}")
             try:
                 p, grid = preprocess_image(rgb, self.image_config, min_pixels, max_pixels)
             except InputError as e:
-                raise InputError(f"image {i} {_describe(image)}: {e}") from None
+                raise InputError(f"image {i} {describe(image)}: {e}") from None
             patches.append(p)
             grids.append(grid)
         return np.concatenate(patches), np.array(grids, dtype=np.int64)
@@ -454,40 +328,38 @@ class Processor:
     def _clip(self, video, fps, sample, label):
         cfg = self.video_config
         if isinstance(video, (str, os.PathLike)):
-            if not os.path.isfile(video):
-                raise InputError(f"{label} {_describe(video)} is not an existing file; check the path")
-            return vid.read_video_file(video, fps, sample, cfg)
+            return vid.read_video_file(video, fps, sample, cfg, label)
         is_rgb_array = isinstance(video, np.ndarray) and video.ndim == 4 and video.shape[-1] == 3
         if is_rgb_array and video.dtype == np.uint8:
             frames = video
         elif isinstance(video, (list, tuple)) or (isinstance(video, np.ndarray) and video.ndim == 4):
             if len(video) == 0:
                 raise InputError(f"{label} has no frames; pass at least {cfg.temporal_patch_size} frames")
-            rgb = [load_image(f, f"{label} frame {t}") for t, f in enumerate(video)]
+            rgb = [load_image(f, f"{label} frame {t}") for t, f in enumerate(video, 1)]
             if len({f.shape for f in rgb}) > 1:
                 raise InputError(f"{label} frames differ in size; resize them to one size first")
             frames = np.stack(rgb)
         else:
             raise InputError(
-                f"{label} {_describe(video)} is not a supported video; pass a file path, a list of frames "
+                f"{label} {describe(video)} is not a supported video; pass a file path, a list of frames "
                 "or a (T, H, W, 3) uint8 array"
             )
         if frames.shape[1] == 0 or frames.shape[2] == 0:
             raise InputError(f"{label} has zero-size frames; pass non-empty frames")
         return vid.clip_from_frames(frames, fps, sample, cfg)
 
-    def process_videos(self, videos, video_fps=None, sample_frames=True):
+    def process_videos(self, videos, video_fps=None, sample_frames=True, cap_pixels_per_frame=None):
         """Videos → (pixel_values_videos, video_grid_thw (n, 3) int64, timestamps per video)."""
         fps_list = video_fps if isinstance(video_fps, (list, tuple)) else [video_fps] * len(videos)
         if len(fps_list) != len(videos):
             raise InputError(f"video_fps has {len(fps_list)} entries for {len(videos)} videos; pass one per video")
         patches, grids, times = [], [], []
-        for i, (video, fps) in enumerate(zip(videos, fps_list)):
+        for i, (video, fps) in enumerate(zip(videos, fps_list), 1):
             clip = self._clip(video, fps, sample_frames, f"video {i}")
             try:
-                p, grid, ts = vid.preprocess_clip(clip, self.video_config)
+                p, grid, ts = vid.preprocess_clip(clip, self.video_config, cap_pixels_per_frame)
             except InputError as e:
-                raise InputError(f"video {i} {_describe(video)}: {e}") from None
+                raise InputError(f"video {i} {describe(video)}: {e}") from None
             patches.append(p)
             grids.append(grid)
             times.append(ts)
@@ -510,6 +382,7 @@ class Processor:
         sample_frames=True,
         min_pixels=None,
         max_pixels=None,
+        cap_pixels_per_frame=None,
         padding=True,
         return_tensors="np",
     ):
@@ -518,9 +391,15 @@ class Processor:
         Returns a dict with transformers' names: input_ids, attention_mask, mm_token_type_ids
         (0 text, 1 image, 2 video), and pixel_values + image_grid_thw, pixel_values_videos +
         video_grid_thw when there are images / videos. Batches are padded on the left.
+
+        `min_pixels` / `max_pixels` override the image config's budget (integers,
+        1 <= min_pixels <= max_pixels, max_pixels >= 1024). `cap_pixels_per_frame` (default: the
+        video config's, True unless it says otherwise) caps each video frame as qwen-vl-utils
+        does; False gives transformers 5.24's default, uncapped frames.
         """
         if return_tensors not in ("np", "mlx"):
             raise InputError(f"return_tensors={return_tensors!r} is not supported; use 'np' or 'mlx'")
+        min_pixels, max_pixels = _budget(self.image_config, min_pixels, max_pixels)
         texts = [text] if isinstance(text, str) else (list(text) if text is not None else None)
         images = _flatten_images(images)
         videos = _as_video_list(videos)
@@ -538,7 +417,7 @@ class Processor:
             )
         if videos:
             out["pixel_values_videos"], out["video_grid_thw"], times = self.process_videos(
-                videos, video_fps, sample_frames
+                videos, video_fps, sample_frames, cap_pixels_per_frame
             )
             replacements[self.video_token] = iter(
                 self._video_placeholder(g, t) for g, t in zip(out["video_grid_thw"], times)
@@ -561,9 +440,7 @@ class Processor:
             if x:
                 input_ids[row, longest - len(x):] = x
                 mask[row, longest - len(x):] = 1
-        types = np.zeros_like(input_ids)
-        types[input_ids == self.image_token_id] = 1
-        types[input_ids == self.video_token_id] = 2
+        types = mm_token_type_ids_from(input_ids, self.image_token_id, self.video_token_id)
         return {"input_ids": input_ids, "attention_mask": mask, "mm_token_type_ids": types}
 
 

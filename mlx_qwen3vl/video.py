@@ -8,55 +8,100 @@ reordering (4x less memory traffic than floats) and become float32 last.
 """
 
 import math
+import numbers
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import numpy as np
 from PIL import Image
 
-from .errors import InputError
+from .errors import ConfigError, InputError
+from .media import check_regular_file, describe, reason
 
 DEFAULT_SOURCE_FPS = 24  # what transformers assumes when a clip comes without its fps
 
 
 @dataclass
-class VideoConfig:
+class PixelConfig:
+    """What image and video preprocessor configs share: patch layout, pixel budget, normalization."""
+
     patch_size: int = 16
     temporal_patch_size: int = 2
     merge_size: int = 2
-    min_pixels: int = 128 * 32 * 32
-    max_pixels: int = 768 * 32 * 32
-    image_mean: tuple = (0.5, 0.5, 0.5)
-    image_std: tuple = (0.5, 0.5, 0.5)
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    image_mean: tuple = (0.48145466, 0.4578275, 0.40821073)
+    image_std: tuple = (0.26862954, 0.26130258, 0.27577711)
     rescale_factor: float = 1 / 255
-    fps: float = 2
-    min_frames: int = 4
-    max_frames: int = 768
-    max_video_tokens: int = 768
+
+    legacy_pixel_keys: ClassVar[bool] = False  # see from_dict
 
     @classmethod
     def from_dict(cls, d):
+        """A preprocessor config dict → config; what it lacks (or sets to null) keeps the default.
+
+        The pixel budget, first found wins: the call's min_pixels / max_pixels (images only), the
+        top-level `min_pixels` / `max_pixels` keys (image configs only: transformers' image
+        processor honours these legacy keys, its Qwen3-VL video processor ignores them),
+        `size.shortest_edge` / `size.longest_edge`, the class default.
+        """
         size = d.get("size") or {}
-        base = cls()
-        return cls(
-            patch_size=d.get("patch_size", base.patch_size),
-            temporal_patch_size=d.get("temporal_patch_size", base.temporal_patch_size),
-            merge_size=d.get("merge_size", base.merge_size),
-            min_pixels=size.get("shortest_edge", d.get("min_pixels", base.min_pixels)),
-            max_pixels=size.get("longest_edge", d.get("max_pixels", base.max_pixels)),
-            image_mean=tuple(d.get("image_mean", base.image_mean)),
-            image_std=tuple(d.get("image_std", base.image_std)),
-            rescale_factor=d.get("rescale_factor", base.rescale_factor),
-            fps=d.get("fps", base.fps) or base.fps,
-            min_frames=d.get("min_frames", base.min_frames),
-            max_frames=d.get("max_frames", base.max_frames),
-            max_video_tokens=d.get("max_video_tokens", base.max_video_tokens),
-        )
+        values = {f.name: d[f.name] for f in fields(cls) if d.get(f.name) is not None}
+        for key, size_key in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+            legacy = d.get(key) if cls.legacy_pixel_keys else None
+            values.pop(key, None)
+            if legacy is not None or size.get(size_key) is not None:
+                values[key] = legacy if legacy is not None else size[size_key]
+        for key in ("image_mean", "image_std"):
+            if key in values:
+                values[key] = tuple(values[key])
+        cfg = cls(**values)
+        try:
+            pixel_budget(cfg.min_pixels, cfg.max_pixels, cfg.factor)
+        except InputError as e:
+            raise ConfigError(f"the preprocessor config's pixel budget: {e}") from None
+        return cfg
 
     @property
     def factor(self):
         return self.patch_size * self.merge_size
+
+
+@dataclass
+class VideoConfig(PixelConfig):
+    min_pixels: int = 128 * 32 * 32
+    max_pixels: int = 768 * 32 * 32
+    image_mean: tuple = (0.5, 0.5, 0.5)
+    image_std: tuple = (0.5, 0.5, 0.5)
+    fps: float = 2
+    min_frames: int = 4
+    max_frames: int = 768
+    max_video_tokens: int = 768
+    # qwen-vl-utils' per-frame cap (see frame_pixel_budget). On by default: transformers 5.24 still
+    # defaults to off (with a warning that the capped behaviour becomes its default).
+    cap_pixels_per_frame: bool = True
+
+
+def _as_int(value, name):
+    """An integer pixel count (ints, numpy ints and integral floats; not bools, not 1.5)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, float)):
+        raise InputError(f"{name}={value!r} is not an integer; pass a whole number of pixels")
+    if isinstance(value, float) and not value.is_integer():
+        raise InputError(f"{name}={value!r} is not an integer; pass a whole number of pixels")
+    return int(value)
+
+
+def pixel_budget(min_pixels, max_pixels, factor):
+    """Validated (min_pixels, max_pixels): integers, 1 <= min_pixels <= max_pixels, and
+    max_pixels >= factor² (one merged token: the smallest image the model takes)."""
+    lo, hi = _as_int(min_pixels, "min_pixels"), _as_int(max_pixels, "max_pixels")
+    if hi < factor * factor:
+        raise InputError(f"max_pixels={hi} is below {factor * factor}; pass max_pixels >= {factor * factor}")
+    if not 1 <= lo <= hi:
+        raise InputError(f"min_pixels={lo} is outside 1..max_pixels ({hi}); pass 1 <= min_pixels <= max_pixels")
+    return lo, hi
 
 
 @dataclass
@@ -86,14 +131,14 @@ def clip_from_frames(frames, source_fps, sample, cfg: VideoConfig):
     return Clip([frames[i] for i in indices], indices, fps)  # views, no copy
 
 
-def read_video_file(path, source_fps, sample, cfg: VideoConfig):
+def read_video_file(path, source_fps, sample, cfg: VideoConfig, label="video"):
     """Decode a video file with PyAV, converting only the frames that are kept."""
+    label = f"{label} {describe(path)}"
+    check_regular_file(path, label)
     try:
         import av
     except ImportError:
-        raise InputError(
-            f'video {str(path)!r}: reading video files needs PyAV: pip install "mlx-qwen3vl[video]"'
-        ) from None
+        raise InputError(f'{label}: reading video files needs PyAV: pip install "mlx-qwen3vl[video]"') from None
     try:
         with av.open(str(path)) as container:
             stream = container.streams.video[0]
@@ -116,42 +161,53 @@ def read_video_file(path, source_fps, sample, cfg: VideoConfig):
                 if frames:
                     return clip_from_frames(frames, fps, sample, cfg)
     except (OSError, IndexError, av.error.FFmpegError) as e:
-        reason = " ".join(str(e).split())[:200]
-        raise InputError(f"video {str(path)!r} could not be decoded ({reason}); pass a readable video file") from None
+        raise InputError(f"{label} could not be decoded ({reason(e)}); pass a readable video file") from None
     if not frames:
-        raise InputError(f"video {str(path)!r} has no frames; pass a non-empty video")
+        raise InputError(f"{label} has no frames; pass a non-empty video")
     return Clip(frames, indices, fps)
 
 
 # ---------------------------------------------------------------------------- sizing
 
 
-def frame_pixel_budget(num_frames, cfg: VideoConfig):
-    """Total pixel budget for a clip, with the per-frame cap qwen-vl-utils applies."""
+def frame_pixel_budget(num_frames, cfg: VideoConfig, cap=None):
+    """Total pixel budget for a clip. With the cap (qwen-vl-utils', on unless `cap` or the config
+    turns it off) each frame gets at most max_video_tokens merged tokens and its even share of
+    max_pixels, floored at 1.05 · min_pixels; without it the frames share max_pixels, so a short
+    clip keeps near-native resolution (4 frames of 1280x720: 1440 vs 1760 video tokens)."""
+    if not (cfg.cap_pixels_per_frame if cap is None else cap):
+        return cfg.max_pixels
     frame_cap = cfg.max_video_tokens * cfg.factor * cfg.factor
     per_frame = max(min(frame_cap, cfg.max_pixels // num_frames), int(cfg.min_pixels * 1.05))
     return per_frame * num_frames
 
 
-def smart_resize_video(num_frames, height, width, cfg: VideoConfig, max_pixels):
-    """Frame size (h, w): multiples of the factor, clip pixels within [min_pixels, max_pixels]."""
-    factor, tf = cfg.factor, cfg.temporal_patch_size
-    if num_frames < tf:
-        raise InputError(f"{num_frames} frame(s) is fewer than the temporal patch ({tf}); pass at least {tf} frames")
-    if height < factor or width < factor:
+def smart_resize(height, width, factor, min_pixels, max_pixels, num_frames=1, temporal_factor=1):
+    """Size (h, w) of an image or of a clip's frames: multiples of `factor`, aspect kept, the
+    pixels of all frames (rounded to the temporal patch) within [min_pixels, max_pixels].
+
+    Images are one frame (transformers' image smart_resize); clips (temporal_factor > 1) follow its
+    video smart_resize, which first scales frames smaller than `factor` up to it.
+    """
+    if num_frames < temporal_factor:
+        raise InputError(
+            f"{num_frames} frame(s) is fewer than the temporal patch ({temporal_factor}); "
+            f"pass at least {temporal_factor} frames"
+        )
+    if temporal_factor > 1 and (height < factor or width < factor):
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
     if max(height, width) / min(height, width) > 200:
-        raise InputError(f"frames of {width}x{height} pixels have an aspect ratio above 200; crop or pad them")
+        raise InputError(f"{width}x{height} pixels is an aspect ratio above 200; crop or pad it")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
-    t_bar = round(num_frames / tf) * tf
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
     if t_bar * h_bar * w_bar > max_pixels:
         beta = math.sqrt(num_frames * height * width / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < cfg.min_pixels:
-        beta = math.sqrt(cfg.min_pixels / (num_frames * height * width))
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
@@ -235,11 +291,12 @@ def timestamps(indices, fps, temporal_patch_size):
     ]
 
 
-def preprocess_clip(clip: Clip, cfg: VideoConfig):
+def preprocess_clip(clip: Clip, cfg: VideoConfig, cap_pixels_per_frame=None):
     """A clip → (patches, (grid_t, grid_h, grid_w), timestamp of each temporal patch)."""
     n = len(clip.frames)
-    h, w = clip.frames[0].shape[:2] if n else (0, 0)
-    rh, rw = smart_resize_video(n, h, w, cfg, frame_pixel_budget(n, cfg) if n else cfg.max_pixels)
+    h, w = clip.frames[0].shape[:2] if n else (1, 1)
+    budget = frame_pixel_budget(n, cfg, cap_pixels_per_frame) if n else cfg.max_pixels
+    rh, rw = smart_resize(h, w, cfg.factor, cfg.min_pixels, budget, n, cfg.temporal_patch_size)
     frames = resize_frames(clip.frames, rh, rw, cfg.temporal_patch_size)
     patches, grid = patchify(frames, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
     return normalize_patches(patches, cfg), grid, timestamps(clip.indices, clip.fps, cfg.temporal_patch_size)

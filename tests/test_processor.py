@@ -15,6 +15,7 @@ Measured against the recordings (transformers 5.24, torch 2.14.1, Pillow 13, AVX
   0.0157, on the larger 1280x720 → 832x480 clip of benchmarks/bench_preprocess.py).
 """
 
+import dataclasses
 import importlib.util
 import json
 import socket
@@ -50,6 +51,9 @@ def processor():
 def run(processor, case):
     """Our outputs for a recorded case: (chat text, processed dict)."""
     call = case.get("call", {})
+    if case.get("video_processor"):  # the case's video config overrides, as the recorder applies them
+        video_config = dataclasses.replace(processor.video_config, **case["video_processor"])
+        processor = Processor(processor.tokenizer, processor.image_config, video_config, processor.chat_template)
     if case.get("chat"):
         messages = recorder.resolve(case["messages"], INPUTS)
         chat_text = processor.apply_chat_template(messages, tools=case.get("tools"))
@@ -117,12 +121,31 @@ def test_image_sizes_match_reference_smart_resize():
         assert smart_resize(h, w, 32, mn, mx) == (rh, rw), (h, w, mn, mx)
 
 
-def test_video_patch_counts_match_reference_with_frame_cap(processor):
+@pytest.mark.parametrize("cap", [True, False])
+def test_video_patch_counts_match_reference_with_and_without_frame_cap(processor, cap):
     cfg = processor.video_config
-    for t, h, w, n in SIZES["video_num_patches"]:
-        rh, rw = vid.smart_resize_video(t, h, w, cfg, vid.frame_pixel_budget(t, cfg))
+    assert cfg.cap_pixels_per_frame  # our default: qwen-vl-utils' cap
+    for t, h, w, n_capped, n_uncapped in SIZES["video_num_patches"]:
+        budget = vid.frame_pixel_budget(t, cfg, cap)
+        rh, rw = vid.smart_resize(h, w, cfg.factor, cfg.min_pixels, budget, t, cfg.temporal_patch_size)
         grid_t = -(-t // cfg.temporal_patch_size)
-        assert grid_t * (rh // 16) * (rw // 16) == n, (t, h, w)
+        assert grid_t * (rh // 16) * (rw // 16) == (n_capped if cap else n_uncapped), (t, h, w)
+
+
+def test_frame_cap_option_reaches_the_pixels(processor):
+    """Off per call, per processor (from_pretrained) or per config: all equal transformers' uncapped run."""
+    clip = recorder.resolve("@npy:clip40.npz", INPUTS)
+    uncapped = recorded("video_uncapped")
+    assert not np.array_equal(uncapped["video_grid_thw"], recorded("video_capped")["video_grid_thw"])
+    small = dataclasses.replace(processor.video_config, max_video_tokens=8)
+    per_config = Processor(processor.tokenizer, processor.image_config,
+                           dataclasses.replace(small, cap_pixels_per_frame=False))
+    np.testing.assert_array_equal(per_config(videos=[clip], video_fps=10)["video_grid_thw"],
+                                  uncapped["video_grid_thw"])
+    loaded = Processor.from_pretrained(FIXTURES / "tokenizer", cap_pixels_per_frame=False)
+    assert not loaded.video_config.cap_pixels_per_frame
+    cfg = vid.VideoConfig.from_dict({"cap_pixels_per_frame": False, "max_video_tokens": 8})
+    assert not cfg.cap_pixels_per_frame and cfg.max_video_tokens == 8
 
 
 def test_video_timestamps_follow_the_sampled_frames(outputs, processor):
@@ -263,7 +286,7 @@ def test_zero_size_image(processor, image):
 
 def test_aspect_ratio_above_200(processor):
     thin = np.zeros((2, 403, 3), np.uint8)
-    one_line_error(lambda: processor(text=prompt(processor, 1), images=[thin]), "image 0", "aspect ratio")
+    one_line_error(lambda: processor(text=prompt(processor, 1), images=[thin]), "image 1", "aspect ratio")
 
 
 def test_more_placeholders_than_images(processor):
@@ -294,7 +317,7 @@ def test_unknown_content_type(processor):
 
 
 def test_unsupported_image_object(processor):
-    one_line_error(lambda: processor(text=prompt(processor, 1), images=[12345]), "image 0")
+    one_line_error(lambda: processor(text=prompt(processor, 1), images=[12345]), "image 1")
 
 
 def test_unreachable_url(processor):

@@ -1,0 +1,230 @@
+"""Any image a user hands us → one RGB uint8 array (H, W, 3), the same way for every source.
+
+Sources: a path, bytes, a data: URL (`data:image;base64,...`, with or without a subtype), an
+http(s) URL, a PIL image or a numpy array. Encoded sources are decoded by Pillow and turned upright
+by their EXIF orientation (as transformers' load_image does); from there files and PIL images take
+one conversion to RGB, `pil_to_rgb`:
+
+- transparency (an alpha band, a palette `tRNS` entry, an RGB or grey colour key) is composited
+  onto white, as transformers' convert_to_rgb does for PIL images and qwen-vl-utils does for
+  training. transformers' own string loader drops the alpha instead; we composite for every source
+  so that a screenshot reads the same however it is passed.
+- 16-bit samples keep their high byte (v >> 8), which Pillow already does for 16-bit RGB and LA
+  PNGs. Pillow's conversion of 16-bit greyscale (I;16) clips at 255 instead, a nearly white image
+  (transformers gives that washed-out image to the model); we deliberately differ there.
+
+Arrays are already pixels: 1 channel is repeated, 4 channels are composited onto white by
+transformers' formula for arrays.
+"""
+
+import base64
+import binascii
+import io
+import os
+import re
+import stat
+import struct
+import urllib.error
+import urllib.parse
+import urllib.request
+import warnings
+import zlib
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from .errors import InputError
+
+URL_TIMEOUT_S = 10
+# Larger images are refused before decoding (10000 x 10000; 300 MB as RGB). The model never sees
+# more than the processor's max_pixels (16.7M by default), and Pillow's own decompression-bomb
+# check would warn from 89M pixels and fail from 179M with a message about attacks.
+MAX_IMAGE_PIXELS = 100_000_000
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+_ADDRESS = re.compile(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>")  # "<_io.BytesIO object at 0x...>"
+
+
+def describe(x):
+    """A short name for an input, for error messages (never an object's repr)."""
+    if isinstance(x, (str, os.PathLike)):
+        s = str(x)
+        if s.startswith("data:"):
+            return repr(s[:30] + "...")
+        return repr(s if len(s) <= 80 else s[:60] + "...")
+    if isinstance(x, np.ndarray):
+        return f"(array {x.shape} {x.dtype})"
+    return f"({type(x).__name__})"
+
+
+def reason(e):
+    """An exception as a short single line, for the one-line messages."""
+    text = _ADDRESS.sub("", str(getattr(e, "reason", e) or ""))
+    return " ".join(text.split())[:200] or type(e).__name__
+
+
+def _file_kind(mode):
+    """None for a regular file, else what the path is instead."""
+    if stat.S_ISREG(mode):
+        return None
+    kinds = {stat.S_ISDIR: "directory", stat.S_ISFIFO: "FIFO (named pipe)", stat.S_ISCHR: "character device",
+             stat.S_ISBLK: "block device", stat.S_ISSOCK: "socket"}
+    return next((name for test, name in kinds.items() if test(mode)), "special file")
+
+
+def check_regular_file(path, label):
+    """Refuse a path that is missing or not a regular file, without opening it."""
+    try:
+        kind = _file_kind(os.stat(path).st_mode)
+    except FileNotFoundError:
+        raise InputError(f"{label} does not exist; check the path") from None
+    except OSError as e:
+        raise InputError(f"{label} could not be read ({reason(e)}); check the file") from None
+    if kind:
+        raise InputError(f"{label} is a {kind}, not a regular file; pass a file")
+
+
+def read_file(path, label):
+    """The bytes of a regular file. Anything else (a directory, FIFO, device) is refused before a
+    byte is read: a FIFO would block and /dev/zero would never end. Opened non-blocking and checked
+    on the open descriptor, so the file cannot be swapped between the check and the read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise InputError(
+            f"{label} is not an existing file, http(s) URL or data: URL; check the path"
+        ) from None
+    except OSError as e:
+        raise InputError(f"{label} could not be read ({reason(e)}); check the file") from None
+    with os.fdopen(fd, "rb") as f:
+        kind = _file_kind(os.fstat(fd).st_mode)
+        if kind:
+            raise InputError(f"{label} is a {kind}, not a regular file; pass an image file")
+        try:
+            return f.read()
+        except OSError as e:
+            raise InputError(f"{label} could not be read ({reason(e)}); check the file") from None
+
+
+def _fetch_url(url, label):
+    try:
+        with urllib.request.urlopen(url, timeout=URL_TIMEOUT_S) as r:
+            return r.read()
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise InputError(f"{label} could not be fetched ({reason(e)}); check the URL or pass a local file") from None
+
+
+def _data_url_bytes(url, label):
+    """data:[<type>][;base64],<data>; the type is not needed (agents send `data:image;base64,`)."""
+    header, sep, payload = url.partition(",")
+    if not sep:
+        raise InputError(f"{label} is not a valid data: URL (no comma); pass data:image/png;base64,<data>")
+    if not header.endswith(";base64"):
+        return urllib.parse.unquote_to_bytes(payload)
+    try:
+        return base64.b64decode("".join(payload.split()), validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise InputError(
+            f"{label} is not valid base64 ({reason(e)}); pass data:image/png;base64,<data>"
+        ) from None
+
+
+def _check_size(width, height, label):
+    if width * height > MAX_IMAGE_PIXELS:
+        raise InputError(
+            f"{label} is {width}x{height} pixels, above the {MAX_IMAGE_PIXELS:,} this engine decodes; "
+            "downscale it first"
+        )
+
+
+def decode(data, label):
+    """Encoded image bytes → an upright PIL image, fully decoded (bad data fails here, named)."""
+    try:
+        with warnings.catch_warnings():  # our size limit replaces Pillow's bomb warning
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(data))
+            _check_size(im.width, im.height, label)
+            im.load()
+            return ImageOps.exif_transpose(im)
+    except InputError:
+        raise
+    except Image.DecompressionBombError:
+        raise InputError(f"{label} is larger than Pillow's Image.MAX_IMAGE_PIXELS allows; downscale it first") from None
+    except UnidentifiedImageError:
+        raise InputError(f"{label} is not an image format Pillow can read; pass a PNG, JPEG or WebP file") from None
+    except (OSError, SyntaxError, ValueError, EOFError, struct.error, zlib.error) as e:
+        raise InputError(f"{label} is not a readable image ({reason(e)}); pass a valid image file") from None
+
+
+def _sixteen_to_eight(im):
+    """16-bit greyscale → 8-bit by the high byte; a grey colour key becomes an alpha band."""
+    raw = np.asarray(im)
+    grey = Image.fromarray((np.clip(raw, 0, 65535).astype(np.uint32) >> 8).astype(np.uint8))
+    key = im.info.get("transparency")
+    if isinstance(key, int):
+        alpha = Image.fromarray(np.where(raw == key, 0, 255).astype(np.uint8))
+        return Image.merge("LA", (grey, alpha))
+    return grey
+
+
+def pil_to_rgb(im):
+    """A PIL image → RGB uint8 array: 16-bit reduced, transparency composited onto white."""
+    if im.mode in SIXTEEN_BIT_MODES:
+        im = _sixteen_to_eight(im)
+    if "A" in im.getbands() or im.info.get("transparency") is not None:
+        im = im.convert("RGBA")
+        white = Image.new("RGBA", im.size, (255, 255, 255, 255))
+        im = Image.alpha_composite(white, im)
+    return np.asarray(im.convert("RGB"))
+
+
+def array_to_rgb(a, label):
+    """uint8 (or 16-bit: high byte) (H, W), (H, W, 1), (H, W, 3) or (H, W, 4) → RGB uint8."""
+    if a.dtype == np.uint16:
+        a = (a >> 8).astype(np.uint8)
+    if a.dtype != np.uint8:
+        raise InputError(f"{label} has dtype {a.dtype}; pass uint8 pixels (H, W, 3) in 0..255")
+    if a.ndim == 2:
+        a = a[..., None]
+    if a.ndim != 3 or a.shape[-1] not in (1, 3, 4):
+        raise InputError(f"{label} must be (H, W), (H, W, 1), (H, W, 3) or (H, W, 4); got shape {a.shape}")
+    if a.shape[-1] == 1:
+        return np.repeat(a, 3, axis=-1)
+    if a.shape[-1] == 4:  # transformers' convert_to_rgb for arrays
+        alpha = a[..., 3:4] / 255
+        return np.round(alpha * a[..., :3] + (1 - alpha) * 255).astype(np.uint8)
+    return a
+
+
+def _bytes_of(s, label):
+    """The encoded bytes behind a path, http(s) URL or data: URL."""
+    if s.startswith(("http://", "https://")):
+        return _fetch_url(s, label)
+    if s.startswith("data:"):
+        return _data_url_bytes(s, label)
+    return read_file(s, label)
+
+
+def load_image(x, label="image"):
+    """Any supported image input → RGB uint8 array (H, W, 3)."""
+    named = f"{label} {describe(x)}"
+    if isinstance(x, (str, Path)):
+        rgb = pil_to_rgb(decode(_bytes_of(str(x), named), named))
+    elif isinstance(x, (bytes, bytearray, memoryview)):
+        rgb = pil_to_rgb(decode(bytes(x), named))
+    elif isinstance(x, Image.Image):
+        if x.width == 0 or x.height == 0:
+            raise InputError(f"{label} has zero size ({x.width}x{x.height}); pass a non-empty image")
+        try:
+            rgb = pil_to_rgb(x)
+        except (OSError, ValueError) as e:
+            raise InputError(f"{named} could not be converted to RGB ({reason(e)}); pass a valid image") from None
+    elif isinstance(x, np.ndarray):
+        rgb = array_to_rgb(x, named)
+    else:
+        raise InputError(
+            f"{named} is not a supported image; pass a path, URL, data: URL, bytes, PIL.Image or uint8 array"
+        )
+    if rgb.shape[0] == 0 or rgb.shape[1] == 0:
+        raise InputError(f"{label} has zero size ({rgb.shape[1]}x{rgb.shape[0]}); pass a non-empty image")
+    return rgb
