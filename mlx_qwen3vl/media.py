@@ -96,10 +96,11 @@ def read_file(path, label):
         ) from None
     except OSError as e:
         raise InputError(f"{label} could not be read ({reason(e)}); check the file") from None
+    kind = _file_kind(os.fstat(fd).st_mode)
+    if kind:
+        os.close(fd)
+        raise InputError(f"{label} is a {kind}, not a regular file; pass an image file")
     with os.fdopen(fd, "rb") as f:
-        kind = _file_kind(os.fstat(fd).st_mode)
-        if kind:
-            raise InputError(f"{label} is a {kind}, not a regular file; pass an image file")
         try:
             return f.read()
         except OSError as e:
@@ -129,12 +130,8 @@ def _data_url_bytes(url, label):
         ) from None
 
 
-def _check_size(width, height, label):
-    if width * height > MAX_IMAGE_PIXELS:
-        raise InputError(
-            f"{label} is {width}x{height} pixels, above the {MAX_IMAGE_PIXELS:,} this engine decodes; "
-            "downscale it first"
-        )
+def _too_large(label, size=""):
+    return InputError(f"{label} is {size}over the {MAX_IMAGE_PIXELS:,} pixels this engine decodes; downscale it first")
 
 
 def decode(data, label):
@@ -143,13 +140,14 @@ def decode(data, label):
         with warnings.catch_warnings():  # our size limit replaces Pillow's bomb warning
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             im = Image.open(io.BytesIO(data))
-            _check_size(im.width, im.height, label)
+            if im.width * im.height > MAX_IMAGE_PIXELS:
+                raise _too_large(label, f"{im.width}x{im.height} pixels, ")
             im.load()
             return ImageOps.exif_transpose(im)
     except InputError:
         raise
-    except Image.DecompressionBombError:
-        raise InputError(f"{label} is larger than Pillow's Image.MAX_IMAGE_PIXELS allows; downscale it first") from None
+    except Image.DecompressionBombError:  # above Pillow's own limit (2 x Image.MAX_IMAGE_PIXELS): size unread
+        raise _too_large(label) from None
     except UnidentifiedImageError:
         raise InputError(f"{label} is not an image format Pillow can read; pass a PNG, JPEG or WebP file") from None
     except (OSError, SyntaxError, ValueError, EOFError, struct.error, zlib.error) as e:
