@@ -25,7 +25,8 @@ DEFAULT_SOURCE_FPS = 24  # what transformers assumes when a clip comes without i
 
 @dataclass
 class PixelConfig:
-    """What image and video preprocessor configs share: patch layout, pixel budget, normalization."""
+    """What image and video preprocessor configs share: patch layout, pixel budget, normalization.
+    The defaults are transformers' image processor's; VideoConfig has its video processor's."""
 
     patch_size: int = 16
     temporal_patch_size: int = 2
