@@ -12,6 +12,7 @@ import io
 import os
 import struct
 import threading
+import urllib.parse
 import warnings
 import zlib
 from pathlib import Path
@@ -286,6 +287,12 @@ def test_paths_that_are_not_regular_files_are_refused_unread(processor, tmp_path
 def test_missing_path_names_what_is_accepted(processor, tmp_path):
     message = error(lambda: processor.process_images([str(tmp_path / "nope.png")]))
     assert "nope.png" in message and "http(s) URL or data: URL" in message
+
+
+def test_data_url_without_base64_is_percent_decoded(processor):
+    data = png_bytes(screenshot(40, 30))
+    url = "data:image/png," + urllib.parse.quote_from_bytes(data)
+    assert_same(processor.process_images([url]), processor.process_images([data]))
 
 
 def test_bad_data_urls(processor):
