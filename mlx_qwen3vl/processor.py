@@ -62,7 +62,15 @@ def _normalize(levels, cfg):
 
 
 def _budget(cfg, min_pixels=None, max_pixels=None):
-    """The image pixel budget of a call: its own values over the config's, validated."""
+    """The image pixel budget of a call: its own values over the config's, validated. A call that
+    sets one bound moves the config's other bound to meet it (max_pixels=4096 under a config's
+    min_pixels of 65536 means "small images", not an error); both set by the call must agree."""
+    if min_pixels is not None and max_pixels is None:
+        lo = vid.as_pixels(min_pixels, "min_pixels")
+        return vid.pixel_budget(lo, max(lo, cfg.max_pixels), cfg.factor)
+    if max_pixels is not None and min_pixels is None:
+        hi = vid.as_pixels(max_pixels, "max_pixels")
+        return vid.pixel_budget(min(hi, cfg.min_pixels), hi, cfg.factor)
     return vid.pixel_budget(
         cfg.min_pixels if min_pixels is None else min_pixels,
         cfg.max_pixels if max_pixels is None else max_pixels,

@@ -85,7 +85,7 @@ class VideoConfig(PixelConfig):
     cap_pixels_per_frame: bool = True
 
 
-def _as_int(value, name):
+def as_pixels(value, name):
     """An integer pixel count (ints, numpy ints and integral floats; not bools, not 1.5)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, float)):
         raise InputError(f"{name}={value!r} is not an integer; pass a whole number of pixels")
@@ -97,7 +97,7 @@ def _as_int(value, name):
 def pixel_budget(min_pixels, max_pixels, factor):
     """Validated (min_pixels, max_pixels): integers, 1 <= min_pixels <= max_pixels, and
     max_pixels >= factor² (one merged token: the smallest image the model takes)."""
-    lo, hi = _as_int(min_pixels, "min_pixels"), _as_int(max_pixels, "max_pixels")
+    lo, hi = as_pixels(min_pixels, "min_pixels"), as_pixels(max_pixels, "max_pixels")
     if hi < factor * factor:
         raise InputError(f"max_pixels={hi} is below {factor * factor}; pass max_pixels >= {factor * factor}")
     if not 1 <= lo <= hi:

@@ -309,7 +309,6 @@ def test_bad_data_urls(processor):
     (dict(max_pixels=0), ["max_pixels=0", "max_pixels >= 1024"]),
     (dict(max_pixels=-1), ["max_pixels=-1", ">= 1024"]),
     (dict(min_pixels=200_000, max_pixels=100_000), ["min_pixels=200000", "max_pixels (100000)"]),
-    (dict(min_pixels=20_000_000), ["min_pixels=20000000", "16777216"]),  # above the config's max
     (dict(max_pixels=1.5e5 + 0.5), ["max_pixels=150000.5", "not an integer"]),
     (dict(min_pixels="4096"), ["min_pixels='4096'", "not an integer"]),
     (dict(max_pixels=True), ["max_pixels=True", "not an integer"]),
@@ -368,3 +367,16 @@ def test_other_special_looking_text_is_plain_text(processor):
     messages = [{"role": "user", "content": "the <|image|> tag and <|vision_pad"}]
     out = processor.apply_chat_template(messages, tokenize=True)
     assert (out["mm_token_type_ids"] == 0).all()
+
+
+def test_one_sided_pixel_budget_moves_the_configs_other_bound():
+    """max_pixels below the config's min_pixels (or min_pixels above its max) is a request for
+    smaller (larger) images, not a contradiction: the config's other bound follows it."""
+    from mlx_qwen3vl.processor import ImageConfig, _budget
+
+    cfg = ImageConfig(min_pixels=65536, max_pixels=1 << 20)
+    assert _budget(cfg, max_pixels=4096) == (4096, 4096)
+    assert _budget(cfg, min_pixels=1 << 21) == (1 << 21, 1 << 21)
+    assert _budget(cfg, max_pixels=1 << 19) == (65536, 1 << 19)
+    with pytest.raises(InputError, match="min_pixels=8192 is outside"):
+        _budget(cfg, min_pixels=8192, max_pixels=4096)
