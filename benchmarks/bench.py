@@ -395,10 +395,11 @@ def worker_ours(args, spec):
     info["blas"] = _blas.describe()
     bw = measure_bandwidth(spec.get("bandwidth_gb", 1.0))
     tic = time.perf_counter()
-    model = load_model(spec["model"], dtype=spec.get("dtype"))
+    model = load_model(spec["model"], dtype=spec.get("dtype"), backend=spec.get("backend"))
     load_s = time.perf_counter() - tic
     dtype = model.language_model.norm.weight.dtype
-    info.update(dtype=str(dtype).replace("mlx.core.", ""), load_s=load_s, **bw)
+    info.update(dtype=str(dtype).replace("mlx.core.", ""), load_s=load_s, backend=model.backend.describe(), **bw)
+    log(f"[ours] backend: {info['backend']}")
     results = {}
     # Vision is timed on its own by evaluating the features where prefill asks for them.
     vision_time = []
@@ -940,6 +941,8 @@ def main(argv=None):
                    help="our agent loop: with KV-cache reuse (ChatSession) and/or a fresh generate each turn")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="our compute dtype (default: the engine's, float32 on a CPU)")
+    p.add_argument("--backend", choices=["auto", "mlx", "cpu"], default="auto",
+                   help="our backend: the CPU path where it fits (auto), the plain MLX graph a GPU runs, or cpu")
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--bandwidth-gb", type=float, default=1.0, help="array size of the bandwidth measurement")
     p.add_argument("--warmup", type=int, default=0, help="untimed 2-token runs per workload first")
@@ -1008,7 +1011,7 @@ def main(argv=None):
                                  [n for n in names if n != "agent"]) if w]
     inputs, pre = prepare_inputs(sorted(set(names) | set(compare_names)) + [WARMUP], processor)
     report = dict(model=label, path=str(path), machine=machine_info(), started=time.strftime("%Y-%m-%d %H:%M:%S"),
-                  settings=dict(decode_tokens=args.decode_tokens, agent_turns=args.agent_turns,
+                  settings=dict(backend=args.backend, decode_tokens=args.decode_tokens, agent_turns=args.agent_turns,
                                 agent_tokens=args.agent_tokens, prefill_step_size=args.prefill_step_size,
                                 workloads=names, compare=compare, compare_workloads=compare_names),
                   engines={}, ratios={}, notes=[])
@@ -1024,7 +1027,9 @@ def main(argv=None):
             report["engines"]["ours"] = json.loads(Path(args.ours_from).read_text())["engines"]["ours"]
             report["notes"].append(f"our results are those of {Path(args.ours_from).name} (same machine, earlier run)")
         elif not args.skip_ours:
-            res, note = run_worker("ours", dict(base, workloads=names, dtype=args.dtype), args.python, args.timeout)
+            backend = None if args.backend == "auto" else args.backend
+            res, note = run_worker("ours", dict(base, workloads=names, dtype=args.dtype, backend=backend), args.python,
+                                   args.timeout)
             if res:
                 for name, r in res["results"].items():
                     if name in pre:

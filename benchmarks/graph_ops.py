@@ -6,7 +6,10 @@ so the tiny model's counts are those of the 2B model per layer.
     python benchmarks/graph_ops.py [--out benchmarks/results/graph-ops.json]
 
 Each graph is written with mx.export_to_dot and its primitives counted by kind (weights and
-evaluated cache buffers are inputs, not ops).
+evaluated cache buffers are inputs, not ops). MLX's CPU backend builds each mx.fast op (rms_norm,
+layer_norm, rope, scaled_dot_product_attention) from its fallback, several primitives; on a GPU it
+is one kernel. So each graph is counted twice: as built here ("cpu"), and with every mx.fast call
+counted as one op ("fused", what Metal runs), from the fast calls made while it was built.
 """
 
 import argparse
@@ -26,14 +29,45 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 
-def count_ops(*outputs, settle=()):
-    """Primitives in the graph of outputs; then outputs and `settle` (e.g. cache states) are
-    evaluated, so the next count starts from evaluated inputs."""
+FAST = ("rms_norm", "layer_norm", "rope", "scaled_dot_product_attention")
+_fast_calls = []  # (name, primitives of its CPU fallback) for each mx.fast call since the last count
+
+
+def _primitives(*outputs):
     dot = io.StringIO()
     mx.export_to_dot(dot, *outputs)
+    return collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle', dot.getvalue()))
+
+
+def _watch_fast_ops():
+    """Record, for every mx.fast call, how many primitives its CPU fallback adds: the same call on
+    evaluated stand-ins of its array arguments, counted alone."""
+    for name in FAST:
+        original = getattr(mx.fast, name)
+
+        def watched(*args, _original=original, _name=name, **kwargs):
+            stand_in = lambda a: mx.zeros(a.shape, a.dtype) if isinstance(a, mx.array) else a
+            args2 = [stand_in(a) for a in args]
+            kwargs2 = {k: stand_in(v) for k, v in kwargs.items()}
+            mx.eval([a for a in args2 + list(kwargs2.values()) if isinstance(a, mx.array)])
+            alone = _original(*args2, **kwargs2)
+            _fast_calls.append((_name, sum(_primitives(alone).values())))
+            return _original(*args, **kwargs)
+
+        setattr(mx.fast, name, watched)
+
+
+def count_ops(*outputs, settle=()):
+    """Primitives in the graph of outputs, as built here and with each mx.fast call as one op;
+    then outputs and `settle` (e.g. cache states) are evaluated, so the next count starts from
+    evaluated inputs."""
+    kinds = _primitives(*outputs)
     mx.eval(outputs, settle)
-    kinds = collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle', dot.getvalue()))
-    return {"total": sum(kinds.values()), "by_kind": dict(kinds.most_common())}
+    total = sum(kinds.values())
+    fast = collections.Counter(name for name, _ in _fast_calls)
+    fused = total - sum(n for _, n in _fast_calls) + len(_fast_calls)
+    _fast_calls.clear()
+    return {"cpu": total, "fused": fused, "fast_calls": dict(fast), "by_kind": dict(kinds.most_common())}
 
 
 def prompt_ids(n=20):
@@ -48,6 +82,7 @@ def ours():
     ids = prompt_ids()
     cache = model.make_cache()
     mx.eval(model(ids, cache=cache))
+    _fast_calls.clear()
     token, pos = mx.array([7]), mx.array([ids.shape[1]])
 
     def step(token):
@@ -84,6 +119,7 @@ def mlx_vlm():
     ids = mx.array(prompt_ids())
     cache = [KVCache() for _ in lm.model.layers]
     mx.eval(model(ids, cache=cache).logits)
+    _fast_calls.clear()
 
     def step(token):
         logits = lm(token[None], cache=cache).logits[:, -1]
@@ -117,9 +153,12 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    report = {"mlx": mx.__version__, "ours": ours(), "mlx-vlm": mlx_vlm()}
+    _watch_fast_ops()
+    report = {"mlx": mx.__version__, "device": str(mx.default_device()), "ours": ours(), "mlx-vlm": mlx_vlm()}
+    print(f"{'':14s} {'ours cpu':>9s} {'mlx-vlm cpu':>12s} {'ours fused':>11s} {'mlx-vlm fused':>14s}")
     for key in ("decode_step", "decoder_layer", "vision_block"):
-        print(f"{key:14s} ours {report['ours'][key]['total']:5d}   mlx-vlm {report['mlx-vlm'][key]['total']:5d}")
+        a, b = report["ours"][key], report["mlx-vlm"][key]
+        print(f"{key:14s} {a['cpu']:9d} {b['cpu']:12d} {a['fused']:11d} {b['fused']:14d}")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     return report

@@ -9,7 +9,7 @@ where it is not built. Modules are read as dict items (nn.Module attribute looku
 level). Nothing syncs on the KV cache inside the step: the attention reads each cache's earlier
 positions in place and scores the new key on its own, and the step's new keys and values are
 queued (KVCache.queue) and evaluated with the next step's inputs, in one sync. Measurements:
-benchmarks/README.md, "The CPU path".
+benchmarks/README.md, "What bounds each figure".
 """
 
 import mlx.core as mx
