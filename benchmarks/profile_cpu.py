@@ -11,7 +11,6 @@ same weight arrays (loaded once). Medians of `--reps`; seconds.
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -88,19 +87,20 @@ def decode_step_at(model, ctx):
 
 
 def main(argv=None):
-    import bench
+    from harness.measure import decode_bytes_per_token, machine_info
+    from harness.presets import PRESETS, build_preset
     from mlx_qwen3vl.cpu import blas as _blas
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="2b", choices=list(bench.PRESETS))
+    p.add_argument("--preset", default="2b", choices=list(PRESETS))
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    path = bench.build_preset(args.preset)
+    path = build_preset(args.preset)
     models = variants(path)
     model = models["numpy"]
     text = model.language_model
-    out = {"machine": bench.machine_info(), "blas": _blas.describe(), "preset": args.preset,
+    out = {"machine": machine_info(), "blas": _blas.describe(), "preset": args.preset,
            "note": "seconds, medians; 'mlx' = the plain MLX graph (backend='mlx'), "
                    "'numpy' = the CPU path as shipped (a decode step's stack in numpy and the C extension), "
                    "'numpy linears, layer in MLX' = the CPU path without its decode stack, "
@@ -154,7 +154,7 @@ def main(argv=None):
     xb = np.ones((1, 4096), np.float32)
     for ctx in (273, 2117):
         step = decode_step_at(model, ctx)
-        per_token = bench.decode_bytes_per_token(dict(text.config.__dict__), model.config.tie_word_embeddings, 4, ctx)
+        per_token = decode_bytes_per_token(dict(text.config.__dict__), model.config.tie_word_embeddings, 4, ctx)
         rows = []
         for rep in range(2 * args.reps + 1):
             times = []
