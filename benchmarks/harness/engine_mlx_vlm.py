@@ -5,9 +5,9 @@ import time
 
 import numpy as np
 
-from .measure import engine_info, fmt, fresh_mlx_measurement, log, rss_peak_gb, start_clock, summarize, \
-    workload_bandwidth
+from .measure import engine_info, fmt, fresh_mlx_measurement, log, rss_peak_gb, time_workload
 from .workloads import AGENT_SYSTEM, WARMUP, agent_turns
+
 
 def worker_mlx_vlm(args, spec):
     if spec.get("same_blas"):
@@ -59,19 +59,15 @@ def worker_mlx_vlm(args, spec):
         for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
             if key in inputs:
                 kwargs[key] = mx.array(inputs[key])
-        fresh_mlx_measurement()
-        vision_time.clear()
-        times = []
-        start_clock()
-        tic = time.perf_counter()
-        for r in stream_generate(model, processor, "", **kwargs):
-            if r.token is not None and r.generation_tokens > len(times):  # (its last piece repeats a token)
-                times.append(time.perf_counter())
-        ttft = times[0] - tic
-        peak = mx.get_peak_memory() / 1e9
-        results[name] = summarize(name, inputs["input_ids"].shape[1], sum(vision_time), ttft, times, peak)
-        results[name]["bandwidth_gbs"] = workload_bandwidth(spec)
-        log(f"[mlx-vlm] {name}: {fmt(results[name])}")
+
+        def tokens(kwargs=kwargs):
+            seen = 0
+            for r in stream_generate(model, processor, "", **kwargs):
+                if r.token is not None and r.generation_tokens > seen:  # (its last piece repeats a token)
+                    seen = r.generation_tokens
+                    yield r.token
+
+        results[name] = time_workload("mlx-vlm", name, inputs["input_ids"].shape[1], vision_time, tokens, spec)
     vlm_vision.VisionModel.__call__ = orig_call
     if "agent" in spec["workloads"]:
         results["agent"] = mlx_vlm_agent(model, processor, spec, stream_generate)

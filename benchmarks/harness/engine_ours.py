@@ -6,9 +6,9 @@ import time
 
 import numpy as np
 
-from .measure import engine_info, fmt, fresh_mlx_measurement, log, measure_bandwidth, rss_peak_gb, start_clock, \
-    summarize, workload_bandwidth
+from .measure import engine_info, fresh_mlx_measurement, log, measure_bandwidth, rss_peak_gb, time_workload
 from .workloads import AGENT_SYSTEM, WARMUP, agent_turns
+
 
 def worker_ours(args, spec):
     import mlx.core as mx
@@ -53,21 +53,14 @@ def worker_ours(args, spec):
         for _ in range(spec.get("warmup", 0)):
             for y in gen.generate_tokens(model, inputs, model.make_cache(), sampler=sampler, max_tokens=2):
                 y.item()
-        fresh_mlx_measurement()
-        vision_time.clear()
-        times = []
-        start_clock()
-        tic = time.perf_counter()
-        for y in gen.generate_tokens(model, inputs, model.make_cache(), sampler=sampler,
-                                     max_tokens=spec["decode_tokens"],
-                                     prefill_step_size=spec.get("prefill_step_size", 2048)):
-            y.item()
-            times.append(time.perf_counter())
-        ttft = times[0] - tic
-        peak = mx.get_peak_memory() / 1e9
-        results[name] = summarize(name, inputs["input_ids"].shape[1], sum(vision_time), ttft, times, peak)
-        results[name]["bandwidth_gbs"] = workload_bandwidth(spec)
-        log(f"[ours] {name}: {fmt(results[name])}")
+
+        def tokens(inputs=inputs):
+            for y in gen.generate_tokens(model, inputs, model.make_cache(), sampler=sampler,
+                                         max_tokens=spec["decode_tokens"],
+                                         prefill_step_size=spec.get("prefill_step_size", 2048)):
+                yield y.item()
+
+        results[name] = time_workload("ours", name, inputs["input_ids"].shape[1], vision_time, tokens, spec)
     if "agent" in spec["workloads"]:
         model.get_image_features = model.get_video_features = orig
         results["agent"] = agent_loop(model, spec)

@@ -9,6 +9,7 @@ import numpy as np
 from .measure import engine_info, fmt, log, rss_peak_gb, rss_reset, start_clock, summarize, workload_bandwidth
 from .workloads import WARMUP
 
+
 def worker_transformers(args, spec):
     import torch
     from transformers import AutoModelForImageTextToText

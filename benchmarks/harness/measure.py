@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+
 def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
@@ -185,3 +186,23 @@ def machine_info():
                 python=platform.python_version(), mlx=mx.__version__, backend=str(mx.default_device()),
                 gpu=gpu, blas=_blas.describe(), mkl_threading_layer=os.environ.get("MKL_THREADING_LAYER"),
                 load_average=os.getloadavg() if hasattr(os, "getloadavg") else None)
+
+
+def time_workload(engine, name, n_prompt, vision_time, tokens, spec):
+    """One workload's figures: `tokens()` yields once per generated token (each already computed);
+    `vision_time` is the list the engine's vision timer appends to. Memory peaks restart first,
+    and the bandwidth is measured again right after."""
+    import mlx.core as mx
+
+    fresh_mlx_measurement()
+    vision_time.clear()
+    times = []
+    start_clock()
+    tic = time.perf_counter()
+    for _ in tokens():
+        times.append(time.perf_counter())
+    peak = mx.get_peak_memory() / 1e9
+    result = summarize(name, n_prompt, sum(vision_time), times[0] - tic, times, peak)
+    result["bandwidth_gbs"] = workload_bandwidth(spec)
+    log(f"[{engine}] {name}: {fmt(result)}")
+    return result

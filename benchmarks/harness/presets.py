@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny-a"
 MODELS = ROOT / "benchmarks" / "models"

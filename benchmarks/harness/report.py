@@ -11,7 +11,9 @@ from pathlib import Path
 from .measure import decode_bytes_per_token
 from .presets import ROOT
 
+
 BENCH = ROOT / "benchmarks" / "bench.py"  # what a worker process runs (with --worker)
+
 
 def run_worker(engine, spec, python=None, timeout=None):
     """Run one engine's worker in a fresh process; its JSON result, or None with a note."""
