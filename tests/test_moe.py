@@ -1,0 +1,266 @@
+"""Qwen3-VL-MoE: transformers' recorded outputs on tiny-moe (its transformers-5 files) and on the same
+weights in the hub's expert layout (tiny-moe-hub), the router, the layouts, mlx-vlm's converted
+folders, conversion and generation end to end."""
+
+import json
+import shutil
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.sample_utils import make_sampler
+
+import mlx_qwen3vl as M
+from conftest import CASES, FIXTURES, case_inputs, load_fixture_model, reference, rel_err
+from mlx_qwen3vl.config import ModelConfig, TextConfig
+from mlx_qwen3vl.errors import ConfigError, WeightsError
+from mlx_qwen3vl.generate import generate_tokens
+from mlx_qwen3vl.language import MLP
+from mlx_qwen3vl.moe import SparseMoeBlock, route
+from mlx_qwen3vl.weights import EXPERTS_HUB, EXPERTS_T5, build_model, expert_layout, load_model
+
+TOL = 1e-4
+LAYOUTS = ["tiny-moe", "tiny-moe-hub"]  # transformers 5's files and the hub's, same weights
+REF = "tiny-moe"
+
+
+@pytest.fixture(params=LAYOUTS)
+def moe(request):
+    return request.param
+
+
+def ref(case):
+    return reference(REF, case)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+def test_both_config_layouts_read_the_same_experts():
+    t5, hub = (ModelConfig.from_pretrained(FIXTURES / name) for name in LAYOUTS)
+    raw_t5 = json.loads((FIXTURES / "tiny-moe" / "config.json").read_text())["text_config"]
+    raw_hub = json.loads((FIXTURES / "tiny-moe-hub" / "config.json").read_text())["text_config"]
+    assert "num_local_experts" in raw_t5 and "num_experts" in raw_hub and "rope_scaling" in raw_hub
+    for c in (t5, hub):
+        assert c.model_type == "qwen3_vl_moe"
+        t = c.text_config
+        assert (t.num_experts, t.num_experts_per_tok, t.moe_intermediate_size) == (16, 4, 96)
+        assert t.mlp_only_layers == [1] and t.decoder_sparse_step == 1 and t.norm_topk_prob
+        assert t.mrope_section == [6, 5, 5] and c.vision_config.hidden_act == "gelu_pytorch_tanh"
+    assert (t5.transformers_version, hub.transformers_version) == ("5.24.0", "4.57.0")
+
+
+def text_config(**kw):
+    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, vocab_size=32,
+                head_dim=32, mrope_section=[6, 5, 5], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    return TextConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("step, only, sparse", [
+    (1, [], [0, 1, 2, 3, 4, 5]),
+    (1, [1], [0, 2, 3, 4, 5]),
+    (2, [], [1, 3, 5]),  # transformers: (index + 1) % decoder_sparse_step == 0
+    (2, [3], [1, 5]),
+    (3, [0], [2, 5]),
+])
+def test_sparse_layers_follow_the_reference_rule(step, only, sparse):
+    config = text_config(decoder_sparse_step=step, mlp_only_layers=only)
+    assert [i for i in range(6) if config.is_sparse_layer(i)] == sparse
+    from mlx_qwen3vl.language import TextModel
+
+    kinds = [type(layer.mlp) for layer in TextModel(config).layers]
+    assert kinds == [SparseMoeBlock if i in sparse else MLP for i in range(6)]
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda t: t.pop("moe_intermediate_size"), "moe_intermediate_size"),
+    (lambda t: t.update(num_experts_per_tok=17), "num_experts_per_tok"),
+    (lambda t: t.update(mlp_only_layers=[4]), "mlp_only_layers"),
+    (lambda t: t.update(decoder_sparse_step=0), "decoder_sparse_step"),
+])
+def test_bad_moe_config_is_one_clear_line(change, needle):
+    raw = json.loads((FIXTURES / "tiny-moe" / "config.json").read_text())
+    change(raw["text_config"])
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_dict(raw)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The router and the sparse block
+# ---------------------------------------------------------------------------------------------
+def test_route_is_float32_softmax_top_k_renormalised():
+    logits = mx.random.normal((3, 5, 16), key=mx.random.key(1)).astype(mx.bfloat16) * 3
+    inds, weights = route(logits, 4)
+    assert weights.dtype == mx.bfloat16 and inds.shape == (3, 5, 4)
+    p = np.array(logits.astype(mx.float32), np.float64)
+    p = np.exp(p - p.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    top = np.argsort(-p, -1)[..., :4]
+    np.testing.assert_array_equal(np.sort(np.array(inds), -1), np.sort(top, -1))
+    expected = np.take_along_axis(p, np.array(inds), -1)
+    np.testing.assert_allclose(np.array(weights.astype(mx.float32)), expected / expected.sum(-1, keepdims=True),
+                               rtol=1e-2)
+    _, raw = route(logits.astype(mx.float32), 4, normalize=False)
+    np.testing.assert_allclose(np.array(raw), expected, rtol=1e-5)
+
+
+def test_sparse_block_equals_a_loop_over_selected_experts():
+    """gather_mm over the stacked experts = each token through its own k experts, weighted."""
+    config = text_config()
+    block = SparseMoeBlock(config)
+    x = mx.random.normal((2, 3, 64), key=mx.random.key(2))
+    out = np.array(block(x))
+    inds, weights = route(block.gate(x), 2)
+    inds, weights, xs = np.array(inds), np.array(weights), np.array(x)
+    sw = block.switch_mlp
+    g, u, d = (np.array(p.weight) for p in (sw.gate_proj, sw.up_proj, sw.down_proj))
+    expected = np.zeros_like(xs)
+    for b, t in np.ndindex(2, 3):
+        for e, w in zip(inds[b, t], weights[b, t]):
+            gate = g[e] @ xs[b, t]
+            expected[b, t] += w * (d[e] @ (gate / (1 + np.exp(-gate)) * (u[e] @ xs[b, t])))
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Against transformers, from both expert layouts
+# ---------------------------------------------------------------------------------------------
+def test_layouts_are_told_apart_and_load_the_same_weights():
+    t5, hub = (load_fixture_model(name) for name in LAYOUTS)
+    a, b = (dict(tree_flatten(m.parameters())) for m in (t5, hub))
+    assert a.keys() == b.keys()
+    assert all(np.array_equal(np.array(a[k]), np.array(b[k])) for k in a)
+    assert a["language_model.layers.0.mlp.switch_mlp.gate_proj.weight"].shape == (16, 96, 64)
+    assert a["language_model.layers.0.mlp.switch_mlp.down_proj.weight"].shape == (16, 64, 96)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_positions_match_exactly(moe, case):
+    model, inputs = load_fixture_model(moe), case_inputs(case)
+    pos, deltas = model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], inputs.get("image_grid_thw"),
+                                       inputs.get("video_grid_thw"), inputs["attention_mask"])
+    np.testing.assert_array_equal(np.array(pos), ref(case)["position_ids"])
+    np.testing.assert_array_equal(np.array(deltas), ref(case)["rope_deltas"])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits(moe, case):
+    model, inputs = load_fixture_model(moe), case_inputs(case)
+    assert float(ref(case)["router_margin"]) > 1e-4  # the recorded expert choices are not near-ties
+    logits = np.array(model(**inputs))
+    real = inputs["attention_mask"].astype(bool)
+    assert logits.shape == ref(case)["logits"].shape
+    assert rel_err(logits[real], ref(case)["logits"][real]) < TOL
+
+
+@pytest.mark.parametrize("case", ["image", "video"])
+def test_vision_features(case):
+    """The MoE model's vision tower is the dense one (gelu_pytorch_tanh blocks, exact-GELU merger)."""
+    model, inputs = load_fixture_model(REF), case_inputs(case)
+    px, grid = ("pixel_values_videos", "video_grid_thw") if case == "video" else ("pixel_values", "image_grid_thw")
+    feats = model.get_image_features(inputs[px], inputs[grid])
+    assert rel_err(feats.embeds, ref(case)[f"{case}_embeds"]) < TOL
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_equals_transformers(moe, case, cpu_kernels):
+    """Token by token from the recorded inputs, with a prefill chunk of 7 (chunks split images); with
+    the CPU kernels forced on, the dense layer runs in numpy and the expert layers stay in MLX."""
+    model = load_fixture_model(moe)
+    tokens = [np.array(y) for y in generate_tokens(model, case_inputs(case), model.make_cache(),
+                                                    sampler=make_sampler(0.0), max_tokens=16, prefill_step_size=7)]
+    greedy = ref(case)["greedy"]
+    got = np.stack(tokens, 1)[:, :greedy.shape[1]]
+    np.testing.assert_array_equal(got, greedy)
+
+
+def test_chunked_prefill_equals_one_pass():
+    model, inputs = load_fixture_model(REF), case_inputs("two_images")
+    prepared = model.prepare_inputs(**inputs)
+    whole = model.logits(model.decode_hidden(prepared, None, model.make_cache()))
+    cache, parts, L = model.make_cache(), [], inputs["input_ids"].shape[1]
+    for s in range(0, L, 5):
+        parts.append(model.logits(model.decode_hidden(prepared, None, cache, s, min(L, s + 5))))
+    chunked = mx.concatenate(parts, axis=1)
+    assert rel_err(chunked, whole) < 1e-5
+    assert rel_err(chunked, ref("two_images")["logits"]) < TOL
+
+
+def test_chat_session_reuses_the_prefix_and_matches_from_scratch():
+    from PIL import Image
+
+    model, processor = load_fixture_model(REF), M.Processor.from_pretrained(FIXTURES / REF)
+    img1 = Image.open(FIXTURES / "media" / "img_300x200.png")
+    img2 = Image.open(FIXTURES / "media" / "img_90x260.png")
+    session = M.ChatSession(model, processor, system="You are a GUI agent.", max_tokens=8)
+    session.send("Where is the search box?", images=[img1])
+    first = session.last
+    second_tokens = [piece.token for piece in session.stream("Now click it.", images=[img2])]
+    second = session.last
+    assert first.cached_tokens == 0 and second.cached_tokens >= first.prompt_tokens
+    scratch = M.generate(model, processor, messages=session.messages[:-1], max_tokens=8)
+    assert scratch.token_ids == second_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert layouts: by shape, by transformers_version, or a clear error
+# ---------------------------------------------------------------------------------------------
+def square_config(version):
+    """hidden == 2*I: a gate_up_proj alone reads the same in both layouts."""
+    raw = json.loads((FIXTURES / "tiny-moe" / "config.json").read_text())
+    raw["text_config"]["moe_intermediate_size"] = 32
+    raw["transformers_version"] = version
+    return ModelConfig.from_dict(raw)
+
+
+def test_expert_layout_by_shape_then_version():
+    z = lambda *s: mx.zeros(s)  # noqa: E731
+    key = "language_model.layers.0.mlp.experts."
+    cfg = square_config(None)
+    # down_proj decides whenever I != hidden, even where gate_up cannot
+    assert expert_layout({key + "gate_up_proj": z(16, 64, 64), key + "down_proj": z(16, 32, 64)}, cfg, "x") == EXPERTS_HUB
+    assert expert_layout({key + "gate_up_proj": z(16, 64, 64), key + "down_proj": z(16, 64, 32)}, cfg, "x") == EXPERTS_T5
+    only_square = {key + "gate_up_proj": z(16, 64, 64)}
+    assert expert_layout(only_square, square_config("4.57.1"), "x") == EXPERTS_HUB
+    assert expert_layout(only_square, square_config("5.2.0"), "x") == EXPERTS_T5
+    with pytest.raises(WeightsError) as e:
+        expert_layout(only_square, cfg, "ckpt")
+    assert "transformers_version" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(WeightsError) as e:
+        expert_layout({key + "down_proj": z(16, 48, 64)}, cfg, "ckpt")
+    assert "(16, 48, 64)" in str(e.value) and "moe_intermediate_size 32" in str(e.value)
+    with pytest.raises(WeightsError) as e:
+        expert_layout({key + "down_proj": z(16, 32, 64), "language_model.layers.2.mlp.experts.down_proj": z(16, 64, 32)},
+                      cfg, "ckpt")
+    assert "mix" in str(e.value)
+
+
+def test_wrong_expert_count_is_reported(tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "tiny-moe", dst, ignore=shutil.ignore_patterns("reference"))
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["text_config"]["num_local_experts"] = 8
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(WeightsError) as e:
+        load_model(dst)
+    assert "num_experts 8" in str(e.value) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# mlx-vlm's converted MoE folders
+# ---------------------------------------------------------------------------------------------
+def test_mlxvlm_quantized_moe_folder_gives_mlxvlms_logits():
+    model, kind = build_model(FIXTURES / "mlxvlm-moe-q4", "float32")
+    assert kind == "mlx-vlm"
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    block = model.language_model.layers[0].mlp
+    assert isinstance(block.switch_mlp.down_proj, QuantizedSwitchLinear) and block.switch_mlp.down_proj.bits == 4
+    assert isinstance(block.gate, nn.QuantizedLinear)  # mlx-vlm 0.7.10 quantizes the router too
+    recorded = np.load(FIXTURES / "mlxvlm-moe-q4" / "reference" / "text.npz")["logits"]  # made by mlx-vlm itself
+    logits = np.array(model(**case_inputs("text")))
+    assert rel_err(logits, recorded) < TOL
+    assert np.array_equal(logits.argmax(-1), recorded.argmax(-1))
