@@ -42,22 +42,27 @@ class SparseMoeBlock(nn.Module):
         return (y * weights[..., None]).sum(axis=-2)
 
 
-def active_parameters(config: TextConfig) -> dict:
-    """Decoder parameter counts of a (possibly sparse) text config: `total` and `active` per token
-    (the experts a token does not select are not read). Embeddings and LM head included once each."""
-    D, E = config.hidden_size, config.num_experts
-    q = config.num_attention_heads * config.head_dim
-    kv = config.num_key_value_heads * config.head_dim
-    attn = D * (q + 2 * kv) + q * D + 2 * config.head_dim + 2 * D
-    dense_mlp = 3 * D * config.intermediate_size
-    expert = 3 * D * config.moe_intermediate_size
-    total = active = 0
-    for i in range(config.num_hidden_layers):
-        if config.is_sparse_layer(i):
-            total += attn + D * E + E * expert
-            active += attn + D * E + config.num_experts_per_tok * expert
-        else:
-            total += attn + dense_mlp
-            active += attn + dense_mlp
-    head = config.vocab_size * D * (1 if config.tie_word_embeddings else 2) + D
-    return {"total": total + head, "active": active + head}
+def weight_counts(model: nn.Module) -> dict:
+    """The language model's weights: `total` and per-token `active` counts (a token runs through k of
+    E experts), as original weights (a packed quantized weight counts unpacked), and the bytes they
+    are stored in. Equal for a dense model."""
+    from mlx.utils import tree_flatten
+
+    shares = {f"{path}.switch_mlp.": m.top_k / m.gate.weight.shape[0]
+              for path, m in model.named_modules() if isinstance(m, SparseMoeBlock)}
+    counts = dict(total=0.0, active=0.0, total_bytes=0.0, active_bytes=0.0)
+    for path, module in model.named_modules():
+        if not path.startswith("language_model.") or module.children():
+            continue  # leaf modules of the language model
+        share = next((v for prefix, v in shares.items() if path.startswith(prefix)), 1.0)
+        bits = getattr(module, "bits", None)  # quantized: weight packed, scales/biases are overhead
+        for name, value in tree_flatten(module.parameters()):
+            if bits and name == "weight":
+                n = value.size * 32 // bits
+            else:
+                n = 0 if bits and name in ("scales", "biases") else value.size
+            counts["total"] += n
+            counts["active"] += n * share
+            counts["total_bytes"] += value.nbytes
+            counts["active_bytes"] += value.nbytes * share
+    return {k: int(v) for k, v in counts.items()}

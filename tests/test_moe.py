@@ -264,3 +264,128 @@ def test_mlxvlm_quantized_moe_folder_gives_mlxvlms_logits():
     logits = np.array(model(**case_inputs("text")))
     assert rel_err(logits, recorded) < TOL
     assert np.array_equal(logits.argmax(-1), recorded.argmax(-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion (float, 4-bit, mixed) and generation end to end, CLI included
+# ---------------------------------------------------------------------------------------------
+QUIET = lambda msg: None  # noqa: E731
+RECIPES = {  # groups of 32: the experts' input widths (64 and 96) are multiples, so all are quantized
+    "float": dict(),
+    "q4": dict(quantize=True, q_bits=4, q_group_size=32),
+    "mixed_3_6": dict(quantize=True, quant_predicate="mixed_3_6", q_group_size=32),
+}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    from mlx_qwen3vl.convert import convert
+
+    root, made = tmp_path_factory.mktemp("moe-converted"), {}
+
+    def get(recipe, source="tiny-moe-hub"):
+        if (recipe, source) not in made:
+            logs = []
+            made[recipe, source] = convert(FIXTURES / source, root / f"{source}-{recipe}", log=logs.append,
+                                           **RECIPES[recipe]), logs
+        return made[recipe, source]
+
+    return get
+
+
+@pytest.mark.parametrize("source", LAYOUTS)
+def test_float_conversion_is_lossless(converted, source):
+    out, _ = converted("float", source)
+    model, kind = build_model(out)
+    assert kind == "mlx_qwen3vl"
+    hub = load_fixture_model(REF)
+    for case in ("text", "video"):
+        assert np.array_equal(np.array(model(**case_inputs(case))), np.array(hub(**case_inputs(case))))
+
+
+def quantized(model):
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    return {p: m for p, m in model.named_modules()
+            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear))}
+
+
+@pytest.mark.parametrize("recipe, bits", [("q4", {0: 4, 2: 4, 3: 4}), ("mixed_3_6", {0: 3, 2: 6, 3: 6})])
+def test_quantized_conversion(converted, recipe, bits):
+    """Experts quantized (mixed: down_proj at high bits where mlx-lm's recipe puts them), the router
+    at 8 bits, the dense layer as usual; the quantized kernels (gather_qmm) compute what the
+    dequantized weights do; the log gives bits per weight and the active share."""
+    from mlx_lm.utils import dequantize_model
+
+    out, logs = converted(recipe)
+    model, _ = build_model(out, "float32")
+    layers = quantized(model)
+    for i, b in bits.items():
+        assert layers[f"language_model.layers.{i}.mlp.switch_mlp.down_proj"].bits == b
+        assert layers[f"language_model.layers.{i}.mlp.switch_mlp.gate_proj"].bits == (4 if recipe == "q4" else 3)
+        assert layers[f"language_model.layers.{i}.mlp.gate"].bits == 8
+    assert "language_model.layers.1.mlp.down_proj" in layers  # the dense (mlp_only) layer
+    cfg = json.loads((out / "config.json").read_text())["quantization"]
+    assert cfg["language_model.layers.0.mlp.gate"] == {"group_size": 32, "bits": 8, "mode": "affine"}
+    import copy
+
+    reference_model = dequantize_model(copy.deepcopy(model))
+    for case in ("text", "image"):
+        ours, deq = (np.array(m(**case_inputs(case))) for m in (model, reference_model))
+        assert rel_err(ours, deq) < TOL
+    line = next(msg for msg in logs if "mixture of experts" in msg)
+    assert "top-4 of 16" in line and "1.04 M weights" in line and "377 k active per token" in line
+    assert any("bits per weight" in msg for msg in logs)
+    # reloading the converted folder and converting it again changes nothing
+    again, _ = build_model(out, "float32")
+    assert np.array_equal(np.array(again(**case_inputs("text"))), np.array(model(**case_inputs("text"))))
+
+
+def test_weight_counts_active_vs_total():
+    from mlx_qwen3vl.moe import weight_counts
+
+    counts = weight_counts(load_fixture_model(REF))
+    experts = 3 * 16 * 3 * 64 * 96  # three sparse layers of 16 experts (gate, up, down)
+    assert counts["total"] - counts["active"] == experts * 12 // 16  # a token reads 4 of 16
+    dense = weight_counts(load_fixture_model("tiny-b"))
+    assert dense["total"] == dense["active"]
+
+
+def run_module(module, *args):
+    """`python -m module args`; stdout and stderr decoded without newline translation (a generated
+    "\r" stays one)."""
+    import os
+    import subprocess
+    import sys
+
+    root = FIXTURES.parents[1]
+    p = subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, cwd=root,
+                       env={**os.environ, "PYTHONPATH": str(root), "PYTHONIOENCODING": "utf-8"}, timeout=300)
+    p.stdout, p.stderr = p.stdout.decode("utf-8"), p.stderr.decode("utf-8")
+    return p
+
+
+def test_cli_on_the_hub_checkpoint_gives_transformers_tokens():
+    image = FIXTURES / "media" / "img_123x77.png"
+    p = run_module("mlx_qwen3vl.generate", "--model", FIXTURES / "tiny-moe-hub", "--image", image,
+                   "--prompt", "Describe the image.", "--max-tokens", "16")
+    assert p.returncode == 0, p.stderr
+    model, processor = load_fixture_model("tiny-moe-hub"), M.Processor.from_pretrained(FIXTURES / "tiny-moe-hub")
+    from PIL import Image
+
+    api = M.generate(model, processor, "Describe the image.", images=[Image.open(image)], max_tokens=16)
+    assert api.token_ids == ref("image")["greedy"][0].tolist()  # transformers' tokens
+    assert p.stdout.strip("\n") == api.text.strip("\n")
+
+
+def test_cli_convert_then_generate_4bit(tmp_path):
+    out = tmp_path / "q4"
+    p = run_module("mlx_qwen3vl.convert", "--hf-path", FIXTURES / "tiny-moe", "--mlx-path", out, "-q",
+                   "--q-group-size", "32")
+    assert p.returncode == 0, p.stderr
+    assert "mixture of experts (top-4 of 16)" in p.stderr
+    model, processor = load_model(out), M.Processor.from_pretrained(out)
+    expected = M.generate(model, processor, "Where is the search box?", max_tokens=8)
+    p = run_module("mlx_qwen3vl.generate", "--model", out, "--prompt", "Where is the search box?", "--max-tokens", "8")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip("\n") == expected.text.strip("\n") and expected.generation_tokens == 8
