@@ -15,6 +15,7 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from .config import TextConfig
+from .errors import InputError
 
 
 def route(logits, top_k: int, normalize: bool = True):
@@ -40,6 +41,22 @@ class SparseMoeBlock(nn.Module):
         inds, weights = route(self.gate(x), self.top_k, self.norm_topk_prob)
         y = self.switch_mlp(x, inds)  # (..., k, D)
         return (y * weights[..., None]).sum(axis=-2)
+
+
+def check_device_dtype(model: nn.Module, where: str):
+    """MLX's CPU backend runs float experts (gather_mm) in float32 only: refuse, at load, a float16 /
+    bfloat16 MoE model there instead of failing at its first token. Quantized experts
+    (gather_qmm) run in any float dtype."""
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return
+    for path, m in model.named_modules():
+        if isinstance(m, SparseMoeBlock) and "weight" in m.switch_mlp.gate_proj and "scales" not in m.switch_mlp.gate_proj:
+            dtype = m.switch_mlp.gate_proj.weight.dtype
+            if dtype != mx.float32:
+                name = str(dtype).rpartition(".")[2]
+                raise InputError(f"{where}: the experts are float ({name}), which MLX's CPU backend runs in float32 "
+                                 "only: load with dtype float32 (the CPU default) or convert with -q")
+            return
 
 
 def weight_counts(model: nn.Module) -> dict:

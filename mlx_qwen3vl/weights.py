@@ -32,6 +32,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 from .config import ModelConfig
 from .errors import ConfigError, WeightsError
 from .model import Qwen3VLForConditionalGeneration
+from .moe import check_device_dtype
 
 QUANTIZED_TYPES = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)
 
@@ -362,4 +363,6 @@ def load_model(path, dtype=None, backend=None) -> Qwen3VLForConditionalGeneratio
     backend installed: "mlx", "cpu" or None (automatic, see backend.install)."""
     from .backend import install
 
-    return install(build_model(path, dtype)[0], backend)
+    model = build_model(path, dtype)[0]
+    check_device_dtype(model, str(path))
+    return install(model, backend)
