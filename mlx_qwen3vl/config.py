@@ -20,6 +20,7 @@ from typing import Optional
 from .errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+VISION_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu")  # vision.ACTIVATIONS
 MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
@@ -50,6 +51,11 @@ class VisionConfig:
     num_position_embeddings: int = 2304
     deepstack_visual_indexes: list = field(default_factory=list)
     rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        if self.hidden_act not in VISION_ACTIVATIONS:
+            raise ConfigError(f"vision_config: hidden_act {self.hidden_act!r} is not one of "
+                              f"{', '.join(VISION_ACTIVATIONS)} (Qwen3-VL's is gelu_pytorch_tanh)")
 
 
 @dataclass
