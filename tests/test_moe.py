@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.sample_utils import make_sampler
 
 import mlx_qwen3vl as M
@@ -428,3 +428,67 @@ def test_cli_convert_then_generate_4bit(tmp_path):
     p = run_module("mlx_qwen3vl.generate", "--model", out, "--prompt", "Where is the search box?", "--max-tokens", "8")
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip("\n") == expected.text.strip("\n") and expected.generation_tokens == 8
+
+
+# ---------------------------------------------------------------------------------------------
+# The CPU path's experts (numpy, grouped by expert) against MLX's gather_mm
+# ---------------------------------------------------------------------------------------------
+def poisoned_block(tokens, seed=3):
+    """A random MoE block whose experts that `tokens` do not select hold NaN: any read of them would
+    show in the output."""
+    from mlx_qwen3vl.cpu import layers
+
+    config = text_config(num_experts=64, num_experts_per_tok=3)
+    block = SparseMoeBlock(config)
+    mx.random.seed(seed)
+    block.update(tree_map(lambda w: mx.random.normal(w.shape) * 0.2, block.parameters()))
+    chosen = np.unique(np.array(route(block.gate(tokens), 3)[0]))
+    unused = np.setdiff1d(np.arange(64), chosen)
+    assert len(unused) > 0
+    for proj in (block.switch_mlp.gate_proj, block.switch_mlp.up_proj, block.switch_mlp.down_proj):
+        w = np.array(proj.weight)
+        w[unused] = np.nan
+        proj.weight = mx.array(w)
+    cpu = SparseMoeBlock(config)
+    cpu.update(block.parameters())
+    cpu.__class__ = layers.SparseMoeBlock
+    return block, cpu
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 1), (2, 37)])  # decode, batched decode, prefill chunk
+def test_cpu_experts_equal_mlx_and_read_only_the_chosen_experts(shape, on_cpu):
+    x = mx.random.normal((*shape, 64), key=mx.random.key(9))
+    mlx_block, cpu_block = poisoned_block(x)
+    ours, theirs = np.array(cpu_block(x)), np.array(mlx_block(x))
+    assert np.isfinite(ours).all() and np.isfinite(theirs).all()
+    assert rel_err(ours, theirs) < 1e-5  # float32 summation order only
+
+
+@pytest.mark.parametrize("backend_name", ["cpu", "cpu-all"])
+def test_cpu_decode_stack_runs_the_expert_layers(backend_name, monkeypatch, on_cpu):
+    """The one-token decode stack takes MoE models (their expert layers through experts_into) and
+    leaves the same hidden states and KV cache as the MLX graph, over steps crossing the cache's
+    256-slot growth."""
+    from conftest import cpu_path_for_every_size
+    from mlx_qwen3vl.cpu import decode, layers
+
+    if backend_name == "cpu-all":
+        cpu_path_for_every_size(monkeypatch)
+    cpu, plain = load_fixture_model(REF, backend=backend_name), load_fixture_model(REF, backend="mlx")
+    assert type(cpu.language_model) is layers.TextModel
+    calls = []
+    original = decode.decode_tokens
+    monkeypatch.setattr(decode, "decode_tokens", lambda *a: calls.append(1) or original(*a))
+    prompt = mx.random.normal((2, 254, 64), key=mx.random.key(5))
+    steps = [mx.random.normal((2, 1, 64), key=mx.random.key(6 + i)) for i in range(4)]
+
+    def run(model):
+        text, cache = model.language_model, model.make_cache()
+        outs = [text(prompt, mx.zeros((2,), mx.int32), None, cache)]
+        outs += [text(t, mx.full((2,), 254 + i, mx.int32), None, cache) for i, t in enumerate(steps)]
+        return [np.array(o) for o in outs] + [np.array(c.keys[:, :, :c.offset]) for c in cache]
+
+    fast, pure = run(cpu), run(plain)
+    assert len(calls) == len(steps)
+    for a, b in zip(fast, pure):
+        assert rel_err(a, b) < 5e-5
