@@ -60,7 +60,7 @@ def check_device_dtype(model: nn.Module, where: str):
 
 
 def weight_counts(model: nn.Module) -> dict:
-    """The language model's weights: `total` and per-token `active` counts (a token runs through k of
+    """The language model's weights (LM head included): `total` and per-token `active` counts (a token runs through k of
     E experts), as original weights (a packed quantized weight counts unpacked), and the bytes they
     are stored in. Equal for a dense model."""
     from mlx.utils import tree_flatten
@@ -69,8 +69,8 @@ def weight_counts(model: nn.Module) -> dict:
               for path, m in model.named_modules() if isinstance(m, SparseMoeBlock)}
     counts = dict(total=0.0, active=0.0, total_bytes=0.0, active_bytes=0.0)
     for path, module in model.named_modules():
-        if not path.startswith("language_model.") or module.children():
-            continue  # leaf modules of the language model
+        if not path.startswith(("language_model.", "lm_head")) or module.children():
+            continue  # leaf modules of the language model and its head
         share = next((v for prefix, v in shares.items() if path.startswith(prefix)), 1.0)
         bits = getattr(module, "bits", None)  # quantized: weight packed, scales/biases are overhead
         for name, value in tree_flatten(module.parameters()):

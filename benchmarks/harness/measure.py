@@ -105,11 +105,18 @@ def workload_bandwidth(spec):
 
 def decode_bytes_per_token(cfg_text, tie, dtype_bytes, context):
     """Bytes read per decoded token: every decoder weight, the LM head (the embedding table when
-    tied; one embedding row otherwise, ignored) and the KV cache at `context` tokens."""
+    tied; one embedding row otherwise, ignored) and the KV cache at `context` tokens. An MoE
+    layer's weights read are its router and the k experts a token selects (the active weights)."""
     d, L, f = cfg_text["hidden_size"], cfg_text["num_hidden_layers"], cfg_text["intermediate_size"]
     hq, hkv, hd, V = cfg_text["num_attention_heads"], cfg_text["num_key_value_heads"], cfg_text["head_dim"], cfg_text["vocab_size"]
-    per_layer = d * hq * hd * 2 + d * hkv * hd * 2 + 3 * d * f + 2 * d + 2 * hd
-    weights = L * per_layer + d + V * d
+    experts = cfg_text.get("num_experts") or cfg_text.get("num_local_experts") or 0
+    step, dense_only = cfg_text.get("decoder_sparse_step") or 1, cfg_text.get("mlp_only_layers") or []
+    weights = d + V * d
+    for i in range(L):
+        sparse = experts and i not in dense_only and (i + 1) % step == 0
+        mlp = d * experts + cfg_text["num_experts_per_tok"] * 3 * d * cfg_text["moe_intermediate_size"] if sparse \
+            else 3 * d * f
+        weights += d * hq * hd * 2 + d * hkv * hd * 2 + mlp + 2 * d + 2 * hd
     kv = 2 * L * hkv * hd * context
     return (weights + kv) * dtype_bytes
 

@@ -23,6 +23,9 @@ _TEXT = dict(head_dim=128, num_key_value_heads=8, vocab_size=151936, rope_theta=
 
 _VISION_2B = dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
                   deepstack_visual_indexes=[5, 11, 17])
+_VISION_8B = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, deepstack_visual_indexes=[8, 16, 24])
+_MOE_30B = dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4,
+                moe=dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768))
 
 
 PRESETS = {
@@ -35,9 +38,13 @@ PRESETS = {
     "4b": dict(text=dict(_TEXT, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                          num_attention_heads=32), vision=dict(_VISION_2B), tie=True),
     "8b": dict(text=dict(_TEXT, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                         num_attention_heads=32),
-               vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
-                           deepstack_visual_indexes=[8, 16, 24]), tie=False),
+                         num_attention_heads=32), vision=dict(_VISION_8B), tie=False),
+    # Qwen/Qwen3-VL-30B-A3B-Instruct (UI-Venus-1.5-30B-A3B's base): 48 sparse layers of 128 experts.
+    # Its bf16 files are 61 GB and it needs ~17 GB at 4-bit: build it only where memory allows.
+    "30b-a3b": dict(text=dict(_TEXT, **_MOE_30B, num_hidden_layers=48), vision=dict(_VISION_8B), tie=False),
+    # 30B-A3B's layer shapes (experts, router, attention, vocabulary, vision tower) with two layers:
+    # ~9 GB in float32, so it runs on a 24 GB machine; decode reads 2 x 8 of the 128 experts.
+    "moe-small": dict(text=dict(_TEXT, **_MOE_30B, num_hidden_layers=2), vision=dict(_VISION_8B), tie=False),
 }
 
 
@@ -71,11 +78,31 @@ def preset_config(name):
     vision = dict(spec["vision"], hidden_act="gelu_pytorch_tanh", in_channels=3, initializer_range=0.02,
                   model_type="qwen3_vl", num_position_embeddings=2304, out_hidden_size=t["hidden_size"],
                   patch_size=16, spatial_merge_size=2, temporal_patch_size=2)
-    return dict(architectures=["Qwen3VLForConditionalGeneration"], model_type="qwen3_vl",
+    arch, model_type = "Qwen3VLForConditionalGeneration", "qwen3_vl"
+    if "moe" in t:  # the published 30B-A3B's text_config keys (4.57 layout)
+        arch, model_type = "Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe"
+        text.update(t["moe"], model_type="qwen3_vl_moe_text", decoder_sparse_step=1, mlp_only_layers=[],
+                    norm_topk_prob=True)
+        vision["model_type"] = "qwen3_vl_moe"
+    return dict(architectures=[arch], model_type=model_type,
                 image_token_id=fx["image_token_id"], video_token_id=fx["video_token_id"],
                 vision_start_token_id=fx["vision_start_token_id"], vision_end_token_id=fx["vision_end_token_id"],
                 text_config=text, vision_config=vision, tie_word_embeddings=spec["tie"], torch_dtype="bfloat16",
                 transformers_version="4.57.0")
+
+
+def _hub_experts(key, value, pending):
+    """Our SwitchGLU weights (E, out, in) → the hub's fused experts (transformers 4.57 files):
+    gate_up_proj (E, D, 2I) from gate then up, down_proj (E, I, D). Returns (hub key, value) or
+    None while the gate waits for its up."""
+    prefix, _, name = key.rpartition(".switch_mlp.")
+    if name == "gate_proj.weight":
+        pending[prefix] = value
+        return None
+    if name == "up_proj.weight":
+        fused = np.concatenate([pending.pop(prefix), value], axis=1)
+        return _hub_name(prefix + ".experts.gate_up_proj"), np.ascontiguousarray(fused.transpose(0, 2, 1))
+    return _hub_name(prefix + ".experts.down_proj"), np.ascontiguousarray(value.transpose(0, 2, 1))
 
 
 def _hub_name(name):
@@ -115,7 +142,7 @@ def build_preset(name, root=MODELS, log=print):
     params = tree_flatten(Qwen3VLForConditionalGeneration(config).parameters())
     vc = config.vision_config
     rng = np.random.default_rng(0)
-    shards, current, size, total = [], {}, 0, 0
+    shards, current, size, total, pending = [], {}, 0, 0, {}
 
     def flush():
         nonlocal current, size
@@ -141,10 +168,16 @@ def build_preset(name, root=MODELS, log=print):
                 value[n_tok:] *= np.float32(1e-3)
         if key == "visual.patch_embed.proj.weight":
             value = value.reshape(shape[0], vc.in_channels, vc.temporal_patch_size, vc.patch_size, vc.patch_size)
+        hub_key = _hub_name(key)
+        if ".switch_mlp." in key:
+            fused = _hub_experts(key, value, pending)
+            if fused is None:
+                continue
+            hub_key, value = fused
         arr = mx.array(value).astype(mx.bfloat16)
         mx.eval(arr)
         del value
-        current[_hub_name(key)] = arr
+        current[hub_key] = arr
         size += arr.nbytes
         total += arr.nbytes
         if size >= SHARD_BYTES:
