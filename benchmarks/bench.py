@@ -5,10 +5,12 @@
     python benchmarks/bench.py --model Qwen/Qwen3-VL-2B-Instruct --workloads image448,text256
     python benchmarks/bench.py --preset tiny --workloads text256 --decode-tokens 4   # smoke test
 
-`--preset 2b|4b|8b` builds the published Qwen3-VL Instruct architecture with random weights once,
+`--preset 2b|4b|8b|30b-a3b` builds the published Qwen3-VL Instruct architecture with random weights once,
 as a hub folder (bfloat16 safetensors, hub key names, transformers-4.57 config layout, the test
 fixture's tokenizer and chat template) under benchmarks/models/, so every engine loads the same
-files and nothing is downloaded. `tiny` is a small one for the test suite.
+files and nothing is downloaded. `tiny` is a small one for the test suite; `moe-small` is
+30B-A3B's layer shapes (128 experts of 768, top-8, hidden 2048) with two layers. A preset whose
+weights do not fit the memory available is refused up front.
 
 Every engine runs in its own worker process started by this one (same machine, same run, same
 inputs): peak memory is per engine, and a "default" engine loads only what its users get. Inputs
@@ -50,7 +52,7 @@ from harness.engine_mlx_vlm import worker_mlx_vlm  # noqa: E402
 from harness.engine_ours import worker_ours  # noqa: E402
 from harness.engine_transformers import worker_transformers  # noqa: E402
 from harness.measure import log, machine_info  # noqa: E402
-from harness.presets import MODELS, PRESETS, ROOT, build_preset  # noqa: E402
+from harness.presets import MODELS, PRESETS, ROOT, build_preset, memory_available_gb, preset_gb  # noqa: E402
 from harness.report import analyze, available, print_tables, run_worker  # noqa: E402
 from harness.workloads import ALL_WORKLOADS, WARMUP, prepare_inputs  # noqa: E402
 
@@ -120,6 +122,11 @@ def main(argv=None):
     if args.verbose:
         log(f"[mlx_qwen3vl] BLAS: {_blas.describe()}")
     if args.preset:
+        dtype_bytes = 2 if args.dtype in ("float16", "bfloat16") else 4
+        need, have = preset_gb(args.preset, dtype_bytes), memory_available_gb()
+        if need > 0.8 * have:
+            p.error(f"preset {args.preset} holds {need:.1f} GB of weights in {args.dtype or 'float32'} and this machine "
+                    f"has {have:.1f} GB available: run it where memory allows (or a smaller preset)")
         path = build_preset(args.preset, args.models_dir, log)
         label = f"preset {args.preset} (random weights)"
     else:

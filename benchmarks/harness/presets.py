@@ -91,6 +91,28 @@ def preset_config(name):
                 transformers_version="4.57.0")
 
 
+def preset_gb(name, dtype_bytes=4) -> float:
+    """Weights of a preset in GB at `dtype_bytes` per weight, counted on a lazily built model
+    (nothing allocated)."""
+    from mlx.utils import tree_flatten
+
+    from mlx_qwen3vl.config import ModelConfig
+    from mlx_qwen3vl.model import Qwen3VLForConditionalGeneration
+
+    model = Qwen3VLForConditionalGeneration(ModelConfig.from_dict(preset_config(name)))
+    return sum(p.size for _, p in tree_flatten(model.parameters())) * dtype_bytes / 1e9
+
+
+def memory_available_gb() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1e6
+    except OSError:
+        pass
+    return float("inf")  # not Linux: let the run find out
+
+
 def _hub_experts(key, value, pending):
     """Our SwitchGLU weights (E, out, in) → the hub's fused experts (transformers 4.57 files):
     gate_up_proj (E, D, 2I) from gate then up, down_proj (E, I, D). Returns (hub key, value) or
