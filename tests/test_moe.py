@@ -404,9 +404,13 @@ def run_module(module, *args):
     return p
 
 
+# The generation CLI: `python -m mlx_qwen3vl` where the package has a __main__, else the module.
+CLI = "mlx_qwen3vl" if (FIXTURES.parents[1] / "mlx_qwen3vl" / "__main__.py").is_file() else "mlx_qwen3vl.generate"
+
+
 def test_cli_on_the_hub_checkpoint_gives_transformers_tokens():
     image = FIXTURES / "media" / "img_123x77.png"
-    p = run_module("mlx_qwen3vl.generate", "--model", FIXTURES / "tiny-moe-hub", "--image", image,
+    p = run_module(CLI, "--model", FIXTURES / "tiny-moe-hub", "--image", image,
                    "--prompt", "Describe the image.", "--max-tokens", "16")
     assert p.returncode == 0, p.stderr
     model, processor = load_fixture_model("tiny-moe-hub"), M.Processor.from_pretrained(FIXTURES / "tiny-moe-hub")
@@ -425,7 +429,7 @@ def test_cli_convert_then_generate_4bit(tmp_path):
     assert "mixture of experts (top-4 of 16)" in p.stderr
     model, processor = load_model(out), M.Processor.from_pretrained(out)
     expected = M.generate(model, processor, "Where is the search box?", max_tokens=8)
-    p = run_module("mlx_qwen3vl.generate", "--model", out, "--prompt", "Where is the search box?", "--max-tokens", "8")
+    p = run_module(CLI, "--model", out, "--prompt", "Where is the search box?", "--max-tokens", "8")
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip("\n") == expected.text.strip("\n") and expected.generation_tokens == 8
 
