@@ -50,6 +50,12 @@ def test_both_config_layouts_read_the_same_experts():
         assert t.mlp_only_layers == [1] and t.decoder_sparse_step == 1 and t.norm_topk_prob
         assert t.mrope_section == [6, 5, 5] and c.vision_config.hidden_act == "gelu_pytorch_tanh"
     assert (t5.transformers_version, hub.transformers_version) == ("5.24.0", "4.57.0")
+    raw = json.loads((FIXTURES / "tiny-moe-hub" / "config.json").read_text())
+    raw["text_config"]["norm_topk_prob"] = False  # Qwen3-MoE's meaning: no renormalisation
+    from mlx_qwen3vl.model import Qwen3VLForConditionalGeneration
+
+    block = Qwen3VLForConditionalGeneration(ModelConfig.from_dict(raw)).language_model.layers[0].mlp
+    assert isinstance(block, SparseMoeBlock) and block.norm_topk_prob is False
 
 
 def text_config(**kw):
