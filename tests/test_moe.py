@@ -502,3 +502,25 @@ def test_cpu_decode_stack_runs_the_expert_layers(backend_name, monkeypatch, on_c
     assert len(calls) == len(steps)
     for a, b in zip(fast, pure):
         assert rel_err(a, b) < 5e-5
+
+
+def test_mlxvlm_float_moe_layout_gives_the_hub_logits(converted, tmp_path):
+    """mlx-vlm's unquantized layout (language_model.model.*.switch_mlp.*, vision_tower.*, no marker),
+    made from a float conversion by renaming, loads to the same model as the hub folder."""
+    out, _ = converted("float")
+    weights = mx.load(str(out / "model.safetensors"))
+    renamed = {("language_model.model." + k[len("language_model."):] if k.startswith("language_model.") else
+                "vision_tower." + k[len("visual."):] if k.startswith("visual.") else "language_model." + k): v
+               for k, v in weights.items()}
+    assert "language_model.model.layers.0.mlp.switch_mlp.down_proj.weight" in renamed
+    dst = tmp_path / "mlxvlm-float"
+    shutil.copytree(out, dst)
+    (dst / "model.safetensors.index.json").unlink()
+    mx.save_safetensors(str(dst / "model.safetensors"), renamed)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.pop("mlx_qwen3vl")
+    (dst / "config.json").write_text(json.dumps(cfg))
+    model, kind = build_model(dst)
+    assert kind == "mlx-vlm"
+    hub = load_fixture_model(REF, backend="mlx")
+    assert np.array_equal(np.array(model(**case_inputs("image"))), np.array(hub(**case_inputs("image"))))
