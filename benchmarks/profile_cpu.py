@@ -1,16 +1,16 @@
-"""Where the CPU time of the 2B preset goes, with and without the numpy CPU kernels.
+"""Where the CPU time of the 2B preset goes, on the CPU path and on the plain MLX graph.
 
     python benchmarks/profile_cpu.py --preset 2b --out benchmarks/results/profile-2b-cpu-kernels.json
 
-Measured in one process, the two variants interleaved (the machine may be shared): matrix-vector
-and matrix-matrix products over the decoder's real weights through MLX (cblas_sgemm of whatever
-BLAS _blas.py loaded) and through numpy's own BLAS; a decode step at two context lengths; one
-decoder layer over a 256-token prefill chunk. Medians of `--reps`; seconds.
+Measured in one process, the variants interleaved (the machine may be shared): matrix-vector and
+matrix-matrix products over the decoder's real weights through MLX (cblas_sgemm of whatever BLAS
+cpu/blas.py loaded) and through numpy's own BLAS; a decode step at two context lengths; one
+decoder layer over a 256-token prefill chunk. Each backend variant is a model of its own over the
+same weight arrays (loaded once). Medians of `--reps`; seconds.
 """
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -48,18 +48,24 @@ def interleaved(variants, reps):
     return {name: statistics.median(t[1:]) for name, t in times.items()}
 
 
-def kernels(on: bool, whole_layer: bool = True, native: bool = True):
-    from mlx_qwen3vl import cpu_kernels
+def variants(path):
+    """{name: model}: the backends, each a model of its own over one set of weights."""
+    from mlx_qwen3vl import cpu, language
+    from mlx_qwen3vl.model import Qwen3VLForConditionalGeneration
+    from mlx_qwen3vl.weights import load_model
 
-    def setup():
-        if not on:
-            os.environ["MLX_QWEN3VL_CPU_KERNELS"] = "mlx"
-        elif not native:
-            os.environ["MLX_QWEN3VL_CPU_KERNELS"] = "numpy"
-        else:
-            os.environ.pop("MLX_QWEN3VL_CPU_KERNELS", None)
-        cpu_kernels.DECODE_LAYER_MAX_TOKENS = 16 if whole_layer else 0
-    return setup
+    base = load_model(path, dtype=mx.float32, backend="mlx")
+
+    def twin(ops=None, decode_stack=True):
+        model = Qwen3VLForConditionalGeneration(base.config)
+        model.update(base.parameters())  # the same arrays, no copy
+        cpu.install(model, ops)
+        if not decode_stack:  # the CPU path's linears, attention and activations, the layers in MLX
+            model.language_model.__class__ = language.TextModel
+        return model
+
+    return {"mlx": base, "numpy linears, layer in MLX": twin(decode_stack=False),
+            "numpy, no C extension": twin("numpy"), "numpy": twin()}
 
 
 def decode_step_at(model, ctx):
@@ -81,22 +87,23 @@ def decode_step_at(model, ctx):
 
 
 def main(argv=None):
-    import bench
-    from mlx_qwen3vl import _blas
-    from mlx_qwen3vl.weights import load_model
+    from harness.measure import decode_bytes_per_token, machine_info
+    from harness.presets import PRESETS, build_preset
+    from mlx_qwen3vl.cpu import blas as _blas
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="2b", choices=list(bench.PRESETS))
+    p.add_argument("--preset", default="2b", choices=list(PRESETS))
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    path = bench.build_preset(args.preset)
-    model = load_model(path, dtype=mx.float32)
+    path = build_preset(args.preset)
+    models = variants(path)
+    model = models["numpy"]
     text = model.language_model
-    out = {"machine": bench.machine_info(), "blas": _blas.describe(), "preset": args.preset,
-           "note": "seconds, medians; 'mlx' = MLX_QWEN3VL_CPU_KERNELS=mlx (every op in MLX), "
-                   "'numpy' = the CPU kernels as shipped (a decode step's stack in numpy and the C extension), "
-                   "'numpy linears, layer in MLX' = DECODE_LAYER_MAX_TOKENS=0, "
+    out = {"machine": machine_info(), "blas": _blas.describe(), "preset": args.preset,
+           "note": "seconds, medians; 'mlx' = the plain MLX graph (backend='mlx'), "
+                   "'numpy' = the CPU path as shipped (a decode step's stack in numpy and the C extension), "
+                   "'numpy linears, layer in MLX' = the CPU path without its decode stack, "
                    "'numpy, no C extension' = MLX_QWEN3VL_CPU_KERNELS=numpy (the C extension's work in numpy)"}
 
     # Every decoder weight (and the tied LM head) once: what a decode step must read.
@@ -134,13 +141,8 @@ def main(argv=None):
     out["gemm_256x2048x6144_gflops"] = {k: flops / v / 1e9 for k, v in gemm.items()}
 
     for ctx in (273, 2117):
-        step = decode_step_at(model, ctx)
-        out[f"decode_step_ctx{ctx}_s"] = interleaved({
-            "mlx": (kernels(False), step),
-            "numpy linears, layer in MLX": (kernels(True, whole_layer=False), step),
-            "numpy, no C extension": (kernels(True, native=False), step),
-            "numpy": (kernels(True), step),
-        }, args.reps)
+        out[f"decode_step_ctx{ctx}_s"] = interleaved(
+            {name: (lambda: None, decode_step_at(m, ctx)) for name, m in models.items()}, args.reps)
 
     # Decode against the bandwidth of the same moment: this shared VM's bandwidth drifts by ±15% or
     # more within minutes, so a decode step (the CPU kernels as shipped), the step's GEMVs alone
@@ -152,8 +154,7 @@ def main(argv=None):
     xb = np.ones((1, 4096), np.float32)
     for ctx in (273, 2117):
         step = decode_step_at(model, ctx)
-        kernels(True)()
-        per_token = bench.decode_bytes_per_token(dict(text.config.__dict__), model.config.tie_word_embeddings, 4, ctx)
+        per_token = decode_bytes_per_token(dict(text.config.__dict__), model.config.tie_word_embeddings, 4, ctx)
         rows = []
         for rep in range(2 * args.reps + 1):
             times = []
@@ -175,17 +176,16 @@ def main(argv=None):
             bandwidth_gbs_max=max(col("bw")), bytes_per_token=per_token, pairs=len(rows))
     big = None
 
-    layer = text.layers[min(3, len(text.layers) - 1)]
     h = mx.random.normal((1, 256, text.config.hidden_size))
     mx.eval(h)
 
-    def prefill_layer():
-        rope = text.rotary.cos_sin(mx.array([0]), h.shape[1])
-        mx.eval(layer(h, rope, "causal", model.make_cache()[0]))
+    def prefill_layer(m):
+        lm = m.language_model
+        layer = lm.layers[min(3, len(lm.layers) - 1)]
+        return lambda: mx.eval(layer(h, lm.rotary(mx.array([0]), h.shape[1]), "causal", m.make_cache()[0]))
 
-    out["prefill_layer_L256_s"] = interleaved({"mlx": (kernels(False), prefill_layer),
-                                               "numpy": (kernels(True), prefill_layer)}, args.reps)
-    kernels(True)()
+    out["prefill_layer_L256_s"] = interleaved({name: (lambda: None, prefill_layer(models[name]))
+                                               for name in ("mlx", "numpy")}, args.reps)
     text_out = json.dumps(out, indent=1, default=float)
     print(text_out)
     if args.out:

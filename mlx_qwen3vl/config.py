@@ -4,6 +4,10 @@ Hub checkpoints written by transformers 4.57 carry `rope_theta` + `rope_scaling`
 and `torch_dtype`; transformers 5 writes `rope_parameters` and `dtype`. `tie_word_embeddings` may
 sit at the top level, in `text_config`, or both (the top level wins, as in transformers 5).
 Unknown keys are ignored so newer configs keep loading.
+
+Mixture-of-experts checkpoints (`qwen3_vl_moe`: Qwen3-VL-30B-A3B, 235B-A22B, UI-Venus-1.5-30B-A3B)
+add the expert settings to `text_config`; the expert count is `num_experts` in 4.57 files and
+`num_local_experts` in transformers 5 files.
 """
 
 import dataclasses
@@ -15,7 +19,9 @@ from typing import Optional
 
 from .errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("qwen3_vl",)
+SUPPORTED_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+VISION_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu")  # vision.ACTIVATIONS
+MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
 def _from_dict(cls, params: dict, where: str):
@@ -46,6 +52,11 @@ class VisionConfig:
     deepstack_visual_indexes: list = field(default_factory=list)
     rope_theta: float = 10000.0
 
+    def __post_init__(self):
+        if self.hidden_act not in VISION_ACTIVATIONS:
+            raise ConfigError(f"vision_config: hidden_act {self.hidden_act!r} is not one of "
+                              f"{', '.join(VISION_ACTIVATIONS)} (Qwen3-VL's is gelu_pytorch_tanh)")
+
 
 @dataclass
 class TextConfig:
@@ -63,6 +74,20 @@ class TextConfig:
     hidden_act: str = "silu"
     max_position_embeddings: int = 262144
     tie_word_embeddings: bool = False
+    # Mixture of experts (qwen3_vl_moe); num_experts == 0 is the dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list = field(default_factory=list)
+    # transformers' Qwen3-VL-MoE always renormalises the top-k weights; every published config says
+    # true. A config that says false gets what the flag means in Qwen3-MoE (no renormalisation).
+    norm_topk_prob: bool = True
+
+    def is_sparse_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` is a mixture-of-experts block (transformers' rule)."""
+        return (self.num_experts > 0 and index not in self.mlp_only_layers
+                and (index + 1) % self.decoder_sparse_step == 0)
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
@@ -73,6 +98,33 @@ class TextConfig:
             raise ConfigError(
                 f"text_config: mrope_section {self.mrope_section} must sum to head_dim/2 = {self.head_dim // 2}"
             )
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ConfigError(f"text_config: num_experts_per_tok {self.num_experts_per_tok} must be between 1 "
+                                  f"and num_experts ({self.num_experts})")
+            if self.moe_intermediate_size <= 0 or self.decoder_sparse_step < 1:
+                raise ConfigError("text_config: moe_intermediate_size must be positive and decoder_sparse_step >= 1 "
+                                  f"(got {self.moe_intermediate_size}, {self.decoder_sparse_step})")
+            bad = [i for i in self.mlp_only_layers if not (isinstance(i, int) and 0 <= i < self.num_hidden_layers)]
+            if bad:
+                raise ConfigError(f"text_config: mlp_only_layers {bad} are not layer indexes below "
+                                  f"num_hidden_layers ({self.num_hidden_layers})")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+def _moe_fields(text: dict, where: str):
+    """Expert settings of a qwen3_vl_moe text_config, in either layout, checked for presence."""
+    if "num_local_experts" in text:  # transformers 5's name for num_experts
+        text["num_experts"] = text.pop("num_local_experts")
+    missing = [k for k in MOE_KEYS if not isinstance(text.get(k), int) or isinstance(text.get(k), bool)]
+    if missing:
+        raise ConfigError(f"{where} text_config: a qwen3_vl_moe config needs integer {', '.join(missing)}")
+    if text.get("mlp_only_layers") is None:
+        text["mlp_only_layers"] = []
+    text["mlp_only_layers"] = list(text["mlp_only_layers"])
 
 
 @dataclass
@@ -86,6 +138,7 @@ class ModelConfig:
     vision_end_token_id: int = 151653
     tie_word_embeddings: bool = False
     torch_dtype: Optional[str] = None
+    transformers_version: Optional[str] = None  # tells the expert layouts apart when shapes cannot
     quantization: Optional[dict] = None
     eos_token_ids: list = field(default_factory=list)  # from generation_config.json
 
@@ -95,7 +148,7 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"{where}: model_type {model_type!r} is not Qwen3-VL (expected one of {SUPPORTED_MODEL_TYPES}); "
-                "this engine loads Qwen3-VL dense checkpoints only"
+                "this engine loads Qwen3-VL dense and mixture-of-experts checkpoints"
             )
         for key in ("text_config", "vision_config"):
             if not isinstance(raw.get(key), dict):
@@ -110,6 +163,11 @@ class ModelConfig:
             text["mrope_section"] = list(rope["mrope_section"])
         if rope.get("mrope_interleaved") is False:
             raise ConfigError(f"{where}: non-interleaved mRoPE is Qwen2.5-VL's layout, not Qwen3-VL's")
+        if model_type == "qwen3_vl_moe":
+            _moe_fields(text, where)
+        else:  # a dense checkpoint: expert keys left over from elsewhere mean nothing here
+            for key in (*MOE_KEYS, "num_local_experts", "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"):
+                text.pop(key, None)
         tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
         text["tie_word_embeddings"] = bool(tie)
 

@@ -42,8 +42,9 @@ from mlx.utils import tree_flatten, tree_map
 
 from .errors import InputError, Qwen3VLError
 from .hub import SIDECAR_FILES, resolve_model_path
-from .weights import (DTYPES, FORMAT_KEY, FORMAT_VERSION, NEVER_QUANTIZED, build_model, describe_quantization,
-                      read_raw_config)
+from .moe import weight_counts
+from .weights import (DTYPES, FORMAT_KEY, FORMAT_VERSION, NEVER_QUANTIZED, QUANTIZED_TYPES, build_model,
+                      describe_quantization, read_raw_config)
 
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 AFFINE_GROUP_SIZES = (32, 64, 128)
@@ -137,6 +138,9 @@ def make_predicate(config, spec: QuantSpec) -> Callable:
             return False  # norms have no quantized form; the patch kernel/position table stay float
         if path.startswith("visual.") and not spec.vision:
             return False
+        if path.endswith(".mlp.gate"):  # an MoE router: 8-bit affine (its choice of experts is worth the bytes)
+            group = spec.group_size if spec.mode == "affine" else 64
+            return False if module.weight.shape[-1] % group else {"group_size": group, "bits": 8, "mode": "affine"}
         if module.weight.shape[-1] % spec.group_size:
             return False  # input width not a multiple of the group: stays float
         bits = low
@@ -153,7 +157,7 @@ def make_predicate(config, spec: QuantSpec) -> Callable:
 
 def bits_per_weight(model: nn.Module) -> float:
     """Stored bits (packed weights, scales, biases, float tensors) per original weight."""
-    quantized = {p: m for p, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    quantized = {p: m for p, m in model.named_modules() if isinstance(m, QUANTIZED_TYPES)}
     n_bits = n_weights = 0
     for key, value in tree_flatten(model.parameters()):
         n_bits += value.nbytes * 8
@@ -163,6 +167,19 @@ def bits_per_weight(model: nn.Module) -> float:
         elif not (layer in quantized and name in ("scales", "biases")):
             n_weights += value.size
     return n_bits / max(n_weights, 1)
+
+
+def describe_experts(model: nn.Module) -> str:
+    """Total vs per-token active weights of a mixture-of-experts language model, and their storage."""
+    c, t = weight_counts(model), model.config.text_config
+
+    def size(n, unit=""):
+        scale, prefix = next((s, p) for s, p in ((1e9, "G"), (1e6, "M"), (1e3, "k"), (1, "")) if n >= s or s == 1)
+        return f"{n / scale:.3g} {prefix}{unit}".rstrip()
+
+    return (f"mixture of experts (top-{t.num_experts_per_tok} of {t.num_experts}): language model "
+            f"{size(c['total'])} weights in {size(c['total_bytes'], 'B')}, {size(c['active'])} active per token in "
+            f"{size(c['active_bytes'], 'B')} ({8 * c['active_bytes'] / max(c['active'], 1):.2f} bits per active weight)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,6 +301,8 @@ def convert(hf_path, mlx_path, dtype: Optional[str] = None, quantize: bool = Fal
                              "checkpoint to quantize, or drop -q to re-layout it as it is")
         nn.quantize(model, spec.group_size, spec.bits, mode=spec.mode, class_predicate=make_predicate(config, spec))
         log(f"convert: quantized {spec.describe()}: {bits_per_weight(model):.2f} bits per weight")
+    if config.text_config.is_moe:
+        log(f"convert: {describe_experts(model)}")
     quantization = describe_quantization(model)
     weights = dict(tree_flatten(model.parameters()))
     model.update(tree_map(lambda _: mx.array([]), model.parameters()))  # `weights` holds the only references

@@ -5,6 +5,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .config import TextConfig
+from .moe import SparseMoeBlock
 from .rope import TextRotary
 
 
@@ -51,11 +52,16 @@ class MLP(nn.Module):
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def make_mlp(config: TextConfig, index: int) -> nn.Module:
+    """Layer `index`'s feed-forward block: the experts on sparse layers of an MoE model, else dense."""
+    return SparseMoeBlock(config) if config.is_sparse_layer(index) else MLP(config.hidden_size, config.intermediate_size)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: TextConfig):
+    def __init__(self, config: TextConfig, index: int = 0):
         super().__init__()
         self.self_attn = Attention(config)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = make_mlp(config, index)
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -80,7 +86,7 @@ class TextModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = [DecoderLayer(config) for _ in range(config.num_hidden_layers)]
+        self.layers = [DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary = TextRotary(config.head_dim, config.rope_theta, config.mrope_section)
 

@@ -31,8 +31,9 @@ class TextRotary:
 
     Text tokens have T = H = W, so for them every frequency sees the same position and mRoPE is
     exactly plain 1D RoPE: a text-only chunk (decode, or text after the prompt) needs only each
-    sequence's first position. The tables are built once per forward and shared by every layer,
-    in the same float32 math as transformers.
+    sequence's first position, and is rotated by mx.fast.rope (one fused kernel on a GPU) with
+    transformers' float32 frequencies, so it equals the tables to the bit. General mRoPE builds
+    cos/sin tables once per forward, shared by every layer.
     """
 
     def __init__(self, head_dim: int, theta: float, mrope_section):
@@ -40,6 +41,7 @@ class TextRotary:
         self.theta = float(theta)
         self.section = list(mrope_section)
         self.inv_freq = inverse_frequencies(head_dim, theta)
+        self.periods = 1.0 / self.inv_freq  # mx.fast.rope's `freqs`
 
     def cos_sin(self, position_ids: mx.array, length: int, dtype=mx.float32):
         """cos, sin of shape (B, 1, L, head_dim), ready to broadcast over heads, for position_ids
@@ -59,6 +61,9 @@ class TextRotary:
 
     def __call__(self, position_ids: mx.array, length: int, dtype=mx.float32):
         """The rotation of (B, heads, L, head_dim) queries or keys at these positions (as cos_sin)."""
+        if position_ids.ndim == 1:
+            return lambda x: mx.fast.rope(x, self.head_dim, traditional=False, base=None, scale=1.0,
+                                          offset=position_ids, freqs=self.periods)
         cos, sin = self.cos_sin(position_ids, length, dtype)
         return lambda x: apply_rotary(x, cos, sin)
 

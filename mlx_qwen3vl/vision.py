@@ -125,14 +125,20 @@ class VisionAttention(nn.Module):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)
 
 
+# The blocks' activation, by config name (transformers' ACT2FN names); every published Qwen3-VL,
+# dense or MoE, says gelu_pytorch_tanh. The mergers always use the exact GELU (torch nn.GELU()).
+ACTIVATIONS = {"gelu_pytorch_tanh": nn.gelu_approx, "gelu_new": nn.gelu_approx, "gelu": nn.gelu}
+
+
 class VisionMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, hidden_act: str = "gelu_pytorch_tanh"):
         super().__init__()
         self.linear_fc1 = nn.Linear(dim, hidden, bias=True)
         self.linear_fc2 = nn.Linear(hidden, dim, bias=True)
+        self.hidden_act = hidden_act
 
     def __call__(self, x):
-        return self.linear_fc2(nn.gelu_approx(self.linear_fc1(x)))  # gelu_pytorch_tanh
+        return self.linear_fc2(ACTIVATIONS[self.hidden_act](self.linear_fc1(x)))
 
 
 class VisionBlock(nn.Module):
@@ -141,7 +147,7 @@ class VisionBlock(nn.Module):
         self.norm1 = nn.LayerNorm(config.hidden_size, eps=1e-6)
         self.norm2 = nn.LayerNorm(config.hidden_size, eps=1e-6)
         self.attn = VisionAttention(config.hidden_size, config.num_heads)
-        self.mlp = VisionMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
     def __call__(self, x, cos, sin, segments):
         x = x + self.attn(self.norm1(x), cos, sin, segments)

@@ -27,10 +27,14 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from .config import ModelConfig
 from .errors import ConfigError, WeightsError
 from .model import Qwen3VLForConditionalGeneration
+from .moe import check_device_dtype
+
+QUANTIZED_TYPES = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -158,6 +162,77 @@ def sanitize(weights: dict, config: ModelConfig, kind: str = HUB) -> dict:
     return out
 
 
+# Fused expert tensors of MoE hub checkpoints come in two orientations: the published files (written
+# by transformers 4.57) hold gate_up_proj (E, D, 2I) and down_proj (E, I, D); transformers 5's
+# save_pretrained writes its in-memory layout, (E, 2I, D) and (E, D, I). Both split into mlx-lm's
+# SwitchGLU weights (E, out, in): gate the first I rows of gate_up, up the rest.
+EXPERTS_HUB = "hub (transformers 4.57)"
+EXPERTS_T5 = "transformers 5"
+FUSED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
+def _expert_shapes(config: ModelConfig) -> dict:
+    t = config.text_config
+    E, D, I = t.num_experts, t.hidden_size, t.moe_intermediate_size
+    return {EXPERTS_HUB: {"gate_up_proj": (E, D, 2 * I), "down_proj": (E, I, D)},
+            EXPERTS_T5: {"gate_up_proj": (E, 2 * I, D), "down_proj": (E, D, I)}}
+
+
+def expert_layout(weights: dict, config: ModelConfig, where: str):
+    """Which orientation a checkpoint's fused experts are stored in (None when it has none): by
+    shape, which decides whenever hidden != 2*I or I != hidden; otherwise by the config's
+    transformers_version; a WeightsError when neither does."""
+    fused = {k: v for k, v in weights.items() if k.endswith(FUSED_EXPERTS)}
+    if not fused:
+        return None
+    shapes = _expert_shapes(config)
+    candidates = set(shapes)
+    for key, value in sorted(fused.items()):
+        name = key.rpartition(".")[2]
+        fits = {layout for layout, expected in shapes.items() if tuple(value.shape) == expected[name]}
+        if not fits:
+            t = config.text_config
+            raise WeightsError(
+                f"{where}: {key} has shape {tuple(value.shape)}, neither the hub's {shapes[EXPERTS_HUB][name]} nor "
+                f"transformers 5's {shapes[EXPERTS_T5][name]} for num_experts {t.num_experts}, hidden_size "
+                f"{t.hidden_size}, moe_intermediate_size {t.moe_intermediate_size}: check config.json")
+        candidates &= fits
+    if len(candidates) == 1:
+        return candidates.pop()
+    if not candidates:
+        raise WeightsError(f"{where}: the expert tensors mix the hub's and transformers 5's layouts: re-save the "
+                           "checkpoint with one version of transformers")
+    version = str(config.transformers_version or "")
+    major = version.split(".")[0]
+    if not major.isdigit():
+        raise WeightsError(f"{where}: the expert tensors have the same shape in the hub's and transformers 5's "
+                           "layouts and config.json has no transformers_version to tell them apart: add the "
+                           "transformers_version that wrote the weights (e.g. \"4.57.0\" or \"5.0.0\") to config.json")
+    return EXPERTS_T5 if int(major) >= 5 else EXPERTS_HUB
+
+
+def split_fused_experts(weights: dict, config: ModelConfig, where: str) -> dict:
+    """Fused hub expert tensors (either orientation) -> mlx-lm SwitchGLU weights; other keys kept."""
+    layout = expert_layout(weights, config, where)
+    if layout is None:
+        return weights
+    I = config.text_config.moe_intermediate_size
+    out = {}
+    for key, value in weights.items():
+        if not key.endswith(FUSED_EXPERTS):
+            out[key] = value
+            continue
+        if layout == EXPERTS_HUB:
+            value = value.swapaxes(1, 2)  # (E, in, out) -> (E, out, in)
+        prefix, _, name = key.rpartition(".experts.")
+        if name == "gate_up_proj":
+            out[f"{prefix}.switch_mlp.gate_proj.weight"] = value[:, :I]
+            out[f"{prefix}.switch_mlp.up_proj.weight"] = value[:, I:]
+        else:
+            out[f"{prefix}.switch_mlp.down_proj.weight"] = value
+    return out
+
+
 def _quant_params(params: dict, where: str) -> dict:
     try:
         q = {"group_size": int(params["group_size"]), "bits": int(params["bits"]),
@@ -209,7 +284,7 @@ def describe_quantization(model: nn.Module):
     layers = {
         path: {"group_size": m.group_size, "bits": m.bits, "mode": m.mode}
         for path, m in model.named_modules()
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+        if isinstance(m, QUANTIZED_TYPES)
     }
     if not layers:
         return None
@@ -267,7 +342,7 @@ def build_model(path, dtype=None, lazy=False):
     dtype = _as_dtype(dtype) or default_dtype(config)
     raw = read_weights(path)
     kind = detect_kind(read_raw_config(path), raw)
-    weights = sanitize(raw, config, kind)
+    weights = split_fused_experts(sanitize(raw, config, kind), config, str(path))
     model = Qwen3VLForConditionalGeneration(config)
     if config.quantization is not None:
         apply_quantization(model, config.quantization, weights, kind, str(path / "config.json"))
@@ -288,4 +363,6 @@ def load_model(path, dtype=None, backend=None) -> Qwen3VLForConditionalGeneratio
     backend installed: "mlx", "cpu" or None (automatic, see backend.install)."""
     from .backend import install
 
-    return install(build_model(path, dtype)[0], backend)
+    model = build_model(path, dtype)[0]
+    check_device_dtype(model, str(path))
+    return install(model, backend)

@@ -92,9 +92,11 @@ def test_video_frames_attend_within_frame(checkpoint):
     assert np.abs(np.array(base[m:]) - np.array(changed[m:])).max() > 1e-3
 
 
-def test_text_only_positions_reduce_to_1d_rope(checkpoint):
+def test_text_only_positions_reduce_to_1d_rope(checkpoint, on_cpu):
     """T = H = W positions through mRoPE equal the 1D tables built from first positions only (the
-    decode path), and both equal plain 1D RoPE (mx.fast.rope with an offset)."""
+    CPU decode stack's), and the rotation of 1D positions (mx.fast.rope with transformers'
+    frequencies, the decode path of the MLX graph) equals the tables' on the CPU to the bit; plain
+    mx.fast.rope with a base (its own frequencies) to float32 rounding."""
     rotary = load_fixture_model(checkpoint).language_model.rotary
     starts = mx.array([7, 130])
     pos3 = mx.broadcast_to((starts[:, None] + mx.arange(5))[None], (3, 2, 5))
@@ -103,7 +105,9 @@ def test_text_only_positions_reduce_to_1d_rope(checkpoint):
     np.testing.assert_array_equal(np.array(cos3), np.array(cos1))
     np.testing.assert_array_equal(np.array(sin3), np.array(sin1))
     q = mx.random.normal((2, 3, 5, rotary.head_dim), key=mx.random.key(0))
-    ours = apply_rotary(q, cos1, sin1)
+    ours = apply_rotary(q, cos3, sin3)
+    np.testing.assert_array_equal(np.array(rotary(starts, 5)(q)), np.array(ours))
+    assert not mx.array_equal(rotary(starts + 1, 5)(q), ours)
     plain = mx.fast.rope(q, rotary.head_dim, traditional=False, base=rotary.theta, scale=1.0, offset=starts)
     np.testing.assert_allclose(np.array(ours), np.array(plain), atol=2e-5)
 

@@ -50,8 +50,8 @@ def load():
     for path in _candidates():
         if "mkl" in os.path.basename(path):
             # GNU OpenMP threading: at least as fast as MKL's others here (benchmarks/README.md,
-            # "The CPU path"), and the OpenMP runtime most wheels already load, so no second one
-            # (libiomp5 spin-waits after each call, stealing a core from MLX's own threads).
+            # "What bounds each figure"), and the OpenMP runtime most wheels already load, so no
+            # second one (libiomp5 spin-waits after each call, stealing a core from MLX's threads).
             os.environ.setdefault("MKL_THREADING_LAYER", "GNU")
         try:
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)

@@ -9,13 +9,14 @@ where it is not built. Modules are read as dict items (nn.Module attribute looku
 level). Nothing syncs on the KV cache inside the step: the attention reads each cache's earlier
 positions in place and scores the new key on its own, and the step's new keys and values are
 queued (KVCache.queue) and evaluated with the next step's inputs, in one sync. Measurements:
-benchmarks/README.md, "The CPU path".
+benchmarks/README.md, "What bounds each figure".
 """
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_lm_cache
 
+from .experts import experts_into
 from .kernels import matmul_t, np_rms_scale, np_rotate, np_silu_mul
 
 NATIVE_INTERFACE = 1  # _decode.c's INTERFACE: the calls decode_tokens makes into it
@@ -46,6 +47,14 @@ class KVCache(mlx_lm_cache.KVCache):
         self.offset += 1
 
 
+def runs(mlp) -> bool:
+    """Whether the decode stack runs this feed-forward block: the dense MLP, or float32 experts
+    (experts_into)."""
+    if "switch_mlp" in mlp:
+        return "scales" not in mlp["switch_mlp"]["gate_proj"] and mlp["gate"]["weight"].dtype == mx.float32
+    return "gate_proj" in mlp
+
+
 def applies(x, mask, caches) -> bool:
     """Whether `decode_tokens` serves this forward: one token per sequence, no padding mask, and
     every cache one of ours, already holding float32 keys."""
@@ -71,7 +80,8 @@ def decode_tokens(text_model, x, position_ids, caches, deepstack_embeds, ops):
     flat = qkv.reshape(B, -1)
     att = np.empty((B, nq * hd), np.float32)
     delta = np.empty_like(h)
-    hidden = layers[0]["mlp"]["gate_proj"]["weight"].shape[0]
+    hidden = max((layer["mlp"]["gate_proj"]["weight"].shape[0] for layer in layers if "gate_proj" in layer["mlp"]),
+                 default=0)  # the dense layers' width (an MoE layer's experts are experts_into's business)
     gate, up = np.empty((B, hidden), np.float32), np.empty((B, hidden), np.float32)
     new_kv = np.empty((len(layers), 2, B, nkv, hd), np.float32)  # each layer's new key and value
     pending = None  # the last layer's output, added to h by the next norm
@@ -88,10 +98,13 @@ def decode_tokens(text_model, x, position_ids, caches, deepstack_embeds, ops):
         new_kv[i] = qkv[:, nq:].reshape(B, 2, nkv, hd).swapaxes(0, 1)
         _linear_into(att, attn["o_proj"], delta)
         _rms_norm_into(ops, h, delta, layer["post_attention_layernorm"], n)
-        _linear_into(n, mlp["gate_proj"], gate)
-        _linear_into(n, mlp["up_proj"], up)
-        ops.silu_mul(gate, up, gate)
-        _linear_into(gate, mlp["down_proj"], delta)
+        if "switch_mlp" in mlp:  # only the k experts the token chose are read
+            experts_into(n, mlp, delta)
+        else:
+            _linear_into(n, mlp["gate_proj"], gate)
+            _linear_into(n, mlp["up_proj"], up)
+            ops.silu_mul(gate, up, gate)
+            _linear_into(gate, mlp["down_proj"], delta)
         pending = delta
         if i < len(deepstack_embeds):
             h += delta

@@ -9,9 +9,10 @@ MLX layers with these linears, attentions and activations inside.
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
-from .. import language, vision
-from . import blas, decode, kernels
+from .. import language, moe, vision
+from . import blas, decode, experts, kernels
 
 
 class Linear(nn.Linear):
@@ -34,6 +35,15 @@ class MLP(language.MLP):
         return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
+class SparseMoeBlock(moe.SparseMoeBlock):
+    def __call__(self, x):
+        if "scales" in self.switch_mlp.gate_proj or x.dtype != mx.float32:  # quantized: MLX's gather_qmm
+            return super().__call__(x)
+        mx.eval(x)
+        flat = np.asarray(x).reshape(-1, x.shape[-1])
+        return mx.array(experts.experts_into(flat, self, np.empty_like(flat)).reshape(x.shape))
+
+
 class VisionAttention(vision.VisionAttention):
     def attend(self, q, k, v):
         return kernels.attention(q, k, v, self.head_dim**-0.5)
@@ -41,6 +51,8 @@ class VisionAttention(vision.VisionAttention):
 
 class VisionMLP(vision.VisionMLP):
     def __call__(self, x):
+        if vision.ACTIVATIONS[self.hidden_act] is not nn.gelu_approx:  # a config's exact GELU: MLX's
+            return super().__call__(x)
         return self.linear_fc2(kernels.gelu_approx(self.linear_fc1(x)))
 
 
@@ -58,6 +70,7 @@ class TextModel(language.TextModel):
 TWINS = {
     language.Attention: Attention,
     language.MLP: MLP,
+    moe.SparseMoeBlock: SparseMoeBlock,
     vision.VisionAttention: VisionAttention,
     vision.VisionMLP: VisionMLP,
 }
@@ -110,8 +123,8 @@ def install(model, ops=None):
         elif kind is nn.Embedding and big(module):
             module.__class__ = Embedding
     text = model.language_model
-    # The decode stack is the dense Qwen3 layer; other layers (MoE) keep the MLX loop.
-    if type(text) is language.TextModel and all(type(layer.mlp) is MLP for layer in text.layers):
+    # The decode stack runs dense and float32 expert layers; anything else keeps the MLX loop.
+    if type(text) is language.TextModel and all(decode.runs(layer.mlp) for layer in text.layers):
         text.__class__ = TextModel
         text.ops = ops
     model.backend = CPUBackend(ops)

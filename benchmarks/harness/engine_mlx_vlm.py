@@ -1,0 +1,159 @@
+"""The worker of mlx-vlm: its own load, stream_generate and vision tower on our preprocessed
+inputs; its default dtype, or a like-for-like dtype with our BLAS loaded."""
+
+import time
+
+import numpy as np
+
+from .measure import engine_info, fmt, fresh_mlx_measurement, log, rss_peak_gb, time_workload
+from .workloads import AGENT_SYSTEM, WARMUP, agent_turns
+
+
+def worker_mlx_vlm(args, spec):
+    if spec.get("same_blas"):
+        import mlx_qwen3vl.cpu.blas as blas  # the same optimized BLAS as ours, before mlx.core
+
+        blas_note = blas.describe()
+    else:
+        blas_note = "MLX's bundled BLAS (nothing preloaded)"
+    import mlx.core as mx
+    from mlx_vlm import load as vlm_load, stream_generate
+    from mlx_vlm.models.qwen3_vl import vision as vlm_vision
+
+    info = engine_info("mlx-vlm", "mlx_vlm")
+    info["blas"] = blas_note
+    tic = time.perf_counter()
+    model, processor = vlm_load(spec["model"])
+    if spec.get("dtype"):
+        model.set_dtype(getattr(mx, spec["dtype"]))
+        mx.eval(model.parameters())
+    info.update(load_s=time.perf_counter() - tic, dtype=str(model.language_model.model.norm.weight.dtype).replace("mlx.core.", ""))
+    tok = processor.tokenizer if hasattr(processor, "tokenizer") else processor
+    tok.stopping_criteria = lambda token: False  # EOS ignored: a fixed number of decode tokens
+
+    vision_time = []
+    orig_call = vlm_vision.VisionModel.__call__
+
+    def timed_call(self, *a, **k):
+        t = time.perf_counter()
+        out = orig_call(self, *a, **k)
+        mx.eval(out)
+        vision_time.append(time.perf_counter() - t)
+        return out
+
+    data = np.load(spec["inputs"])
+    for _ in stream_generate(model, processor, "", input_ids=mx.array(data[WARMUP + "/input_ids"]), max_tokens=4,
+                             temperature=0.0):
+        pass
+    vlm_vision.VisionModel.__call__ = timed_call
+    results = {}
+    for name in spec["workloads"]:
+        if name == "agent":
+            continue
+        inputs = {k.split("/", 1)[1]: data[k] for k in data.files if k.startswith(name + "/")}
+        if name in spec.get("extrapolate", []):
+            results[name] = mlx_vlm_extrapolated(model, inputs, name)
+            log(f"[mlx-vlm] {name}: {fmt(results[name])}")
+            continue
+        kwargs = dict(input_ids=mx.array(inputs["input_ids"]), max_tokens=spec["decode_tokens"], temperature=0.0)
+        for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+            if key in inputs:
+                kwargs[key] = mx.array(inputs[key])
+
+        def tokens(kwargs=kwargs):
+            seen = 0
+            for r in stream_generate(model, processor, "", **kwargs):
+                if r.token is not None and r.generation_tokens > seen:  # (its last piece repeats a token)
+                    seen = r.generation_tokens
+                    yield r.token
+
+        results[name] = time_workload("mlx-vlm", name, inputs["input_ids"].shape[1], vision_time, tokens, spec)
+    vlm_vision.VisionModel.__call__ = orig_call
+    if "agent" in spec["workloads"]:
+        results["agent"] = mlx_vlm_agent(model, processor, spec, stream_generate)
+        log(f"[mlx-vlm] agent: {results['agent']['no_reuse']['total_s']:.1f} s")
+    return {"info": info, "results": results}
+
+
+def mlx_vlm_agent(model, vlm_processor, spec, stream_generate):
+    """The agent loop as mlx-vlm's users can run it: every turn has a new image, so its prompt cache
+    cannot be reused and each turn is a fresh generate over the whole conversation. The prompt is
+    built by our processor (as for every other workload) and the answer, decoded from its tokens,
+    goes back into the history."""
+    import mlx.core as mx
+
+    from mlx_qwen3vl import Processor
+    from mlx_qwen3vl.generate import encode_prompt
+
+    processor = Processor.from_pretrained(spec["model"])
+    script = agent_turns(spec)
+    n_tokens = spec.get("agent_tokens", 8)
+    fresh_mlx_measurement()
+    messages = [{"role": "system", "content": AGENT_SYSTEM}]
+    per_turn, answers, prompt_tokens = [], [], []
+    tic = time.perf_counter()
+    for t, (shot, ask) in enumerate(script):
+        t0 = time.perf_counter()
+        messages.append({"role": "user", "content": [{"type": "image", "image": shot}, {"type": "text", "text": ask}]})
+        inputs = encode_prompt(processor, messages=messages)
+        kwargs = {k: mx.array(np.asarray(inputs[k])) for k in ("input_ids", "pixel_values", "image_grid_thw")}
+        tokens = []
+        for r in stream_generate(model, vlm_processor, "", max_tokens=n_tokens, temperature=0.0, **kwargs):
+            if r.token is not None and r.generation_tokens > len(tokens):  # (its last piece repeats a token)
+                tokens.append(int(r.token))
+        answer = processor.tokenizer.decode(tokens)
+        messages.append({"role": "assistant", "content": answer})
+        answers.append(answer)
+        prompt_tokens.append(int(kwargs["input_ids"].shape[1]))
+        per_turn.append(time.perf_counter() - t0)
+        log(f"[mlx-vlm] agent turn {t + 1}: {per_turn[-1]:.1f} s, prompt {prompt_tokens[-1]} (0 cached)")
+    fresh = dict(total_s=time.perf_counter() - tic, turn_s=per_turn, prompt_tokens=prompt_tokens,
+                 cached_tokens=[0] * len(script), peak_memory_gb=mx.get_peak_memory() / 1e9,
+                 peak_rss_gb=rss_peak_gb(), answers=answers)
+    return dict(no_reuse=fresh, turns=len(script), tokens_per_turn=n_tokens)
+
+
+def mlx_vlm_extrapolated(model, inputs, name, reps=1):
+    """Too slow to run whole (bfloat16 on a CPU): time mlx-vlm's own modules on this workload's
+    real shapes — patch embedding + positions, one vision block, one merger, one decoder layer over
+    the whole prompt — and add them up by depth. Decode speed is not extrapolated (it is the
+    measured one of the other workloads)."""
+    import mlx.core as mx
+
+    vt, lm = model.vision_tower, model.language_model
+    px = mx.array(inputs["pixel_values"]).astype(vt.patch_embed.proj.weight.dtype)
+    grid = mx.array(inputs["image_grid_thw"])
+
+    def timed(fn):
+        best = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            out = fn()
+            mx.eval(out)
+            best.append(time.perf_counter() - t)
+        return out, min(best)
+
+    h, t_embed = timed(lambda: vt.patch_embed(px) + vt.fast_pos_embed_interpolate(grid))
+    rot = vt.rot_pos_emb(grid)
+    n = h.shape[0]
+    cu = mx.array([0, n], dtype=mx.int32)
+    h2, t_block = timed(lambda: vt.blocks[0](h, cu_seqlens=cu, rotary_pos_emb=rot))
+    _, t_merger = timed(lambda: vt.merger(h2))
+    depth, taps = len(vt.blocks), len(vt.deepstack_merger_list)
+    vision = t_embed + depth * t_block + (1 + taps) * t_merger
+    ids = mx.array(inputs["input_ids"])
+    L = ids.shape[1]
+    emb = lm.model.embed_tokens(ids).astype(h.dtype)
+    pos, _ = lm.get_rope_index(ids, grid, None, None)
+    layer = lm.model.layers[0]
+    from mlx_vlm.models.cache import KVCache
+
+    _, t_layer = timed(lambda: layer(emb, mask="causal", cache=KVCache(), position_ids=pos))
+    _, t_head = timed(lambda: lm.lm_head(emb[:, -1:]) if hasattr(lm, "lm_head") and not model.config.text_config.tie_word_embeddings
+                      else lm.model.embed_tokens.as_linear(emb[:, -1:]))
+    prefill = len(lm.model.layers) * t_layer + t_head
+    return dict(workload=name, prompt_tokens=int(L), vision_s=vision, ttft_s=vision + prefill,
+                prefill_tps=L / prefill, decode_tokens=0, decode_tps=None, peak_memory_gb=None,
+                peak_rss_gb=rss_peak_gb(), extrapolated=True,
+                parts=dict(embed_s=t_embed, vision_block_s=t_block, merger_s=t_merger, vision_depth=depth,
+                           decoder_layer_s=t_layer, decoder_layers=len(lm.model.layers), head_s=t_head))
