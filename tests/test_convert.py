@@ -174,7 +174,7 @@ def test_float_conversion_gives_the_hub_logits_in_a_fresh_process(tmp_path):
 def test_converted_folder_layout(tmp_path):
     out = convert(FIXTURES / "tiny-a", tmp_path / "out", max_shard_bytes=400_000, log=QUIET)
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["mlx_qwen3vl"]["format_version"] == 1 and cfg["mlx_qwen3vl"]["dtype"] == "bfloat16"
+    assert cfg["mlx_qwen3vl"]["format_version"] == 2 and cfg["mlx_qwen3vl"]["dtype"] == "bfloat16"
     assert cfg["torch_dtype"] == "bfloat16" and "quantization" not in cfg
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(out.glob("*.safetensors"))
@@ -185,8 +185,9 @@ def test_converted_folder_layout(tmp_path):
         assert sum(v.nbytes for v in shard.values()) <= 400_000 or len(shard) == 1
         weights.update(shard)
     assert set(weights) == set(index["weight_map"])
-    assert weights["visual.patch_embed.proj.weight"].shape == (64, 3 * 2 * 16 * 16)  # Conv3d in matmul form
-    assert not any(k.startswith(("lm_head", "model.")) for k in weights)  # tied: no head; our names
+    assert weights["vision_tower.patch_embed.proj.weight"].shape == (64, 2, 16, 16, 3)  # MLX Conv3d, as mlx-vlm
+    assert all(k.startswith(("vision_tower.", "language_model.model.")) for k in weights)  # mlx-vlm's names
+    assert not any("lm_head" in k for k in weights)  # tied: no head
     assert all(v.dtype == mx.bfloat16 for v in weights.values())
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
                  "video_preprocessor_config.json", "generation_config.json"):
@@ -270,7 +271,7 @@ def test_what_gets_quantized(converted):
     untied = load_model(converted("tiny-b", "q4"))
     assert isinstance(quantized_layers(untied)["lm_head"], nn.QuantizedLinear)
     # group 64 on tiny-b: layers reading the 96-wide hidden state stay float, the others quantize
-    partial = quantized_layers(load_model(converted("tiny-b", "q4", q_group_size=64)))
+    partial = quantized_layers(load_model(converted("tiny-b", "q4", q_group_size=64, allow_float_layers=True)))
     assert "language_model.layers.0.self_attn.q_proj" not in partial and "lm_head" not in partial
     assert "language_model.layers.0.self_attn.o_proj" in partial and "language_model.layers.0.mlp.down_proj" in partial
 
@@ -292,9 +293,9 @@ def test_mixed_recipe_records_per_layer_bits(converted):
     assert (q["bits"], q["group_size"], q["mode"]) == (3, 32, "affine")
     # 4 layers: the first/last eighth is layer 3 only (4 // 8 == 0), and every third from 0 is 2
     high = {k for k, v in q.items() if isinstance(v, dict)}
-    assert high == {"lm_head", "language_model.embed_tokens", "language_model.layers.2.self_attn.v_proj",
-                    "language_model.layers.2.mlp.down_proj", "language_model.layers.3.self_attn.v_proj",
-                    "language_model.layers.3.mlp.down_proj"}
+    assert high == {"language_model.lm_head", "language_model.model.embed_tokens",  # mlx-vlm's names
+                    "language_model.model.layers.2.self_attn.v_proj", "language_model.model.layers.2.mlp.down_proj",
+                    "language_model.model.layers.3.self_attn.v_proj", "language_model.model.layers.3.mlp.down_proj"}
     assert all(q[k]["bits"] == 6 for k in high)
     layers = quantized_layers(load_model(out))
     assert layers["language_model.layers.3.mlp.down_proj"].bits == 6
@@ -378,7 +379,7 @@ def test_strict_checks_for_converted_and_mlxvlm_folders(converted, tmp_path):
 
     ours = tmp_path / "ours"
     shutil.copytree(converted("tiny-a", "q4"), ours)
-    _drop_tensor(ours, "language_model.layers.1.mlp.up_proj.scales")
+    _drop_tensor(ours, "language_model.model.layers.1.mlp.up_proj.scales")
     with pytest.raises(WeightsError) as e:
         load_model(ours)
     assert "missing 1: language_model.layers.1.mlp.up_proj.scales" in one_line(e)
@@ -404,7 +405,7 @@ def test_quantized_weights_without_quantization_config(converted, tmp_path):
     folder = tmp_path / "q"
     shutil.copytree(converted("tiny-a", "q4"), folder)
     cfg = json.loads((folder / "config.json").read_text())
-    del cfg["quantization"]
+    del cfg["quantization"], cfg["quantization_config"]
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(WeightsError) as e:
         load_model(folder)
@@ -432,11 +433,11 @@ def test_missing_index_entry(converted, tmp_path):
     folder = tmp_path / "m"
     shutil.copytree(converted("tiny-a", "q4"), folder)
     index = json.loads((folder / "model.safetensors.index.json").read_text())
-    del index["weight_map"]["language_model.layers.0.mlp.gate_proj.scales"]
+    del index["weight_map"]["language_model.model.layers.0.mlp.gate_proj.scales"]
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(WeightsError) as e:
         load_model(folder)
-    assert "missing from the index: language_model.layers.0.mlp.gate_proj.scales" in one_line(e)
+    assert "missing from the index: language_model.model.layers.0.mlp.gate_proj.scales" in one_line(e)
 
 
 BAD_OPTIONS = [
@@ -478,9 +479,7 @@ def test_unsupported_bits_in_python_api(tmp_path):
 
 
 def test_existing_output_refused_unless_force(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "config.json").write_text("{}")
+    out = convert(FIXTURES / "tiny-a", tmp_path / "out", log=QUIET)  # an earlier conversion
     (out / "keep.txt").write_text("mine")
     r = run_cli("--hf-path", FIXTURES / "tiny-b", "--mlx-path", out)
     assert_one_line_error(r, "already exists", "--force")
