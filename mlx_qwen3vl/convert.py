@@ -275,15 +275,17 @@ def export_quantization(quantization, layout: str = OUTPUT_LAYOUT):
     return {export_key(k, layout) if isinstance(v, dict) else k: v for k, v in quantization.items()}
 
 
-def _rope_for_mlx_vlm(text: dict):
-    """mlx-vlm 0.7 reads rope_theta and rope_scaling (transformers 4.57's keys) and fails on a
-    transformers-5 config that has only rope_parameters: write both (this package reads either)."""
-    params = text.get("rope_parameters")
-    if not isinstance(params, dict):
-        return
-    text.setdefault("rope_theta", params.get("rope_theta"))
-    if "rope_scaling" not in text:
-        text["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+def config_for_mlx_vlm(cfg: dict):
+    """mlx-vlm 0.7 reads transformers 4.57's config keys and fails on what transformers 5 writes
+    (rope_parameters only; vision model_type `qwen3_vl_vision`): write the 4.57 keys beside the
+    newer ones (this package and transformers read either)."""
+    text, vision = cfg.get("text_config"), cfg.get("vision_config")
+    if isinstance(text, dict) and isinstance(text.get("rope_parameters"), dict):
+        params = text["rope_parameters"]
+        text.setdefault("rope_theta", params.get("rope_theta"))
+        text.setdefault("rope_scaling", {k: v for k, v in params.items() if k != "rope_theta"})
+    if isinstance(vision, dict) and vision.get("model_type") == "qwen3_vl_vision":
+        vision["model_type"] = "qwen3_vl"
 
 
 def output_config(src: Path, dtype: str, quantization, hf_path: str, quantize_vision: bool,
@@ -291,8 +293,7 @@ def output_config(src: Path, dtype: str, quantization, hf_path: str, quantize_vi
     cfg = read_raw_config(src)
     for key in ("quantization", "quantization_config", FORMAT_KEY):
         cfg.pop(key, None)
-    if isinstance(cfg.get("text_config"), dict):
-        _rope_for_mlx_vlm(cfg["text_config"])
+    config_for_mlx_vlm(cfg)
     if tied is not None:  # a tied config whose files held their own head is written untied
         for where in (cfg, cfg.get("text_config")):
             if isinstance(where, dict) and (where is cfg or "tie_word_embeddings" in where):

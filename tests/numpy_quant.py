@@ -58,3 +58,20 @@ def packed_digest(tensors: dict) -> str:
             h.update(name.encode())
             h.update(np.ascontiguousarray(value).tobytes())
     return h.hexdigest()
+
+
+def tensors_digest(folder) -> str:
+    """sha256 over every tensor of a folder's safetensors files (name, dtype, shape, bytes)."""
+    from pathlib import Path
+
+    import mlx.core as mx
+
+    tensors = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        tensors.update(mx.load(str(f)))
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        v = tensors[name]
+        h.update(f"{name}|{v.dtype}|{tuple(v.shape)}".encode())
+        h.update(np.array(mx.view(v, mx.uint16) if v.dtype == mx.bfloat16 else v).tobytes())
+    return h.hexdigest()

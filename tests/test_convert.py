@@ -63,9 +63,10 @@ def run_cli(*args, env=None, module=False):
 
 
 def assert_one_line_error(result, *needles):
+    """Exit status 2 and one error line on stderr (after any `convert:` progress lines), no traceback."""
     assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("convert: ")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
     return lines[0]
@@ -389,7 +390,7 @@ def test_mlxvlm_float_folder_gives_the_hub_logits():
         assert np.array_equal(np.array(model(**case_inputs(case))), np.array(hub(**case_inputs(case)))), case
 
 
-@pytest.mark.parametrize("name", ["mlxvlm-q4", "mlxvlm-mixed_3_6"])
+@pytest.mark.parametrize("name", ["mlxvlm-q4", "mlxvlm-mixed_3_6", "mlxvlm-untied-mixed_3_6"])
 def test_mlxvlm_quantized_folder_gives_mlxvlms_logits(name):
     model, kind = build_model(FIXTURES / name, "float32")
     assert kind == "mlx-vlm" and quantized_layers(model)
@@ -404,6 +405,44 @@ def test_mlxvlm_mixed_per_layer_bits_are_honoured():
     assert layers["language_model.layers.2.self_attn.v_proj"].bits == 6  # mlx-vlm's per-layer entry
     assert layers["language_model.layers.1.self_attn.v_proj"].bits == 3
     assert layers["language_model.embed_tokens"].bits == 6
+    untied = quantized_layers(load_model(FIXTURES / "mlxvlm-untied-mixed_3_6"))
+    assert untied["lm_head"].bits == 6  # its override is `language_model.lm_head`, no trailing dot
+
+
+# ---------------------------------------------------------------------------------------------
+# mlx-vlm (and LM Studio, which runs on it) reading our folders
+# ---------------------------------------------------------------------------------------------
+sys.path.insert(0, str(FIXTURES))
+from make_mlxvlm_fixture import OURS, mlx_vlm_logits  # noqa: E402
+
+
+@pytest.mark.parametrize("name", sorted(OURS))
+def test_mlxvlm_reads_our_folders_with_our_logits(tmp_path, name):
+    """What mlx-vlm 0.7.10 computed from our folders (recorded by make_mlxvlm_fixture.py, with the
+    sha256 of every tensor it read): today's converter writes those bytes, and our logits agree.
+    mlx-vlm computes the fp modes' embedding in bfloat16 (see docs/convert.md), hence their bound."""
+    from numpy_quant import tensors_digest
+
+    source, kwargs = OURS[name]
+    out = convert(FIXTURES / source, tmp_path / name, log=QUIET, **kwargs)
+    recorded = np.load(FIXTURES / "mlxvlm-reads-ours" / f"{name}.npz")
+    assert tensors_digest(out) == str(recorded["digest"]), "the converter writes other bytes: rerun the fixture"
+    ours = np.array(load_model(out, "float32")(**case_inputs("image")))
+    bound = 3e-2 if kwargs.get("q_mode") else 1e-4
+    assert rel_err(ours, recorded["logits"]) < bound
+    assert (ours.argmax(-1) == recorded["logits"].argmax(-1)).mean() > (0.95 if kwargs.get("q_mode") else 0.999)
+
+
+@pytest.mark.parametrize("name", ["tiny-a-q4-vision", "tiny-b-float"])
+def test_mlxvlm_live_reads_our_folders(tmp_path, name):
+    """The same with mlx-vlm itself, where it is installed (it is not a test dependency: it pulls
+    datasets, pyarrow, pandas, opencv and mlx-audio; the recorded test above runs everywhere)."""
+    pytest.importorskip("mlx_vlm")
+    source, kwargs = OURS[name]
+    out = convert(FIXTURES / source, tmp_path / name, log=QUIET, **kwargs)
+    ours = np.array(load_model(out, "float32")(**case_inputs("image")))
+    theirs = mlx_vlm_logits(out)
+    assert rel_err(ours, theirs) < 1e-4 and np.array_equal(ours.argmax(-1), theirs.argmax(-1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -635,3 +674,200 @@ def test_hub_id_offline_is_one_line(tmp_path):
     with pytest.raises(ModelNotFoundError) as e:
         convert(str(tmp_path / "no" / "such" / "folder"), tmp_path / "out", log=QUIET)
     assert "neither a local folder nor" in one_line(e)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizing what the group size allows, and saying so
+# ---------------------------------------------------------------------------------------------
+def narrow_checkpoint(tmp_path):
+    """A random checkpoint whose decoder widths (80, 160) no supported group size except 32 divides
+    fully, and 64 divides none of: under this package's names, as a hand-made folder would be."""
+    import shutil
+
+    from mlx_qwen3vl.config import ModelConfig
+    from mlx_qwen3vl.model import Qwen3VLForConditionalGeneration
+
+    raw = json.loads((FIXTURES / "tiny-b" / "config.json").read_text())
+    raw["text_config"].update(hidden_size=80, intermediate_size=160, head_dim=40)
+    raw["text_config"]["rope_parameters"]["mrope_section"] = [8, 6, 6]
+    raw["vision_config"]["out_hidden_size"] = 80
+    model = Qwen3VLForConditionalGeneration(ModelConfig.from_dict(raw))
+    folder = tmp_path / "narrow"
+    folder.mkdir()
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(raw))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(FIXTURES / "tiny-b" / f, folder / f)
+    return folder
+
+
+@pytest.mark.parametrize("flags", [["-q"], ["-q", "--q-bits", "8"], ["-q", "--quant-predicate", "mixed_3_6"]])
+def test_quantizing_nothing_is_an_error(tmp_path, flags):
+    src = narrow_checkpoint(tmp_path)
+    r = run_cli("--hf-path", src, "--mlx-path", tmp_path / "out", *flags)
+    assert_one_line_error(r, "none of the 30 layers", "80, 160", "group size 64", "--q-group-size")
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["narrow"]
+
+
+def test_mostly_float_quantization_needs_consent(tmp_path):
+    """tiny-b with groups of 64: only o_proj/down_proj (29% of the weights) fit; asked to, it goes on
+    and names how many layers it quantized."""
+    r = run_cli("--hf-path", FIXTURES / "tiny-b", "--mlx-path", tmp_path / "out", "-q")
+    assert_one_line_error(r, "only 8 of 30 layers", "29%", "--allow-float-layers")
+    assert not (tmp_path / "out").exists()
+    logged = []
+    out = convert(FIXTURES / "tiny-b", tmp_path / "out", quantize=True, allow_float_layers=True, log=logged.append)
+    summary = next(m for m in logged if "quantized" in m)
+    assert "quantized 8 of 30 layers" in summary and "22 stay float" in summary and "96" in summary
+    assert len(quantized_layers(load_model(out))) == 8
+    logged.clear()
+    convert(FIXTURES / "tiny-b", tmp_path / "all", quantize=True, q_group_size=32, log=logged.append)
+    assert any("quantized 30 of 30 layers" in m for m in logged)
+
+
+# ---------------------------------------------------------------------------------------------
+# Folders that disagree with themselves
+# ---------------------------------------------------------------------------------------------
+def copy_fixture(tmp_path, name):
+    import shutil
+
+    dst = tmp_path / name
+    shutil.copytree(FIXTURES / name, dst, ignore=shutil.ignore_patterns("reference"))
+    return dst
+
+
+def edit_shard(folder: Path, shard: str, **changes):
+    weights = mx.load(str(folder / shard))
+    weights.update(changes)
+    mx.save_safetensors(str(folder / shard), weights)
+
+
+def test_index_map_decides_between_copies(tmp_path):
+    """A stray copy of a tensor in a shard the index does not name for it is ignored."""
+    folder = copy_fixture(tmp_path, "tiny-a")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.language_model.embed_tokens.weight"
+    home, last = index[name], "model-00005-of-00005.safetensors"
+    assert home != last
+    stray = mx.zeros_like(mx.load(str(folder / home))[name])
+    edit_shard(folder, last, **{name: stray})
+    ours = np.array(load_model(folder, "float32")(**case_inputs("image")))
+    assert np.array_equal(ours, np.array(load_fixture_model("tiny-a", "float32")(**case_inputs("image"))))
+
+
+def test_duplicate_name_without_index_is_an_error(tmp_path):
+    folder = copy_fixture(tmp_path, "tiny-b")
+    name = "model.language_model.norm.weight"
+    mx.save_safetensors(str(folder / "model-extra.safetensors"),
+                        {name: mx.load(str(folder / "model.safetensors"))[name] * 2})
+    with pytest.raises(WeightsError) as e:
+        load_model(folder)
+    msg = one_line(e)
+    assert name in msg and "model.safetensors" in msg and "model-extra.safetensors" in msg
+
+
+def test_tied_config_with_its_own_head(tmp_path):
+    """transformers unties and uses a head the files hold; so do we (with a warning), and the
+    converter writes the folder untied. A head equal to the embedding is just dropped."""
+    folder = copy_fixture(tmp_path, "tiny-a")
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    embed_name = "model.language_model.embed_tokens.weight"
+    shard = index["weight_map"][embed_name]
+    embed = mx.load(str(folder / shard))[embed_name]
+    index["weight_map"]["lm_head.weight"] = shard
+    index_path.write_text(json.dumps(index))
+
+    edit_shard(folder, shard, **{"lm_head.weight": embed})  # the same tensor: nothing to say
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = load_model(folder, "float32")
+    assert model.config.tie_word_embeddings and "lm_head" not in model
+
+    edit_shard(folder, shard, **{"lm_head.weight": embed * 2})  # exact in any float dtype
+    with pytest.warns(UserWarning, match="different lm_head"):
+        model = load_model(folder, "float32")
+    tied = np.array(load_fixture_model("tiny-a", "float32")(**case_inputs("image")))
+    assert not model.config.tie_word_embeddings
+    assert np.array_equal(np.array(model(**case_inputs("image"))), 2 * tied)
+
+    with pytest.warns(UserWarning):
+        out = convert(folder, tmp_path / "out", log=QUIET)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is False and cfg["text_config"]["tie_word_embeddings"] is False
+    assert np.array_equal(np.array(load_model(out, "float32")(**case_inputs("image"))), 2 * tied)
+
+
+def test_float16_overflow_is_refused(tmp_path):
+    folder = copy_fixture(tmp_path, "tiny-a")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.language_model.layers.1.mlp.up_proj.weight"
+    w = mx.load(str(folder / index[name]))[name]
+    edit_shard(folder, index[name], **{name: mx.concatenate([mx.full((1, w.shape[1]), 1e5, w.dtype), w[1:]])})
+    r = run_cli("--hf-path", folder, "--mlx-path", tmp_path / "out", "--dtype", "float16")
+    assert_one_line_error(r, "float16", "language_model.model.layers.1.mlp.up_proj.weight", "--dtype bfloat16")
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["tiny-a"]
+    convert(folder, tmp_path / "out", log=QUIET)  # bfloat16 holds it
+
+
+def test_shard_in_another_dtype_than_the_config(tmp_path):
+    folder = copy_fixture(tmp_path, "tiny-a")  # config: bfloat16
+    shard = "model-00002-of-00005.safetensors"
+    weights = mx.load(str(folder / shard))
+    mx.save_safetensors(str(folder / shard), {k: v.astype(mx.float16) for k, v in weights.items()})
+    with pytest.raises(WeightsError) as e:
+        load_model(folder)
+    msg = one_line(e)
+    assert shard in msg and "float16" in msg and "says bfloat16" in msg
+
+
+def test_fixed_mode_with_wrong_group_size_in_config(converted, tmp_path):
+    import shutil
+
+    folder = tmp_path / "nv"
+    shutil.copytree(converted("tiny-a", "nvfp4", quantize=True, q_mode="nvfp4"), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization"]["group_size"] = cfg["quantization_config"]["group_size"] = 32
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as e:
+        load_model(folder)
+    assert "nvfp4 stores 4 bits in groups of 16, not 4 bits in groups of 32" in one_line(e)
+
+
+# ---------------------------------------------------------------------------------------------
+# What --force may replace
+# ---------------------------------------------------------------------------------------------
+def test_force_never_replaces_a_file_or_a_link(tmp_path):
+    target = tmp_path / "notes.txt"
+    target.write_text("mine")
+    r = run_cli("--hf-path", FIXTURES / "tiny-b", "--mlx-path", target, "--force")
+    assert_one_line_error(r, "is a file", "--force only replaces a model folder")
+    assert target.read_text() == "mine"
+
+    model_dir = convert(FIXTURES / "tiny-b", tmp_path / "model", log=QUIET)
+    link = tmp_path / "link"
+    link.symlink_to(model_dir)
+    with pytest.raises(InputError) as e:
+        convert(FIXTURES / "tiny-b", link, force=True, log=QUIET)
+    assert "symbolic link" in one_line(e) and link.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "model", "notes.txt"]
+
+
+def test_force_never_replaces_a_folder_with_sub_folders_or_no_weights(tmp_path):
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "config.json").write_text("{}")
+    (project / "model.safetensors").write_bytes(b"")
+    with pytest.raises(InputError) as e:
+        convert(FIXTURES / "tiny-b", project, force=True, log=QUIET)
+    assert "no checkpoint" in one_line(e) and (project / "src").is_dir()
+    (project / "src").rmdir()
+    (project / "model.safetensors").unlink()
+    with pytest.raises(InputError):  # config.json alone is not a checkpoint
+        convert(FIXTURES / "tiny-b", project, force=True, log=QUIET)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    convert(FIXTURES / "tiny-b", empty, force=True, log=QUIET)  # an empty folder holds nothing to lose
+    load_model(empty)
