@@ -18,9 +18,10 @@ head are quantized (as mlx-community does); the vision tower only with --quantiz
 patch embedding and learned position table); norms and biases never; a layer whose input width
 is not a multiple of the group size stays float (mlx-lm's rule). When that leaves nothing, or
 less than half of the weights meant for quantization, the run stops with an error unless
---allow-float-layers; the summary says how many layers were quantized. Mixed recipes (`mixed_L_H`, as in mlx-lm and
-mlx-vlm) quantize at L bits and keep v_proj/down_proj of the first/last eighth and every third
-decoder layer, the embedding, the LM head (and the vision tower, when quantized) at H bits.
+--allow-float-layers; the summary says how many layers were quantized. Mixed recipes
+(`mixed_L_H`, as in mlx-lm and mlx-vlm) quantize at L bits and keep v_proj/down_proj of the
+first/last eighth and every third decoder layer, the embedding, the LM head (and the vision
+tower, when quantized) at H bits.
 
 The run is atomic: everything is written into a hidden temporary folder next to the output
 (config.json last, so an unfinished one never loads) and renamed at the end. An existing output

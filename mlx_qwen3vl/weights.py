@@ -174,14 +174,19 @@ def detect_kind(raw_config: dict, keys) -> str:
     return CONVERTED if layout == OURS else layout  # our names without the marker: a hand-edited config
 
 
+def _swap_prefix(name: str, pairs) -> str:
+    """The first (from, to) prefix pair that matches `name`, or the bare path `from` without its dot."""
+    for old, new in pairs:
+        if name.startswith(old):
+            return new + name[len(old):]
+        if name == old[:-1]:
+            return new[:-1]
+    return name
+
+
 def rename_key(key: str, layout: str) -> str:
     """A weight name or module path of `layout` → this package's module name."""
-    for old, new in RENAMES[layout]:
-        if key.startswith(old):
-            return new + key[len(old):]
-        if key == old[:-1]:
-            return new[:-1]
-    return key
+    return _swap_prefix(key, RENAMES[layout])
 
 
 def _patch_kernel(value, layout: str, vision):
@@ -197,12 +202,7 @@ def _patch_kernel(value, layout: str, vision):
 
 def export_key(name: str, layout: str) -> str:
     """A module name or path → its name in `layout` (the inverse of rename_key)."""
-    for old, new in RENAMES[layout]:
-        if name.startswith(new):
-            return old + name[len(new):]
-        if name == new[:-1]:
-            return old[:-1]
-    return name
+    return _swap_prefix(name, [(new, old) for old, new in RENAMES[layout]])
 
 
 def export_patch_kernel(value, layout: str, vision):

@@ -871,3 +871,20 @@ def test_force_never_replaces_a_folder_with_sub_folders_or_no_weights(tmp_path):
     empty.mkdir()
     convert(FIXTURES / "tiny-b", empty, force=True, log=QUIET)  # an empty folder holds nothing to lose
     load_model(empty)
+
+
+def test_format_1_folders_still_load(tmp_path):
+    """Folders from the previous converter (this package's module names, matmul patch kernel)."""
+    import shutil
+
+    folder = tmp_path / "v1"
+    folder.mkdir()
+    model = load_model(FIXTURES / "tiny-b", "float32")
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    cfg = json.loads((FIXTURES / "tiny-b" / "config.json").read_text())
+    cfg["mlx_qwen3vl"] = {"format_version": 1, "converted_from": "tiny-b", "dtype": "float32", "quantized_vision": False}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    shutil.copyfile(FIXTURES / "tiny-b" / "tokenizer.json", folder / "tokenizer.json")
+    loaded, kind = build_model(folder, "float32")
+    assert kind == "mlx_qwen3vl"
+    assert np.array_equal(np.array(loaded(**case_inputs("image"))), np.array(model(**case_inputs("image"))))
