@@ -384,8 +384,9 @@ def build_model(path, dtype=None, lazy=False):
     config = ModelConfig.from_pretrained(path)
     dtype = _as_dtype(dtype) or default_dtype(config)
     raw, origin = read_weights(path, with_files=True)
-    check_dtypes(raw, origin, config, path)
     kind = detect_kind(read_raw_config(path), raw)
+    if kind != MLX_VLM:  # mlx-vlm drops torch_dtype but can leave a stale "dtype" after --dtype
+        check_dtypes(raw, origin, config, path)
     weights = sanitize(raw, config, detect_layout(raw))
     resolve_tied_head(weights, config, str(path))
     model = Qwen3VLForConditionalGeneration(config)
