@@ -49,6 +49,8 @@ def check_tokenizer_files(path: Path):
     release ships), or the `vocab.json` + `merges.txt` pair transformers can build one from.
     Without this check transformers quietly builds a tokenizer that maps a prompt to one token."""
     path = Path(path)
+    if not (path / "config.json").is_file():
+        return  # not a checkpoint at all: loading the model says so, naming config.json
     tokenizer = path / "tokenizer.json"
     if not tokenizer.is_file():
         if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
