@@ -21,7 +21,7 @@ warnings.filterwarnings("ignore", message=r"'mlx_qwen3vl\.generate' found in sys
 from .generate import GenerationResponse, GenerationResult, batch_generate, generate, stream_generate  # noqa: E402
 from .prompt_cache import ChatSession, PromptCache  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
-from .hub import resolve_model_path  # noqa: E402
+from .hub import check_tokenizer_files, resolve_model_path  # noqa: E402
 from .processor import Processor  # noqa: E402
 from .weights import load_model  # noqa: E402
 
@@ -35,4 +35,5 @@ def load(path_or_hub_id, dtype=None, backend=None):
     on the CPU backend and to the checkpoint's dtype on a GPU; backend "mlx", "cpu" or None
     (automatic, see backend.py)."""
     path = resolve_model_path(path_or_hub_id, flag="load()'s path")
+    check_tokenizer_files(path)  # before the weights: a broken folder fails fast, in one line
     return load_model(path, dtype, backend), Processor.from_pretrained(path)

@@ -4,23 +4,30 @@
     python -m mlx_qwen3vl.convert --hf-path ./Qwen3-VL-8B-Instruct --mlx-path out -q --quant-predicate mixed_4_8
 
 The source may be a hub folder, a hub repo id (downloaded with huggingface_hub), an mlx-vlm
-(mlx-community) folder or an earlier conversion. The output holds the weights under this
-package's module names (the Conv3d patch kernel already in matmul form, no `lm_head` when tied) in
-safetensors shards of at most 5 GB with `model.safetensors.index.json`, a config.json with a
-`quantization` section (group_size, bits, mode and per-layer overrides) and an `mlx_qwen3vl`
-marker, and the tokenizer, chat template, processor and generation configs of the source.
+(mlx-community) folder or an earlier conversion. The output is in mlx-vlm's layout, so mlx-vlm and
+LM Studio open it too: its weight names (`vision_tower.*`, `language_model.model.*`,
+`language_model.lm_head.*`, no head when tied), the Conv3d patch kernel channels-last, safetensors
+shards of at most 5 GB with `model.safetensors.index.json`, a config.json with a `quantization`
+section (group_size, bits, mode and per-layer overrides, under mlx-vlm's names), the rope keys
+mlx-vlm reads and an `mlx_qwen3vl` marker, and the tokenizer, chat template, processor and
+generation configs of the source.
 
 Quantization uses MLX's modes (affine 2/3/4/5/6/8 bits with groups of 32/64/128; mxfp4, nvfp4 and
 mxfp8 with their fixed group sizes). The decoder's linear layers, the token embedding and the LM
 head are quantized (as mlx-community does); the vision tower only with --quantize-vision (never its
 patch embedding and learned position table); norms and biases never; a layer whose input width
-is not a multiple of the group size stays float. Mixed recipes (`mixed_L_H`, as in mlx-lm and
-mlx-vlm) quantize at L bits and keep v_proj/down_proj of the first/last eighth and every third
-decoder layer, the embedding, the LM head (and the vision tower, when quantized) at H bits.
+is not a multiple of the group size stays float (mlx-lm's rule). When that leaves nothing, or
+less than half of the weights meant for quantization, the run stops with an error unless
+--allow-float-layers; the summary says how many layers were quantized. Mixed recipes
+(`mixed_L_H`, as in mlx-lm and mlx-vlm) quantize at L bits and keep v_proj/down_proj of the
+first/last eighth and every third decoder layer, the embedding, the LM head (and the vision
+tower, when quantized) at H bits.
 
 The run is atomic: everything is written into a hidden temporary folder next to the output
-(config.json last, so an unfinished one never loads) and renamed at the end; an existing output
-is refused unless --force. Progress goes to stderr; errors are one line and exit with status 2.
+(config.json last, so an unfinished one never loads) and renamed at the end. An existing output
+is refused unless --force, and --force replaces only an empty folder or one holding a checkpoint
+(config.json and *.safetensors, no sub-folders); a file, a link or any other folder is refused.
+Progress goes to stderr; errors are one line and exit with status 2.
 """
 
 import argparse
@@ -43,14 +50,17 @@ from mlx.utils import tree_flatten, tree_map
 from .errors import InputError, Qwen3VLError
 from .hub import SIDECAR_FILES, resolve_model_path
 from .moe import weight_counts
-from .weights import (DTYPES, FORMAT_KEY, FORMAT_VERSION, NEVER_QUANTIZED, QUANTIZED_TYPES, build_model,
-                      describe_quantization, read_raw_config)
+from .weights import (AFFINE_BITS, AFFINE_GROUP_SIZES, DTYPES, FIXED_MODES, FORMAT_KEY, FORMAT_VERSION, MLX_VLM,
+                      NEVER_QUANTIZED, build_model, describe_quantization, export_key, export_patch_kernel,
+                      read_raw_config)
 
-AFFINE_BITS = (2, 3, 4, 5, 6, 8)
-AFFINE_GROUP_SIZES = (32, 64, 128)
-# Modes with a fixed (bits, group_size); affine defaults to 4 bits in groups of 64, as mlx-lm.
-FIXED_MODES = {"mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}
+# Affine defaults to 4 bits in groups of 64, as mlx-lm; the fp modes have fixed parameters.
 MODES = ("affine",) + tuple(FIXED_MODES)
+# The output's weight names: mlx-vlm's, which mlx-vlm (and LM Studio, on top of it) read.
+OUTPUT_LAYOUT = MLX_VLM
+# Below this share of the weights meant for quantization, a run stops unless --allow-float-layers.
+MIN_QUANTIZED_SHARE = 0.5
+FLOAT16_MAX = 65504.0
 RECIPES = ("mixed_2_6", "mixed_3_4", "mixed_3_5", "mixed_3_6", "mixed_3_8", "mixed_4_6", "mixed_4_8")
 MAX_SHARD_BYTES = 5 * 10**9
 
@@ -125,8 +135,10 @@ def quant_spec(quantize=False, bits=None, group_size=None, mode="affine", recipe
                      vision=bool(quantize_vision))
 
 
-def make_predicate(config, spec: QuantSpec) -> Callable:
-    """class_predicate for nn.quantize: which layers to quantize, and with which parameters."""
+def make_predicate(config, spec: QuantSpec, check_width: bool = True) -> Callable:
+    """class_predicate for nn.quantize: which layers to quantize, and with which parameters. With
+    check_width=False it also accepts layers whose input width the group size does not divide
+    (the layers the recipe means to quantize)."""
     n_layers = config.text_config.num_hidden_layers
     low, high = spec.low_high
 
@@ -141,8 +153,8 @@ def make_predicate(config, spec: QuantSpec) -> Callable:
         if path.endswith(".mlp.gate"):  # an MoE router: 8-bit affine (its choice of experts is worth the bytes)
             group = spec.group_size if spec.mode == "affine" else 64
             return False if module.weight.shape[-1] % group else {"group_size": group, "bits": 8, "mode": "affine"}
-        if module.weight.shape[-1] % spec.group_size:
-            return False  # input width not a multiple of the group: stays float
+        if check_width and module.weight.shape[-1] % spec.group_size:
+            return False  # input width not a multiple of the group: stays float (mlx-lm's rule)
         bits = low
         if spec.recipe is not None:
             parts = path.split(".")
@@ -155,18 +167,31 @@ def make_predicate(config, spec: QuantSpec) -> Callable:
     return predicate
 
 
-def bits_per_weight(model: nn.Module) -> float:
-    """Stored bits (packed weights, scales, biases, float tensors) per original weight."""
-    quantized = {p: m for p, m in model.named_modules() if isinstance(m, QUANTIZED_TYPES)}
-    n_bits = n_weights = 0
-    for key, value in tree_flatten(model.parameters()):
-        n_bits += value.nbytes * 8
-        layer, _, name = key.rpartition(".")
-        if layer in quantized and name == "weight":
-            n_weights += value.size * 32 // quantized[layer].bits
-        elif not (layer in quantized and name in ("scales", "biases")):
-            n_weights += value.size
-    return n_bits / max(n_weights, 1)
+def quantize_layers(model: nn.Module, config, spec: QuantSpec, allow_float_layers: bool = False) -> str:
+    """Quantize what the group size allows; refuse (InputError) when that is nothing, or less than
+    MIN_QUANTIZED_SHARE of the weights meant for it, unless allow_float_layers. Returns the summary."""
+    wanted = make_predicate(config, spec, check_width=False)
+    meant = {p: m for p, m in model.named_modules() if wanted(p, m)}
+    fits = {p: m for p, m in meant.items() if m.weight.shape[-1] % spec.group_size == 0}
+    share = sum(m.weight.size for m in fits.values()) / max(sum(m.weight.size for m in meant.values()), 1)
+    left = sorted({m.weight.shape[-1] for p, m in meant.items() if p not in fits})
+    why = (f"input widths {', '.join(map(str, left))} are not multiples of the group size {spec.group_size}"
+           if left else "")
+    hint = ("use --q-mode affine with --q-group-size 32" if spec.mode in FIXED_MODES
+            else "choose a --q-group-size that divides them")
+    if not fits:
+        raise InputError(f"-q would quantize none of the {len(meant)} layers ({why}): {hint}")
+    if share < MIN_QUANTIZED_SHARE and not allow_float_layers:
+        raise InputError(f"-q could quantize only {len(fits)} of {len(meant)} layers ({share:.0%} of their weights; "
+                         f"{why}): {hint}, or pass --allow-float-layers to keep the rest float")
+    nn.quantize(model, spec.group_size, spec.bits, mode=spec.mode, class_predicate=make_predicate(config, spec))
+    from mlx_lm.utils import compute_bits_per_weight
+
+    summary = (f"quantized {len(fits)} of {len(meant)} layers ({spec.describe()}), "
+               f"{compute_bits_per_weight(model):.2f} bits per weight")
+    if len(fits) < len(meant):
+        summary += f"; {len(meant) - len(fits)} stay float ({why})"
+    return summary
 
 
 def describe_experts(model: nn.Module) -> str:
@@ -198,7 +223,8 @@ def resolve_source(hf_path: str, log=_stderr) -> Path:
 # Writing
 # ---------------------------------------------------------------------------------------------
 def make_shards(weights: dict, max_bytes: int) -> list:
-    """Consecutive groups of tensors of at most max_bytes each (a larger tensor gets its own)."""
+    """Consecutive groups of tensors of at most max_bytes each (a larger tensor gets its own).
+    mlx-lm's make_shards takes whole gigabytes; --max-shard-size takes any size."""
     shards, size = [], 0
     for key in sorted(weights):
         nbytes = weights[key].nbytes
@@ -210,21 +236,33 @@ def make_shards(weights: dict, max_bytes: int) -> list:
     return shards
 
 
+def _overflowed(shard: dict) -> list:
+    """float16 tensors holding inf: values beyond float16's ±65504 (in the source or once cast)."""
+    return [k for k, v in shard.items() if v.dtype == mx.float16 and bool(mx.isinf(v).any())]
+
+
 def write_weights(out: Path, weights: dict, max_bytes: int = MAX_SHARD_BYTES, log=_stderr):
     """Save `weights` as shards plus index. The dict is emptied as shards are written, so a lazily
-    computed (loaded, cast, quantized) model is held in memory about one shard at a time."""
+    computed (loaded, cast, quantized) model is held in memory about one shard at a time. float16
+    tensors that overflowed to inf are refused (InputError naming them) once every shard is seen."""
     total = sum(v.nbytes for v in weights.values())
     shards = make_shards(weights, max_bytes)
     weights.clear()
     n = len(shards)
-    weight_map = {}
+    weight_map, overflowed = {}, []
     for i in range(n):
         shard, shards[i] = shards[i], None
         name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        mx.eval(shard)
+        overflowed += _overflowed(shard)
         mx.save_safetensors(str(out / name), shard, metadata={"format": "mlx"})
         weight_map.update({k: name for k in shard})
         log(f"convert: wrote {name} ({sum(v.nbytes for v in shard.values()) / 1e6:.1f} MB, {len(shard)} tensors)")
         del shard
+    if overflowed:
+        raise InputError(f"{len(overflowed)} tensor(s) exceed float16's range (±{FLOAT16_MAX:g}) and would be inf: "
+                         f"{', '.join(sorted(overflowed)[:4])}{' ...' if len(overflowed) > 4 else ''}; "
+                         "use --dtype bfloat16 or float32")
     index = {"metadata": {"total_size": total, "format": "mlx"}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
@@ -238,10 +276,46 @@ def copy_side_files(src: Path, out: Path) -> list:
     return copied
 
 
-def output_config(src: Path, dtype: str, quantization, hf_path: str, quantize_vision: bool) -> dict:
+def export_weights(weights: dict, config, layout: str = OUTPUT_LAYOUT) -> dict:
+    """Module-named weights → `layout`'s names and patch-kernel shape (the dict is emptied)."""
+    out = {}
+    for key in list(weights):
+        value = weights.pop(key)
+        if key == "visual.patch_embed.proj.weight":
+            value = export_patch_kernel(value, layout, config.vision_config)
+        out[export_key(key, layout)] = value
+    return out
+
+
+def export_quantization(quantization, layout: str = OUTPUT_LAYOUT):
+    if quantization is None:
+        return None
+    return {export_key(k, layout) if isinstance(v, dict) else k: v for k, v in quantization.items()}
+
+
+def config_for_mlx_vlm(cfg: dict):
+    """mlx-vlm 0.7 reads transformers 4.57's config keys and fails on what transformers 5 writes
+    (rope_parameters only; vision model_type `qwen3_vl_vision`): write the 4.57 keys beside the
+    newer ones (this package and transformers read either)."""
+    text, vision = cfg.get("text_config"), cfg.get("vision_config")
+    if isinstance(text, dict) and isinstance(text.get("rope_parameters"), dict):
+        params = text["rope_parameters"]
+        text.setdefault("rope_theta", params.get("rope_theta"))
+        text.setdefault("rope_scaling", {k: v for k, v in params.items() if k != "rope_theta"})
+    if isinstance(vision, dict) and vision.get("model_type") == "qwen3_vl_vision":
+        vision["model_type"] = "qwen3_vl"
+
+
+def output_config(src: Path, dtype: str, quantization, hf_path: str, quantize_vision: bool,
+                  tied: Optional[bool] = None) -> dict:
     cfg = read_raw_config(src)
     for key in ("quantization", "quantization_config", FORMAT_KEY):
         cfg.pop(key, None)
+    config_for_mlx_vlm(cfg)
+    if tied is not None:  # a tied config whose files held their own head is written untied
+        for where in (cfg, cfg.get("text_config")):
+            if isinstance(where, dict) and (where is cfg or "tie_word_embeddings" in where):
+                where["tie_word_embeddings"] = tied
     # Record the stored dtype where the source's layout keeps it (transformers 5: dtype, 4.57: torch_dtype).
     if "dtype" in cfg or "torch_dtype" not in cfg:
         cfg["dtype"] = dtype
@@ -251,8 +325,8 @@ def output_config(src: Path, dtype: str, quantization, hf_path: str, quantize_vi
         for key in ("dtype", "torch_dtype"):
             if isinstance(cfg.get(sub), dict) and key in cfg[sub]:
                 cfg[sub][key] = dtype
-    if quantization is not None:
-        cfg["quantization"] = quantization
+    if quantization is not None:  # both keys, as mlx-lm and mlx-vlm write them
+        cfg["quantization"] = cfg["quantization_config"] = export_quantization(quantization)
     cfg[FORMAT_KEY] = {"format_version": FORMAT_VERSION, "converted_from": str(hf_path), "dtype": dtype,
                        "quantized_vision": bool(quantize_vision)}
     return cfg
@@ -260,6 +334,32 @@ def output_config(src: Path, dtype: str, quantization, hf_path: str, quantize_vi
 
 def _folder_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+def _is_checkpoint_folder(path: Path) -> bool:
+    """What --force may replace: an empty folder, or one holding only a checkpoint's files
+    (config.json and *.safetensors, no sub-folders)."""
+    entries = list(path.iterdir())
+    if not entries:
+        return True
+    return ((path / "config.json").is_file() and any(path.glob("*.safetensors"))
+            and not any(e.is_dir() and not e.is_symlink() for e in entries))
+
+
+def check_output(out: Path, force: bool):
+    """Refuse an --mlx-path that exists, unless --force and it is a checkpoint folder."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if not force:
+        raise InputError(f"--mlx-path {out} already exists: choose a new folder or pass --force to replace it")
+    if out.is_symlink():
+        raise InputError(f"--mlx-path {out} is a symbolic link; --force only replaces a model folder: choose a new path")
+    if not out.is_dir():
+        raise InputError(f"--mlx-path {out} is a file, not a model folder; --force only replaces a model folder: "
+                         "choose a new path")
+    if not _is_checkpoint_folder(out):
+        raise InputError(f"--mlx-path {out} holds files but no checkpoint (config.json and *.safetensors, no "
+                         "sub-folders); --force only replaces a model folder: choose a new folder")
 
 
 def _inside(a: Path, b: Path) -> bool:
@@ -271,17 +371,13 @@ def _inside(a: Path, b: Path) -> bool:
 def convert(hf_path, mlx_path, dtype: Optional[str] = None, quantize: bool = False, q_bits: Optional[int] = None,
             q_group_size: Optional[int] = None, q_mode: str = "affine", quant_predicate: Optional[str] = None,
             quantize_vision: bool = False, force: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES,
-            log=_stderr) -> Path:
+            allow_float_layers: bool = False, log=_stderr) -> Path:
     """Convert `hf_path` (folder or hub id) into `mlx_path`; returns the output folder."""
     if dtype is not None and dtype not in DTYPES:
         raise InputError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     spec = quant_spec(quantize, q_bits, q_group_size, q_mode, quant_predicate, quantize_vision)
     out = Path(mlx_path).expanduser()
-    if out.exists() and not force:
-        raise InputError(f"--mlx-path {out} already exists: choose a new folder or pass --force to replace it")
-    if out.is_dir() and any(out.iterdir()) and not ((out / "config.json").exists() or any(out.glob("*.safetensors"))):
-        raise InputError(f"--mlx-path {out} holds files but no checkpoint; --force only replaces a model folder: "
-                         "choose a new folder")
+    check_output(out, force)
     local = Path(hf_path).expanduser()
     if local.exists() and _inside(local, out):
         raise InputError(f"--mlx-path {out} would replace the source checkpoint {local}: choose another folder")
@@ -299,12 +395,12 @@ def convert(hf_path, mlx_path, dtype: Optional[str] = None, quantize: bool = Fal
         if already:
             raise InputError(f"{src} is already quantized ({already.get('bits')}-bit): convert from the float "
                              "checkpoint to quantize, or drop -q to re-layout it as it is")
-        nn.quantize(model, spec.group_size, spec.bits, mode=spec.mode, class_predicate=make_predicate(config, spec))
-        log(f"convert: quantized {spec.describe()}: {bits_per_weight(model):.2f} bits per weight")
+        log(f"convert: {quantize_layers(model, config, spec, allow_float_layers)}")
     if config.text_config.is_moe:
         log(f"convert: {describe_experts(model)}")
     quantization = describe_quantization(model)
-    weights = dict(tree_flatten(model.parameters()))
+    tied = model.config.tie_word_embeddings
+    weights = export_weights(dict(tree_flatten(model.parameters())), config)
     model.update(tree_map(lambda _: mx.array([]), model.parameters()))  # `weights` holds the only references
     del model
 
@@ -316,7 +412,8 @@ def convert(hf_path, mlx_path, dtype: Optional[str] = None, quantize: bool = Fal
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the output is an ordinary folder
         write_weights(tmp, weights, max_shard_bytes, log)
         copied = copy_side_files(src, tmp)
-        cfg = output_config(src, dtype, quantization, hf_path, bool(spec and spec.vision))
+        cfg = output_config(src, dtype, quantization, hf_path, bool(spec and spec.vision),
+                            tied=None if tied == config.tie_word_embeddings else tied)
         # config.json last: a folder without it is never taken for a checkpoint.
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         _replace(tmp, out, force)
@@ -334,8 +431,7 @@ def _replace(tmp: Path, out: Path, force: bool):
     if not out.exists() and not out.is_symlink():
         os.rename(tmp, out)
         return
-    if not force:  # appeared while converting
-        raise InputError(f"--mlx-path {out} already exists: choose a new folder or pass --force to replace it")
+    check_output(out, force)  # appeared or changed while converting
     old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
     old.rmdir()
     os.rename(out, old)
@@ -384,7 +480,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--q-mode", default="affine", help=f"quantization mode: {', '.join(MODES)}")
     p.add_argument("--quant-predicate", help=f"mixed-bit recipe: {', '.join(RECIPES)}")
     p.add_argument("--quantize-vision", action="store_true", help="quantize the vision tower too")
-    p.add_argument("--force", action="store_true", help="replace --mlx-path if it exists")
+    p.add_argument("--allow-float-layers", action="store_true",
+                   help="go on when the group size divides less than half of the weights to quantize (the rest "
+                        "stay float); without it such a run stops with an error")
+    p.add_argument("--force", action="store_true",
+                   help="replace --mlx-path if it is an empty folder or a model folder (never a file or other folder)")
     p.add_argument("--max-shard-size", type=_size, default=MAX_SHARD_BYTES, help="largest shard (default: 5GB)")
     return p
 
@@ -394,7 +494,8 @@ def main(argv=None) -> int:
     try:
         convert(args.hf_path, args.mlx_path, dtype=args.dtype, quantize=args.quantize, q_bits=args.q_bits,
                 q_group_size=args.q_group_size, q_mode=args.q_mode, quant_predicate=args.quant_predicate,
-                quantize_vision=args.quantize_vision, force=args.force, max_shard_bytes=args.max_shard_size)
+                quantize_vision=args.quantize_vision, force=args.force, max_shard_bytes=args.max_shard_size,
+                allow_float_layers=args.allow_float_layers)
     except Qwen3VLError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -4,7 +4,9 @@ import os
 import re
 from pathlib import Path
 
-from .errors import ModelNotFoundError
+import json
+
+from .errors import ConfigError, ModelNotFoundError
 
 # Everything a checkpoint needs besides its weights: tokenizer, chat template, processor and
 # generation configs (the converter copies exactly these next to the weights it writes).
@@ -40,3 +42,26 @@ def resolve_model_path(path_or_hub_id, flag: str = "--model") -> Path:
             f"could not fetch {name!r} from the Hugging Face hub ({reason}) and no such local folder exists: "
             f"check the id and your connection, or pass {flag} /path/to/a/downloaded/checkpoint"
         ) from None
+
+
+def check_tokenizer_files(path: Path):
+    """A checkpoint folder must carry a readable tokenizer: `tokenizer.json` (what every Qwen3-VL
+    release ships), or the `vocab.json` + `merges.txt` pair transformers can build one from.
+    Without this check transformers quietly builds a tokenizer that maps a prompt to one token."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        return  # not a checkpoint at all: loading the model says so, naming config.json
+    tokenizer = path / "tokenizer.json"
+    if not tokenizer.is_file():
+        if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+            return
+        raise ConfigError(f"{path} has no tokenizer.json (nor vocab.json + merges.txt): copy the tokenizer files "
+                          "from the original checkpoint into it")
+    try:
+        with tokenizer.open(encoding="utf-8") as f:
+            ok = isinstance(json.load(f).get("model"), dict)
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"{tokenizer} is truncated or not a tokenizer file: copy it again from the original "
+                          "checkpoint")

@@ -4,16 +4,18 @@ Three kinds of folder load, each recognised by its contents (weight names and co
 
 - a hub folder (what `save_pretrained` writes): `model.visual.*`, `model.language_model.*` and
   `lm_head.weight`, the patch embedding as the torch Conv3d kernel (E, C, T, P, P);
-- a folder written by this package's converter (`python convert.py`): this package's module names
-  (`visual.*`, `language_model.*`, `lm_head.*`), the patch kernel already in matmul form
-  (E, C*T*P*P), a `mlx_qwen3vl` marker and, when quantized, a `quantization` section in config.json;
 - a folder written by mlx-vlm (mlx-community's Qwen3-VL uploads): `vision_tower.*`,
   `language_model.model.*`, `language_model.lm_head.*`, the Conv3d kernel channels-last
-  (E, T, P, P, C), and mlx-vlm's `quantization` section.
+  (E, T, P, P, C), and mlx-vlm's `quantization` section;
+- a folder written by this package's converter (`python convert.py`): mlx-vlm's layout (format 2,
+  so mlx-vlm and LM Studio read it too) plus a `mlx_qwen3vl` marker in config.json; format-1
+  folders (this package's module names, the patch kernel flattened to (E, C*T*P*P)) still load.
 
-Weights are in `model.safetensors` or shards listed by `model.safetensors.index.json`. Keys are renamed
-onto this package's module tree, the patch kernel is flattened for the matmul, and a tied LM head
-is dropped. Quantized folders: the model is built, the layers that the checkpoint holds quantized
+Weights are in `model.safetensors` or shards listed by `model.safetensors.index.json` (each tensor
+is read from the shard the index names; without an index a name in two files is an error). Keys
+are renamed onto this package's module tree and the patch kernel is flattened for the matmul. A
+tied config's LM head: dropped when it equals the embedding, otherwise used (untied, with a
+warning), as transformers does. Quantized folders: the model is built, the layers that the checkpoint holds quantized
 (a `<layer>.scales` tensor, or a per-layer entry in `quantization`) are swapped for MLX's quantized
 layers with the config's group size, bits and mode (per-layer overrides first), then the weights
 load. Loading is strict: every missing, unexpected or mis-shaped weight is reported together, in
@@ -21,6 +23,7 @@ one line.
 """
 
 import json
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -43,18 +46,25 @@ HUB = "hub"
 CONVERTED = "mlx_qwen3vl"
 MLX_VLM = "mlx-vlm"
 
-# config.json key that marks a folder written by mlx_qwen3vl.convert, and its format version.
+# config.json key that marks a folder written by mlx_qwen3vl.convert, and its format version
+# (1: this package's module names; 2: mlx-vlm's names and patch kernel, readable by mlx-vlm).
 FORMAT_KEY = "mlx_qwen3vl"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
-# Checkpoint name prefix → module name prefix, per kind (first match wins).
+# Weight-name layouts: checkpoint name prefix → module name prefix (first match wins). A prefix
+# also matches the bare module path (mlx-vlm's per-layer override `language_model.lm_head`).
+OURS = "modules"  # this package's module names (format-1 conversions)
 RENAMES = {
     HUB: [("model.visual.", "visual."), ("model.language_model.", "language_model.")],
     MLX_VLM: [("vision_tower.", "visual."), ("language_model.model.", "language_model."),
               ("language_model.lm_head.", "lm_head.")],
-    CONVERTED: [],
+    OURS: [],
 }
 QUANT_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
+AFFINE_BITS = (2, 3, 4, 5, 6, 8)
+AFFINE_GROUP_SIZES = (32, 64, 128)
+# Modes with a fixed (bits, group_size).
+FIXED_MODES = {"mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}
 # Layers read as plain tables or whose dtype the vision tower relies on: never quantized.
 NEVER_QUANTIZED = ("visual.patch_embed.proj", "visual.pos_embed")
 
@@ -66,7 +76,7 @@ def _short_list(names, limit=4):
 
 
 def weight_files(path: Path):
-    """The safetensors files of a folder, from its index when it has one."""
+    """The safetensors files of a folder and the index's name → file map (None without an index)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -84,14 +94,29 @@ def weight_files(path: Path):
     return files, None
 
 
-def read_weights(path: Path) -> dict:
+def _load_file(f: Path) -> dict:
+    try:
+        return mx.load(str(f))
+    except Exception as e:  # mlx raises RuntimeError/ValueError for truncated or foreign files
+        raise WeightsError(f"{f} could not be read ({str(e).splitlines()[0]}); re-download or re-convert it") from None
+
+
+def read_weights(path: Path, with_files: bool = False):
+    """All tensors of a folder (lazily loaded); with_files=True also returns name → file name.
+
+    With an index each name is read from the shard the index places it in (a stray copy in another
+    shard is ignored); without one, a name in two files is an error rather than "the last file wins"."""
     files, weight_map = weight_files(path)
-    weights = {}
+    weights, origin = {}, {}
     for f in files:
-        try:
-            weights.update(mx.load(str(f)))
-        except Exception as e:  # mlx raises RuntimeError/ValueError for truncated or foreign files
-            raise WeightsError(f"{f} could not be read ({str(e).splitlines()[0]}); re-download or re-convert it") from None
+        for key, value in _load_file(f).items():
+            if weight_map is not None:
+                if weight_map.get(key, f.name) != f.name:
+                    continue  # the index places this tensor in another shard
+            elif key in weights:
+                raise WeightsError(f"{path}: {key} is in both {origin[key]} and {f.name} and there is no "
+                                   "model.safetensors.index.json to say which is right: remove the stray file")
+            weights[key], origin[key] = value, f.name
     if weight_map is not None:
         unlisted = set(weight_map) - set(weights)
         if unlisted:
@@ -99,7 +124,23 @@ def read_weights(path: Path) -> dict:
         not_in_index = set(weights) - set(weight_map)
         if not_in_index:
             raise WeightsError(f"{path}: shards hold weights missing from the index: {_short_list(not_in_index)}")
-    return weights
+    return (weights, origin) if with_files else weights
+
+
+def check_dtypes(weights: dict, origin: dict, config: ModelConfig, path: Path):
+    """Float tensors must be in the dtype config.json states (or float32, which loses nothing): a
+    float16 shard in a bfloat16 folder is a file from another conversion, with another range."""
+    stated = DTYPES.get(str(config.torch_dtype))
+    if stated is None:
+        return
+    wrong = {k: v.dtype for k, v in weights.items()
+             if mx.issubdtype(v.dtype, mx.floating) and v.dtype not in (stated, mx.float32)}
+    if wrong:
+        found = sorted({str(d).split(".")[-1] for d in wrong.values()})
+        files = sorted({origin[k] for k in wrong})
+        raise WeightsError(f"{path}: {_short_list(files)} hold{'s' if len(files) == 1 else ''} {'/'.join(found)} "
+                           f"tensors ({_short_list(wrong, 2)}) but config.json says {config.torch_dtype}: the file "
+                           "belongs to another checkpoint; re-download or re-convert it")
 
 
 def read_raw_config(path: Path) -> dict:
@@ -107,6 +148,18 @@ def read_raw_config(path: Path) -> dict:
         return json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return {}  # ModelConfig.from_pretrained has already reported a missing or broken file
+
+
+def detect_layout(keys) -> str:
+    """Which names the weights carry: hub, mlx-vlm or this package's module names."""
+    keys = list(keys)
+    if any(k.startswith(("vision_tower.", "language_model.model.", "language_model.lm_head.")) for k in keys):
+        return MLX_VLM
+    if any(k.startswith(("model.visual.", "model.language_model.")) for k in keys):
+        return HUB
+    if any(k.startswith(("visual.", "language_model.")) for k in keys):
+        return OURS
+    return HUB  # nothing recognisable: the strict check reports what is wrong
 
 
 def detect_kind(raw_config: dict, keys) -> str:
@@ -121,44 +174,59 @@ def detect_kind(raw_config: dict, keys) -> str:
                 f"this version reads {FORMAT_VERSION}): upgrade mlx_qwen3vl or re-convert"
             )
         return CONVERTED
-    if any(k.startswith(("vision_tower.", "language_model.model.", "language_model.lm_head.")) for k in keys):
-        return MLX_VLM
-    if any(k.startswith(("model.visual.", "model.language_model.")) for k in keys):
-        return HUB
-    if any(k.startswith(("visual.", "language_model.")) for k in keys):
-        return CONVERTED  # our names without the marker (e.g. a hand-edited config)
-    return HUB  # nothing recognisable: the strict check reports what is wrong
+    layout = detect_layout(keys)
+    return CONVERTED if layout == OURS else layout  # our names without the marker: a hand-edited config
 
 
-def rename_key(key: str, kind: str) -> str:
-    for old, new in RENAMES[kind]:
-        if key.startswith(old):
-            return new + key[len(old):]
-    return key
+def _swap_prefix(name: str, pairs) -> str:
+    """The first (from, to) prefix pair that matches `name`, or the bare path `from` without its dot."""
+    for old, new in pairs:
+        if name.startswith(old):
+            return new + name[len(old):]
+        if name == old[:-1]:
+            return new[:-1]
+    return name
 
 
-def _patch_kernel(value, kind: str, vision):
+def rename_key(key: str, layout: str) -> str:
+    """A weight name or module path of `layout` → this package's module name."""
+    return _swap_prefix(key, RENAMES[layout])
+
+
+def _patch_kernel(value, layout: str, vision):
     """The patch embedding as (E, C*T*P*P) in torch (C, T, P, P) order, from any stored layout."""
     if value.ndim != 5:
         return value
     C, T, P = vision.in_channels, vision.temporal_patch_size, vision.patch_size
     channels_last = (value.shape[0], T, P, P, C)
-    if kind == MLX_VLM and tuple(value.shape) == channels_last:
+    if layout == MLX_VLM and tuple(value.shape) == channels_last:
         value = value.transpose(0, 4, 1, 2, 3)  # MLX Conv3d (E, T, P, P, C) → torch (E, C, T, P, P)
     return value.reshape(value.shape[0], -1)
 
 
-def sanitize(weights: dict, config: ModelConfig, kind: str = HUB) -> dict:
-    """Checkpoint names → module names; Conv3d kernel → matmul weight; tied head dropped."""
+def export_key(name: str, layout: str) -> str:
+    """A module name or path → its name in `layout` (the inverse of rename_key)."""
+    return _swap_prefix(name, [(new, old) for old, new in RENAMES[layout]])
+
+
+def export_patch_kernel(value, layout: str, vision):
+    """The matmul-form patch kernel (E, C*T*P*P) as `layout` stores it: MLX's channels-last Conv3d
+    (E, T, P, P, C) for mlx-vlm, torch's (E, C, T, P, P) for the hub."""
+    if value.ndim != 2 or layout == OURS:
+        return value
+    C, T, P = vision.in_channels, vision.temporal_patch_size, vision.patch_size
+    value = value.reshape(value.shape[0], C, T, P, P)
+    return value.transpose(0, 2, 3, 4, 1) if layout == MLX_VLM else value
+
+
+def sanitize(weights: dict, config: ModelConfig, layout: str = HUB) -> dict:
+    """Checkpoint names → module names; Conv3d kernel → matmul weight."""
     out = {}
     for key, value in weights.items():
-        key = rename_key(key, kind)
+        key = rename_key(key, layout)
         if key == "visual.patch_embed.proj.weight":
-            value = _patch_kernel(value, kind, config.vision_config)
+            value = _patch_kernel(value, layout, config.vision_config)
         out[key] = value
-    if config.tie_word_embeddings:
-        for k in [k for k in out if k.startswith("lm_head.")]:
-            del out[k]
     return out
 
 
@@ -233,6 +301,48 @@ def split_fused_experts(weights: dict, config: ModelConfig, where: str) -> dict:
     return out
 
 
+def resolve_tied_head(weights: dict, config: ModelConfig, where: str):
+    """A tied config whose files also hold an `lm_head`: dropped when it is the embedding again,
+    otherwise used, as transformers does (the config is untied, with a warning)."""
+    head = {k: v for k, v in weights.items() if k.startswith("lm_head.")}
+    if not config.tie_word_embeddings or not head:
+        return
+    embed = {k.replace("language_model.embed_tokens.", "lm_head."): v for k, v in weights.items()
+             if k.startswith("language_model.embed_tokens.")}
+    same = set(head) == set(embed) and all(
+        head[k].shape == embed[k].shape and bool(mx.array_equal(head[k], embed[k])) for k in head)
+    if same:
+        for k in head:
+            del weights[k]
+        return
+    warnings.warn(f"{where}: config.json ties the LM head to the embedding but the weights hold a different "
+                  "lm_head; using that head (as transformers does): set tie_word_embeddings to false, or drop "
+                  "lm_head from the files if the tie is right", UserWarning, stacklevel=3)
+    config.tie_word_embeddings = config.text_config.tie_word_embeddings = False
+
+
+class DtypedQuantizedEmbedding(nn.QuantizedEmbedding):
+    """A quantized embedding that returns the model's compute dtype. The fp modes (mxfp4, nvfp4,
+    mxfp8) store no float scales for mx.dequantize to take a dtype from, so it returns bfloat16:
+    a float32 model would then run its first layer and scattered vision features in bfloat16."""
+
+    compute_dtype = "float32"  # a name (mx.Dtype does not deepcopy)
+
+    def __call__(self, x):
+        biases = self.get("biases")
+        return mx.dequantize(self["weight"][x], scales=self["scales"][x],
+                             biases=biases[x] if biases is not None else None, group_size=self.group_size,
+                             bits=self.bits, mode=self.mode, dtype=DTYPES[self.compute_dtype])
+
+
+def set_embedding_dtype(model: nn.Module, dtype):
+    """Make fp-mode quantized embeddings return `dtype` (affine ones follow their scales' dtype)."""
+    for _, m in model.named_modules():
+        if isinstance(m, nn.QuantizedEmbedding) and m.mode != "affine":
+            m.__class__ = DtypedQuantizedEmbedding
+            m.compute_dtype = next(name for name, d in DTYPES.items() if d == dtype)
+
+
 def _quant_params(params: dict, where: str) -> dict:
     try:
         q = {"group_size": int(params["group_size"]), "bits": int(params["bits"]),
@@ -241,10 +351,18 @@ def _quant_params(params: dict, where: str) -> dict:
         raise ConfigError(f"{where}: quantization entry {params!r} needs integer group_size and bits ({e})") from None
     if q["mode"] not in QUANT_MODES:
         raise ConfigError(f"{where}: quantization mode {q['mode']!r} is not one of {', '.join(QUANT_MODES)}")
+    if q["mode"] in FIXED_MODES and (q["bits"], q["group_size"]) != FIXED_MODES[q["mode"]]:
+        bits, group = FIXED_MODES[q["mode"]]
+        raise ConfigError(f"{where}: quantization mode {q['mode']} stores {bits} bits in groups of {group}, not "
+                          f"{q['bits']} bits in groups of {q['group_size']}: fix the quantization section")
+    if q["mode"] == "affine" and (q["bits"] not in AFFINE_BITS or q["group_size"] not in AFFINE_GROUP_SIZES):
+        raise ConfigError(f"{where}: affine quantization with {q['bits']} bits in groups of {q['group_size']} is not "
+                          f"supported (bits {', '.join(map(str, AFFINE_BITS))}; groups "
+                          f"{', '.join(map(str, AFFINE_GROUP_SIZES))})")
     return q
 
 
-def apply_quantization(model: nn.Module, quantization: dict, weights: dict, kind: str, where: str):
+def apply_quantization(model: nn.Module, quantization: dict, weights: dict, layout: str, where: str):
     """Swap the layers the checkpoint stores quantized for MLX quantized layers, as its config says."""
     if not isinstance(quantization, dict):
         raise ConfigError(f"{where}: quantization must be an object with group_size and bits, not {quantization!r}")
@@ -255,9 +373,9 @@ def apply_quantization(model: nn.Module, quantization: dict, weights: dict, kind
     overrides = {}
     for key, value in quantization.items():
         if isinstance(value, dict):
-            overrides[rename_key(key, kind)] = _quant_params({**default, **value}, where)
+            overrides[rename_key(key, layout)] = _quant_params({**default, **value}, where)
         elif isinstance(value, bool):
-            overrides[rename_key(key, kind)] = value
+            overrides[rename_key(key, layout)] = value
     unsupported = [p for p in NEVER_QUANTIZED if f"{p}.scales" in weights or overrides.get(p)]
     if unsupported:
         raise WeightsError(f"{where}: {_short_list(unsupported)} is stored quantized, which this engine does not "
@@ -340,12 +458,16 @@ def build_model(path, dtype=None, lazy=False):
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     dtype = _as_dtype(dtype) or default_dtype(config)
-    raw = read_weights(path)
+    raw, origin = read_weights(path, with_files=True)
     kind = detect_kind(read_raw_config(path), raw)
-    weights = split_fused_experts(sanitize(raw, config, kind), config, str(path))
+    if kind != MLX_VLM:  # mlx-vlm drops torch_dtype but can leave a stale "dtype" after --dtype
+        check_dtypes(raw, origin, config, path)
+    weights = split_fused_experts(sanitize(raw, config, detect_layout(raw)), config, str(path))
+    resolve_tied_head(weights, config, str(path))
     model = Qwen3VLForConditionalGeneration(config)
     if config.quantization is not None:
-        apply_quantization(model, config.quantization, weights, kind, str(path / "config.json"))
+        apply_quantization(model, config.quantization, weights, detect_layout(raw), str(path / "config.json"))
+        set_embedding_dtype(model, dtype)
     elif any(k.endswith(".scales") for k in weights):
         example = next(k for k in sorted(weights) if k.endswith(".scales"))
         raise WeightsError(f"{path} holds quantized weights ({example}) but its config.json has no quantization "

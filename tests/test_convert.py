@@ -63,9 +63,10 @@ def run_cli(*args, env=None, module=False):
 
 
 def assert_one_line_error(result, *needles):
+    """Exit status 2 and one error line on stderr (after any `convert:` progress lines), no traceback."""
     assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("convert: ")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
     return lines[0]
@@ -174,7 +175,7 @@ def test_float_conversion_gives_the_hub_logits_in_a_fresh_process(tmp_path):
 def test_converted_folder_layout(tmp_path):
     out = convert(FIXTURES / "tiny-a", tmp_path / "out", max_shard_bytes=400_000, log=QUIET)
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["mlx_qwen3vl"]["format_version"] == 1 and cfg["mlx_qwen3vl"]["dtype"] == "bfloat16"
+    assert cfg["mlx_qwen3vl"]["format_version"] == 2 and cfg["mlx_qwen3vl"]["dtype"] == "bfloat16"
     assert cfg["torch_dtype"] == "bfloat16" and "quantization" not in cfg
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(out.glob("*.safetensors"))
@@ -185,8 +186,9 @@ def test_converted_folder_layout(tmp_path):
         assert sum(v.nbytes for v in shard.values()) <= 400_000 or len(shard) == 1
         weights.update(shard)
     assert set(weights) == set(index["weight_map"])
-    assert weights["visual.patch_embed.proj.weight"].shape == (64, 3 * 2 * 16 * 16)  # Conv3d in matmul form
-    assert not any(k.startswith(("lm_head", "model.")) for k in weights)  # tied: no head; our names
+    assert weights["vision_tower.patch_embed.proj.weight"].shape == (64, 2, 16, 16, 3)  # MLX Conv3d, as mlx-vlm
+    assert all(k.startswith(("vision_tower.", "language_model.model.")) for k in weights)  # mlx-vlm's names
+    assert not any("lm_head" in k for k in weights)  # tied: no head
     assert all(v.dtype == mx.bfloat16 for v in weights.values())
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
                  "video_preprocessor_config.json", "generation_config.json"):
@@ -270,7 +272,7 @@ def test_what_gets_quantized(converted):
     untied = load_model(converted("tiny-b", "q4"))
     assert isinstance(quantized_layers(untied)["lm_head"], nn.QuantizedLinear)
     # group 64 on tiny-b: layers reading the 96-wide hidden state stay float, the others quantize
-    partial = quantized_layers(load_model(converted("tiny-b", "q4", q_group_size=64)))
+    partial = quantized_layers(load_model(converted("tiny-b", "q4", q_group_size=64, allow_float_layers=True)))
     assert "language_model.layers.0.self_attn.q_proj" not in partial and "lm_head" not in partial
     assert "language_model.layers.0.self_attn.o_proj" in partial and "language_model.layers.0.mlp.down_proj" in partial
 
@@ -292,25 +294,70 @@ def test_mixed_recipe_records_per_layer_bits(converted):
     assert (q["bits"], q["group_size"], q["mode"]) == (3, 32, "affine")
     # 4 layers: the first/last eighth is layer 3 only (4 // 8 == 0), and every third from 0 is 2
     high = {k for k, v in q.items() if isinstance(v, dict)}
-    assert high == {"lm_head", "language_model.embed_tokens", "language_model.layers.2.self_attn.v_proj",
-                    "language_model.layers.2.mlp.down_proj", "language_model.layers.3.self_attn.v_proj",
-                    "language_model.layers.3.mlp.down_proj"}
+    assert high == {"language_model.lm_head", "language_model.model.embed_tokens",  # mlx-vlm's names
+                    "language_model.model.layers.2.self_attn.v_proj", "language_model.model.layers.2.mlp.down_proj",
+                    "language_model.model.layers.3.self_attn.v_proj", "language_model.model.layers.3.mlp.down_proj"}
     assert all(q[k]["bits"] == 6 for k in high)
     layers = quantized_layers(load_model(out))
     assert layers["language_model.layers.3.mlp.down_proj"].bits == 6
     assert layers["language_model.layers.1.mlp.down_proj"].bits == 3
 
 
+def float64_reference(checkpoint, recipe, case):
+    """transformers in float64 on the weights numpy decodes from the stored packed values (made by
+    tests/fixtures/make_quant_reference.py), and the digest of the packed values it decoded."""
+    ref = np.load(FIXTURES / "quant-reference" / f"{checkpoint}-{recipe}.npz")
+    return ref[case], str(ref["digest"])
+
+
+def assert_matches_float64(model, folder, checkpoint, recipe, bound=1e-4):
+    """Every real (unpadded) position of the image and batch cases within `bound` of the exact answer."""
+    from numpy_quant import packed_digest
+
+    stored = {}
+    for f in folder.glob("*.safetensors"):
+        stored.update({k: np.array(v) for k, v in mx.load(str(f)).items() if not mx.issubdtype(v.dtype, mx.floating)})
+    for case in ("image", "batch"):
+        expected, digest = float64_reference(checkpoint, recipe, case)
+        assert packed_digest(stored) == digest, "the quantizer now stores other values: rerun make_quant_reference.py"
+        real = case_inputs(case)["attention_mask"] == 1
+        ours = np.array(model(**case_inputs(case)).astype(mx.float32))
+        assert rel_err(ours[real], expected[real]) < bound, (case, rel_err(ours[real], expected[real]))
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny-a", "tiny-b"])
 @pytest.mark.parametrize("mode,bits,group", [("mxfp4", 4, 32), ("nvfp4", 4, 16), ("mxfp8", 8, 32)])
-def test_other_quantization_modes(converted, mode, bits, group):
-    out = converted("tiny-a", mode, quantize=True, q_mode=mode)
+def test_other_quantization_modes(converted, checkpoint, mode, bits, group):
+    """The fp modes compute in float32 when loaded in float32 (their quantized embedding returned
+    bfloat16 before, 1.5e-2 off the exact answer), within float32 noise of the float64 answer."""
+    out = converted(checkpoint, mode, quantize=True, q_mode=mode)
     assert json.loads((out / "config.json").read_text())["quantization"] == {"group_size": group, "bits": bits, "mode": mode}
     model = load_model(out, "float32")
     assert {(m.mode, m.bits, m.group_size) for m in quantized_layers(model).values()} == {(mode, bits, group)}
-    logits = last_logits(model, ["text", "image"])
-    assert all(np.isfinite(v).all() for v in logits.values())
-    reference = dequantized_copy(model)
-    assert rel_err(model(**case_inputs("image")), reference(**case_inputs("image"))) < 1e-5
+    assert model.language_model.embed_tokens(mx.array([[1, 2]])).dtype == mx.float32
+    assert_matches_float64(model, out, checkpoint, mode)
+
+
+@pytest.mark.parametrize("checkpoint,recipe", [("tiny-a", "float"), ("tiny-a", "q8"), ("tiny-b", "q4"),
+                                               ("tiny-b", "mixed_4_8")])
+def test_affine_recipes_against_float64(converted, checkpoint, recipe):
+    out = converted(checkpoint, recipe)
+    assert_matches_float64(load_model(out, "float32"), out, checkpoint, recipe)
+
+
+def test_numpy_decoder_is_mlx_dequantize(converted):
+    """The reference's decoder reads the stored values as MLX does (for every mode on a real layer)."""
+    from numpy_quant import dequantize
+
+    for recipe, extra in (("q4", {}), ("mxfp4", dict(quantize=True, q_mode="mxfp4")),
+                          ("nvfp4", dict(quantize=True, q_mode="nvfp4")), ("mxfp8", dict(quantize=True, q_mode="mxfp8"))):
+        layer = load_model(converted("tiny-a", recipe, **extra), "float32").language_model.layers[1].mlp.down_proj
+        biases = layer.get("biases")
+        ours = dequantize(np.array(layer.weight), np.array(layer.scales), None if biases is None else np.array(biases),
+                          layer.group_size, layer.bits, layer.mode)
+        theirs = mx.dequantize(layer.weight, layer.scales, biases, layer.group_size, layer.bits, layer.mode,
+                               dtype=mx.float32)
+        assert np.allclose(ours, np.array(theirs), rtol=0, atol=1e-6 * np.abs(ours).max()), recipe
 
 
 def test_sizes_on_disk(converted):
@@ -343,7 +390,7 @@ def test_mlxvlm_float_folder_gives_the_hub_logits():
         assert np.array_equal(np.array(model(**case_inputs(case))), np.array(hub(**case_inputs(case)))), case
 
 
-@pytest.mark.parametrize("name", ["mlxvlm-q4", "mlxvlm-mixed_3_6"])
+@pytest.mark.parametrize("name", ["mlxvlm-q4", "mlxvlm-mixed_3_6", "mlxvlm-untied-mixed_3_6"])
 def test_mlxvlm_quantized_folder_gives_mlxvlms_logits(name):
     model, kind = build_model(FIXTURES / name, "float32")
     assert kind == "mlx-vlm" and quantized_layers(model)
@@ -358,6 +405,44 @@ def test_mlxvlm_mixed_per_layer_bits_are_honoured():
     assert layers["language_model.layers.2.self_attn.v_proj"].bits == 6  # mlx-vlm's per-layer entry
     assert layers["language_model.layers.1.self_attn.v_proj"].bits == 3
     assert layers["language_model.embed_tokens"].bits == 6
+    untied = quantized_layers(load_model(FIXTURES / "mlxvlm-untied-mixed_3_6"))
+    assert untied["lm_head"].bits == 6  # its override is `language_model.lm_head`, no trailing dot
+
+
+# ---------------------------------------------------------------------------------------------
+# mlx-vlm (and LM Studio, which runs on it) reading our folders
+# ---------------------------------------------------------------------------------------------
+sys.path.insert(0, str(FIXTURES))
+from make_mlxvlm_fixture import OURS, mlx_vlm_logits  # noqa: E402
+
+
+@pytest.mark.parametrize("name", sorted(OURS))
+def test_mlxvlm_reads_our_folders_with_our_logits(tmp_path, name):
+    """What mlx-vlm 0.7.10 computed from our folders (recorded by make_mlxvlm_fixture.py, with the
+    sha256 of every tensor it read): today's converter writes those bytes, and our logits agree.
+    mlx-vlm computes the fp modes' embedding in bfloat16 (see docs/convert.md), hence their bound."""
+    from numpy_quant import tensors_digest
+
+    source, kwargs = OURS[name]
+    out = convert(FIXTURES / source, tmp_path / name, log=QUIET, **kwargs)
+    recorded = np.load(FIXTURES / "mlxvlm-reads-ours" / f"{name}.npz")
+    assert tensors_digest(out) == str(recorded["digest"]), "the converter writes other bytes: rerun the fixture"
+    ours = np.array(load_model(out, "float32")(**case_inputs("image")))
+    bound = 3e-2 if kwargs.get("q_mode") else 1e-4
+    assert rel_err(ours, recorded["logits"]) < bound
+    assert (ours.argmax(-1) == recorded["logits"].argmax(-1)).mean() > (0.95 if kwargs.get("q_mode") else 0.999)
+
+
+@pytest.mark.parametrize("name", ["tiny-a-q4-vision", "tiny-b-float"])
+def test_mlxvlm_live_reads_our_folders(tmp_path, name):
+    """The same with mlx-vlm itself, where it is installed (it is not a test dependency: it pulls
+    datasets, pyarrow, pandas, opencv and mlx-audio; the recorded test above runs everywhere)."""
+    pytest.importorskip("mlx_vlm")
+    source, kwargs = OURS[name]
+    out = convert(FIXTURES / source, tmp_path / name, log=QUIET, **kwargs)
+    ours = np.array(load_model(out, "float32")(**case_inputs("image")))
+    theirs = mlx_vlm_logits(out)
+    assert rel_err(ours, theirs) < 1e-4 and np.array_equal(ours.argmax(-1), theirs.argmax(-1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,7 +463,7 @@ def test_strict_checks_for_converted_and_mlxvlm_folders(converted, tmp_path):
 
     ours = tmp_path / "ours"
     shutil.copytree(converted("tiny-a", "q4"), ours)
-    _drop_tensor(ours, "language_model.layers.1.mlp.up_proj.scales")
+    _drop_tensor(ours, "language_model.model.layers.1.mlp.up_proj.scales")
     with pytest.raises(WeightsError) as e:
         load_model(ours)
     assert "missing 1: language_model.layers.1.mlp.up_proj.scales" in one_line(e)
@@ -404,7 +489,7 @@ def test_quantized_weights_without_quantization_config(converted, tmp_path):
     folder = tmp_path / "q"
     shutil.copytree(converted("tiny-a", "q4"), folder)
     cfg = json.loads((folder / "config.json").read_text())
-    del cfg["quantization"]
+    del cfg["quantization"], cfg["quantization_config"]
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(WeightsError) as e:
         load_model(folder)
@@ -432,11 +517,11 @@ def test_missing_index_entry(converted, tmp_path):
     folder = tmp_path / "m"
     shutil.copytree(converted("tiny-a", "q4"), folder)
     index = json.loads((folder / "model.safetensors.index.json").read_text())
-    del index["weight_map"]["language_model.layers.0.mlp.gate_proj.scales"]
+    del index["weight_map"]["language_model.model.layers.0.mlp.gate_proj.scales"]
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(WeightsError) as e:
         load_model(folder)
-    assert "missing from the index: language_model.layers.0.mlp.gate_proj.scales" in one_line(e)
+    assert "missing from the index: language_model.model.layers.0.mlp.gate_proj.scales" in one_line(e)
 
 
 BAD_OPTIONS = [
@@ -478,9 +563,7 @@ def test_unsupported_bits_in_python_api(tmp_path):
 
 
 def test_existing_output_refused_unless_force(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "config.json").write_text("{}")
+    out = convert(FIXTURES / "tiny-a", tmp_path / "out", log=QUIET)  # an earlier conversion
     (out / "keep.txt").write_text("mine")
     r = run_cli("--hf-path", FIXTURES / "tiny-b", "--mlx-path", out)
     assert_one_line_error(r, "already exists", "--force")
@@ -591,3 +674,217 @@ def test_hub_id_offline_is_one_line(tmp_path):
     with pytest.raises(ModelNotFoundError) as e:
         convert(str(tmp_path / "no" / "such" / "folder"), tmp_path / "out", log=QUIET)
     assert "neither a local folder nor" in one_line(e)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizing what the group size allows, and saying so
+# ---------------------------------------------------------------------------------------------
+def narrow_checkpoint(tmp_path):
+    """A random checkpoint whose decoder widths (80, 160) no supported group size except 32 divides
+    fully, and 64 divides none of: under this package's names, as a hand-made folder would be."""
+    import shutil
+
+    from mlx_qwen3vl.config import ModelConfig
+    from mlx_qwen3vl.model import Qwen3VLForConditionalGeneration
+
+    raw = json.loads((FIXTURES / "tiny-b" / "config.json").read_text())
+    raw["text_config"].update(hidden_size=80, intermediate_size=160, head_dim=40)
+    raw["text_config"]["rope_parameters"]["mrope_section"] = [8, 6, 6]
+    raw["vision_config"]["out_hidden_size"] = 80
+    model = Qwen3VLForConditionalGeneration(ModelConfig.from_dict(raw))
+    folder = tmp_path / "narrow"
+    folder.mkdir()
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(raw))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(FIXTURES / "tiny-b" / f, folder / f)
+    return folder
+
+
+@pytest.mark.parametrize("flags", [["-q"], ["-q", "--q-bits", "8"], ["-q", "--quant-predicate", "mixed_3_6"]])
+def test_quantizing_nothing_is_an_error(tmp_path, flags):
+    src = narrow_checkpoint(tmp_path)
+    r = run_cli("--hf-path", src, "--mlx-path", tmp_path / "out", *flags)
+    assert_one_line_error(r, "none of the 30 layers", "80, 160", "group size 64", "--q-group-size")
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["narrow"]
+
+
+def test_mostly_float_quantization_needs_consent(tmp_path):
+    """tiny-b with groups of 64: only o_proj/down_proj (29% of the weights) fit; asked to, it goes on
+    and names how many layers it quantized."""
+    r = run_cli("--hf-path", FIXTURES / "tiny-b", "--mlx-path", tmp_path / "out", "-q")
+    assert_one_line_error(r, "only 8 of 30 layers", "29%", "--allow-float-layers")
+    assert not (tmp_path / "out").exists()
+    logged = []
+    out = convert(FIXTURES / "tiny-b", tmp_path / "out", quantize=True, allow_float_layers=True, log=logged.append)
+    summary = next(m for m in logged if "quantized" in m)
+    assert "quantized 8 of 30 layers" in summary and "22 stay float" in summary and "96" in summary
+    assert len(quantized_layers(load_model(out))) == 8
+    logged.clear()
+    convert(FIXTURES / "tiny-b", tmp_path / "all", quantize=True, q_group_size=32, log=logged.append)
+    assert any("quantized 30 of 30 layers" in m for m in logged)
+
+
+# ---------------------------------------------------------------------------------------------
+# Folders that disagree with themselves
+# ---------------------------------------------------------------------------------------------
+def copy_fixture(tmp_path, name):
+    import shutil
+
+    dst = tmp_path / name
+    shutil.copytree(FIXTURES / name, dst, ignore=shutil.ignore_patterns("reference"))
+    return dst
+
+
+def edit_shard(folder: Path, shard: str, **changes):
+    weights = mx.load(str(folder / shard))
+    weights.update(changes)
+    mx.save_safetensors(str(folder / shard), weights)
+
+
+def test_index_map_decides_between_copies(tmp_path):
+    """A stray copy of a tensor in a shard the index does not name for it is ignored."""
+    folder = copy_fixture(tmp_path, "tiny-a")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.language_model.embed_tokens.weight"
+    home, last = index[name], "model-00005-of-00005.safetensors"
+    assert home != last
+    stray = mx.zeros_like(mx.load(str(folder / home))[name])
+    edit_shard(folder, last, **{name: stray})
+    ours = np.array(load_model(folder, "float32")(**case_inputs("image")))
+    assert np.array_equal(ours, np.array(load_fixture_model("tiny-a", "float32")(**case_inputs("image"))))
+
+
+def test_duplicate_name_without_index_is_an_error(tmp_path):
+    folder = copy_fixture(tmp_path, "tiny-b")
+    name = "model.language_model.norm.weight"
+    mx.save_safetensors(str(folder / "model-extra.safetensors"),
+                        {name: mx.load(str(folder / "model.safetensors"))[name] * 2})
+    with pytest.raises(WeightsError) as e:
+        load_model(folder)
+    msg = one_line(e)
+    assert name in msg and "model.safetensors" in msg and "model-extra.safetensors" in msg
+
+
+def test_tied_config_with_its_own_head(tmp_path):
+    """transformers unties and uses a head the files hold; so do we (with a warning), and the
+    converter writes the folder untied. A head equal to the embedding is just dropped."""
+    folder = copy_fixture(tmp_path, "tiny-a")
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    embed_name = "model.language_model.embed_tokens.weight"
+    shard = index["weight_map"][embed_name]
+    embed = mx.load(str(folder / shard))[embed_name]
+    index["weight_map"]["lm_head.weight"] = shard
+    index_path.write_text(json.dumps(index))
+
+    edit_shard(folder, shard, **{"lm_head.weight": embed})  # the same tensor: nothing to say
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = load_model(folder, "float32")
+    assert model.config.tie_word_embeddings and "lm_head" not in model
+
+    edit_shard(folder, shard, **{"lm_head.weight": embed * 2})  # exact in any float dtype
+    with pytest.warns(UserWarning, match="different lm_head"):
+        model = load_model(folder, "float32")
+    tied = np.array(load_fixture_model("tiny-a", "float32")(**case_inputs("image")))
+    assert not model.config.tie_word_embeddings
+    assert np.array_equal(np.array(model(**case_inputs("image"))), 2 * tied)
+
+    with pytest.warns(UserWarning):
+        out = convert(folder, tmp_path / "out", log=QUIET)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is False and cfg["text_config"]["tie_word_embeddings"] is False
+    assert np.array_equal(np.array(load_model(out, "float32")(**case_inputs("image"))), 2 * tied)
+
+
+def test_float16_overflow_is_refused(tmp_path):
+    folder = copy_fixture(tmp_path, "tiny-a")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.language_model.layers.1.mlp.up_proj.weight"
+    w = mx.load(str(folder / index[name]))[name]
+    edit_shard(folder, index[name], **{name: mx.concatenate([mx.full((1, w.shape[1]), 1e5, w.dtype), w[1:]])})
+    r = run_cli("--hf-path", folder, "--mlx-path", tmp_path / "out", "--dtype", "float16")
+    assert_one_line_error(r, "float16", "language_model.model.layers.1.mlp.up_proj.weight", "--dtype bfloat16")
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["tiny-a"]
+    convert(folder, tmp_path / "out", log=QUIET)  # bfloat16 holds it
+
+
+def test_shard_in_another_dtype_than_the_config(tmp_path):
+    folder = copy_fixture(tmp_path, "tiny-a")  # config: bfloat16
+    shard = "model-00002-of-00005.safetensors"
+    weights = mx.load(str(folder / shard))
+    mx.save_safetensors(str(folder / shard), {k: v.astype(mx.float16) for k, v in weights.items()})
+    with pytest.raises(WeightsError) as e:
+        load_model(folder)
+    msg = one_line(e)
+    assert shard in msg and "float16" in msg and "says bfloat16" in msg
+
+
+def test_fixed_mode_with_wrong_group_size_in_config(converted, tmp_path):
+    import shutil
+
+    folder = tmp_path / "nv"
+    shutil.copytree(converted("tiny-a", "nvfp4", quantize=True, q_mode="nvfp4"), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization"]["group_size"] = cfg["quantization_config"]["group_size"] = 32
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as e:
+        load_model(folder)
+    assert "nvfp4 stores 4 bits in groups of 16, not 4 bits in groups of 32" in one_line(e)
+
+
+# ---------------------------------------------------------------------------------------------
+# What --force may replace
+# ---------------------------------------------------------------------------------------------
+def test_force_never_replaces_a_file_or_a_link(tmp_path):
+    target = tmp_path / "notes.txt"
+    target.write_text("mine")
+    r = run_cli("--hf-path", FIXTURES / "tiny-b", "--mlx-path", target, "--force")
+    assert_one_line_error(r, "is a file", "--force only replaces a model folder")
+    assert target.read_text() == "mine"
+
+    model_dir = convert(FIXTURES / "tiny-b", tmp_path / "model", log=QUIET)
+    link = tmp_path / "link"
+    link.symlink_to(model_dir)
+    with pytest.raises(InputError) as e:
+        convert(FIXTURES / "tiny-b", link, force=True, log=QUIET)
+    assert "symbolic link" in one_line(e) and link.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "model", "notes.txt"]
+
+
+def test_force_never_replaces_a_folder_with_sub_folders_or_no_weights(tmp_path):
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "config.json").write_text("{}")
+    (project / "model.safetensors").write_bytes(b"")
+    with pytest.raises(InputError) as e:
+        convert(FIXTURES / "tiny-b", project, force=True, log=QUIET)
+    assert "no checkpoint" in one_line(e) and (project / "src").is_dir()
+    (project / "src").rmdir()
+    (project / "model.safetensors").unlink()
+    with pytest.raises(InputError):  # config.json alone is not a checkpoint
+        convert(FIXTURES / "tiny-b", project, force=True, log=QUIET)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    convert(FIXTURES / "tiny-b", empty, force=True, log=QUIET)  # an empty folder holds nothing to lose
+    load_model(empty)
+
+
+def test_format_1_folders_still_load(tmp_path):
+    """Folders from the previous converter (this package's module names, matmul patch kernel)."""
+    import shutil
+
+    folder = tmp_path / "v1"
+    folder.mkdir()
+    model, _ = build_model(FIXTURES / "tiny-b", "float32")  # both sides without a backend installed
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    cfg = json.loads((FIXTURES / "tiny-b" / "config.json").read_text())
+    cfg["mlx_qwen3vl"] = {"format_version": 1, "converted_from": "tiny-b", "dtype": "float32", "quantized_vision": False}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    shutil.copyfile(FIXTURES / "tiny-b" / "tokenizer.json", folder / "tokenizer.json")
+    loaded, kind = build_model(folder, "float32")
+    assert kind == "mlx_qwen3vl"
+    assert np.array_equal(np.array(loaded(**case_inputs("image"))), np.array(model(**case_inputs("image"))))

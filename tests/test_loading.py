@@ -111,3 +111,45 @@ def test_pixel_values_not_matching_grid(checkpoint):
     with pytest.raises(InputError) as e:
         model.get_image_features(inputs["pixel_values"][:-4], inputs["image_grid_thw"])
     assert "grid_thw" in one_line(e)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer files: checked when a folder loads, before any weight is read
+# ---------------------------------------------------------------------------------------------
+def _load_fails(folder):
+    import mlx_qwen3vl
+
+    with pytest.raises(ConfigError) as e:
+        mlx_qwen3vl.load(str(folder))
+    return one_line(e)
+
+
+def test_folder_without_tokenizer_files(tmp_path):
+    ckpt = copy_checkpoint(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (ckpt / name).unlink()
+    msg = _load_fails(ckpt)
+    assert str(ckpt) in msg and "no tokenizer.json" in msg and "copy the tokenizer files" in msg
+
+
+def test_folder_missing_only_tokenizer_json(tmp_path):
+    """transformers would build a tokenizer from tokenizer_config.json alone that maps a prompt to
+    one token (an empty answer)."""
+    ckpt = copy_checkpoint(tmp_path)
+    (ckpt / "tokenizer.json").unlink()
+    assert "no tokenizer.json" in _load_fails(ckpt)
+
+
+def test_truncated_tokenizer_json(tmp_path):
+    ckpt = copy_checkpoint(tmp_path)
+    data = (ckpt / "tokenizer.json").read_bytes()
+    (ckpt / "tokenizer.json").write_bytes(data[: len(data) // 2])
+    msg = _load_fails(ckpt)
+    assert "tokenizer.json is truncated" in msg
+
+
+def test_good_folder_loads(tmp_path):
+    import mlx_qwen3vl
+
+    model, processor = mlx_qwen3vl.load(str(FIXTURES / "tiny-b"))
+    assert processor.tokenizer.encode("hello world") and len(processor.tokenizer.encode("hello world")) > 1
