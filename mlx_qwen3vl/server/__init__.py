@@ -1,0 +1,29 @@
+"""An OpenAI-compatible HTTP server for Qwen3-VL: `python -m mlx_qwen3vl.server --model PATH|HUB_ID`.
+
+    app.py       routes, API key, body limit, CORS, error bodies, server-sent events
+    protocol.py  request validation, response and chunk formats
+    prompts.py   a request → model inputs (media policy, chat template, tools, grammar)
+    fetch.py     image / video URLs → bytes or allowed local files
+    engine.py    the model thread: continuous batching, prefill with cached prefixes and features
+    cache.py     the media-aware prefix cache and the vision-feature cache
+    tools.py     <tool_call> blocks → OpenAI tool_calls
+    grammar.py   json_object / json_schema / forced tool calls via llguidance
+"""
+
+
+def build_server(model, processor, *, model_id="model", api_key=None, max_body_bytes=64 << 20, cors_origins=None,
+                 media_policy=None, **engine_kwargs):
+    """(model, processor) → (Starlette app, engine); the engine's model thread is already running."""
+    from .app import create_app
+    from .engine import Engine
+    from .fetch import MediaPolicy
+    from .grammar import GrammarFactory
+    from .prompts import PromptBuilder
+
+    engine = Engine(model, processor, **engine_kwargs)
+    tok = processor.tokenizer
+    grammars = GrammarFactory(tok, model.config.text_config.vocab_size, tok.eos_token_id)
+    builder = PromptBuilder(engine, media_policy or MediaPolicy(), grammars)
+    app = create_app(engine, builder, model_id=model_id, api_key=api_key, max_body_bytes=max_body_bytes,
+                     cors_origins=cors_origins)
+    return app, engine

@@ -1,0 +1,74 @@
+"""python -m mlx_qwen3vl.server --model PATH|HUB_ID [--host 127.0.0.1] [--port 8080] ..."""
+
+import argparse
+import os
+import sys
+
+GB = 1 << 30
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m mlx_qwen3vl.server",
+                                description="OpenAI-compatible chat-completions server for Qwen3-VL.")
+    p.add_argument("--model", required=True, help="local checkpoint folder or Hugging Face repo id")
+    p.add_argument("--served-model-name", default=None, help="the id /v1/models reports (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--api-key", default=os.environ.get("MLX_QWEN3VL_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $MLX_QWEN3VL_API_KEY, else no key)")
+    p.add_argument("--max-body-bytes", type=int, default=64 << 20, help="request size limit (default 64 MiB)")
+    p.add_argument("--cors-allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="allow browser requests from ORIGIN (repeatable; '*' for any); CORS is off by default")
+    p.add_argument("--allowed-local-media-path", action="append", default=[], metavar="DIR",
+                   help="serve file:// image/video URLs from under DIR (repeatable); off by default")
+    p.add_argument("--no-http-media", action="store_true", help="refuse http(s) image/video URLs")
+    p.add_argument("--media-timeout", type=float, default=10.0, help="seconds to fetch one http(s) URL")
+    p.add_argument("--max-media-bytes", type=int, default=64 << 20, help="size cap of one fetched URL")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 503")
+    p.add_argument("--max-tokens", type=int, default=512, help="default answer limit when a request sets none")
+    p.add_argument("--prefix-cache-gb", type=float, default=2.0, help="memory for cached KV prefixes")
+    p.add_argument("--vision-cache-gb", type=float, default=0.5, help="memory for cached vision features")
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        import uvicorn
+
+        from .. import load
+        from ..errors import Qwen3VLError
+        from . import build_server
+        from .fetch import MediaPolicy
+    except ImportError as e:
+        print(f"error: {e.name} is missing; install the server extra: pip install 'mlx-qwen3vl[server]'",
+              file=sys.stderr)
+        return 2
+    for d in args.allowed_local_media_path:
+        if not os.path.isdir(d):
+            print(f"error: --allowed-local-media-path {d!r} is not a directory", file=sys.stderr)
+            return 2
+    try:
+        model, processor = load(args.model, dtype=args.dtype)
+    except Qwen3VLError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    policy = MediaPolicy(allow_http=not args.no_http_media, http_timeout_s=args.media_timeout,
+                         max_media_bytes=args.max_media_bytes, allowed_local_paths=args.allowed_local_media_path)
+    app, _ = build_server(
+        model, processor, model_id=args.served_model_name or args.model, api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes, cors_origins=args.cors_allow_origin, media_policy=policy,
+        max_batch=args.max_batch, max_queue=args.max_queue, default_max_tokens=args.max_tokens,
+        prefix_cache_bytes=int(args.prefix_cache_gb * GB), feature_cache_bytes=int(args.vision_cache_gb * GB),
+        prefill_step_size=args.prefill_step_size)
+    print(f"[mlx_qwen3vl] serving {args.model} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""The HTTP layer (Starlette): routes, API key, body limit, CORS, OpenAI error bodies, SSE."""
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+from typing import Optional
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from . import protocol as P
+from .protocol import APIError
+from .tools import ToolCallParser, split_tool_calls
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    too_big = APIError(413, f"the request body is larger than this server's limit of {limit} bytes; send "
+                       "smaller images (or start the server with a larger --max-body-bytes)", code="body_too_large")
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > limit:
+        raise too_big
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _disconnected(request: Request):
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None, max_body_bytes: int = 64 << 20,
+               cors_origins=None) -> Starlette:
+    def check_auth(request: Request):
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def health(request):
+        return JSONResponse({"status": "ok", "model": model_id})
+
+    async def models(request):
+        check_auth(request)
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_id, "object": "model", "created": int(engine.started), "owned_by": "mlx_qwen3vl"}]})
+
+    async def metrics(request):
+        check_auth(request)
+        return JSONResponse(engine.stats())
+
+    async def chat_completions(request: Request):
+        check_auth(request)
+        raw = await _read_body(request, max_body_bytes)
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+        req = P.parse_chat_request(body)
+        prepared = await run_in_threadpool(builder.build, req)
+        handle = engine.submit(prepared, asyncio.get_running_loop())
+        cid, name = P.completion_id(), req.model or model_id
+        parse_tools = bool(req.tools) and req.tool_choice != "none"
+        if req.stream:
+            return StreamingResponse(_stream(handle, req, cid, name, parse_tools), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _complete(request, handle, cid, name, parse_tools)
+
+    async def _complete(request, handle, cid, name, parse_tools):
+        watcher = asyncio.ensure_future(_disconnected(request))
+        text, logprobs = "", []
+        try:
+            while True:
+                get = asyncio.ensure_future(handle.queue.get())
+                done, _ = await asyncio.wait({get, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:  # the client went away: free its batch slot
+                    get.cancel()
+                    handle.cancel()
+                    return JSONResponse({}, status_code=499)
+                ev = get.result()
+                if ev["type"] == "error":
+                    raise ev["error"]
+                if ev["type"] == "token":
+                    text += ev["text"]
+                    if "logprobs" in ev:
+                        logprobs.append(ev["logprobs"])
+                    continue
+                message = {"role": "assistant", "content": text}
+                finish = ev["finish_reason"]
+                if parse_tools:
+                    content, calls = split_tool_calls(text)
+                    if calls:
+                        message = {"role": "assistant", "content": content, "tool_calls": calls}
+                        finish = "tool_calls"
+                use = P.usage(ev["prompt_tokens"], ev["completion_tokens"], ev["cached_tokens"])
+                return JSONResponse(P.chat_response(cid, name, message, finish,
+                                                    {"content": logprobs} if logprobs else None, use))
+        finally:
+            watcher.cancel()
+
+    async def _stream(handle, req, cid, name, parse_tools):
+        parser = ToolCallParser() if parse_tools else None
+        finished = False
+        try:
+            yield _sse(P.chunk(cid, name, {"role": "assistant", "content": ""}))
+            while True:
+                ev = await handle.queue.get()
+                if ev["type"] == "error":
+                    yield _sse(ev["error"].body())
+                    break
+                if ev["type"] == "token":
+                    content, calls = parser.feed(ev["text"]) if parser else (ev["text"], [])
+                    lp = {"content": [ev["logprobs"]]} if "logprobs" in ev else None
+                    if content or lp:
+                        yield _sse(P.chunk(cid, name, {"content": content}, logprobs=lp))
+                    for call in calls:
+                        index = len(parser.calls) - len(calls) + calls.index(call)
+                        yield _sse(P.chunk(cid, name, {"tool_calls": [{"index": index, **call}]}))
+                    continue
+                finished = True
+                finish = ev["finish_reason"]
+                if parser:
+                    content, calls = parser.feed("", final=True)
+                    if content:
+                        yield _sse(P.chunk(cid, name, {"content": content}))
+                    for call in calls:
+                        index = len(parser.calls) - len(calls) + calls.index(call)
+                        yield _sse(P.chunk(cid, name, {"tool_calls": [{"index": index, **call}]}))
+                    if parser.calls:
+                        finish = "tool_calls"
+                yield _sse(P.chunk(cid, name, finish_reason=finish))
+                if req.include_usage:
+                    use = P.usage(ev["prompt_tokens"], ev["completion_tokens"], ev["cached_tokens"])
+                    yield _sse(P.chunk(cid, name, use=use, choices=False))
+                break
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # client gone (or an error): free the batch slot
+                handle.cancel()
+
+    async def api_error(request, exc: APIError):
+        return _error_response(exc)
+
+    async def http_error(request, exc: HTTPException):
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+        return JSONResponse({"error": {"message": f"{request.method} {request.url.path}: {exc.detail}", "type": kind,
+                                       "param": None, "code": None}}, status_code=exc.status_code)
+
+    async def internal_error(request, exc: Exception):
+        return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
+
+    middleware = []
+    if cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                                     allow_headers=["Authorization", "Content-Type"]))
+    engine.started = getattr(engine, "started", time.time())
+    return Starlette(
+        routes=[Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
+                Route("/v1/chat/completions", chat_completions, methods=["POST"])],
+        middleware=middleware,
+        exception_handlers={APIError: api_error, HTTPException: http_error, Exception: internal_error},
+        lifespan=_lifespan(engine),
+    )
+
+
+def _lifespan(engine):
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await run_in_threadpool(engine.close)
+
+    return lifespan

@@ -1,0 +1,421 @@
+"""The model worker: one thread owns the model and runs continuous batching.
+
+Each loop iteration admits waiting requests (each is prefilled alone — reusing the longest cached
+prefix and cached vision features — and its first token sampled), joins them to the running
+batch, and decodes one token for every running row. The batch's KV cache is one mlx-lm `KVCache`
+per layer holding all rows left-padded to a common length; each row keeps its own 1D decode
+position (its cache length + its mRoPE rope delta), sampler, logits processors and stop strings.
+A row leaves when it stops, hits its limit or its client goes away; its cache then goes to the
+prefix cache. With a single row and no padding the step is exactly `generate()`'s decode step
+(the CPU fast path included).
+"""
+
+import asyncio
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ..backend import backend_of
+from ..errors import Qwen3VLError
+from ..generate import _media_split, decode_step, eos_token_ids
+from ..model import VisualFeatures
+from ..positions import IMAGE, VIDEO
+from .cache import MEDIA, FeatureCache, PrefixCache
+from .protocol import APIError, SamplingParams
+
+
+@dataclass
+class Prepared:
+    """A request turned into model inputs (built off the worker thread)."""
+
+    inputs: dict
+    key: np.ndarray  # cache key: token ids, media positions replaced by content hashes
+    hashes: dict  # {IMAGE / VIDEO: [content hash per image / video]}
+    sampling: SamplingParams
+    max_tokens: int
+    processors: list = field(default_factory=list)  # extra mlx-lm-style logits processors (grammar)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.key.shape[0])
+
+
+class Handle:
+    """A submitted request as the HTTP side sees it: events arrive on an asyncio queue."""
+
+    def __init__(self, prepared: Prepared, loop: asyncio.AbstractEventLoop):
+        self.prepared = prepared
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+
+    def emit(self, event: dict):
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the event loop has closed (server shutting down)
+            pass
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def _holdback(text: str, stops: List[str]) -> int:
+    """How many trailing characters could start a stop string (kept back until resolved)."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+class _Row:
+    def __init__(self, handle: Handle, engine: "Engine", cached: int):
+        p = handle.prepared
+        self.handle, self.prepared, self.cached = handle, p, cached
+        self.tokens: List[int] = []
+        self.history = list(np.asarray(p.inputs["input_ids"])[0].tolist()) if self._needs_history(p) else None
+        self.position = 0
+        self.detok = engine.tokenizer_wrapper.detokenizer
+        self.text, self.sent = "", 0
+        self.finish: Optional[str] = None
+        self.sampler, self.processors = engine.sampling(p)
+        self.started = time.perf_counter()
+
+    @staticmethod
+    def _needs_history(p):
+        s = p.sampling
+        return bool(p.processors or s.repetition_penalty or s.presence_penalty or s.frequency_penalty)
+
+
+class Engine:
+    def __init__(self, model, processor, *, max_batch=8, max_queue=64, prefill_step_size=2048,
+                 prefix_cache_bytes=2 << 30, feature_cache_bytes=512 << 20, default_max_tokens=512):
+        from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+        self.model, self.processor = model, processor
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.prefill_step_size = prefill_step_size
+        self.default_max_tokens = default_max_tokens
+        self.context = int(model.config.text_config.max_position_embeddings)
+        self.merge_size = model.spatial_merge_size
+        self.tokenizer_wrapper = TokenizerWrapper(processor.tokenizer)
+        self.eos = eos_token_ids(model, processor)
+        self.log_softmax = backend_of(model).log_softmax
+        self.prefix = PrefixCache(prefix_cache_bytes)
+        self.features = FeatureCache(feature_cache_bytes)
+        self._pending: collections.deque = collections.deque()
+        self._cv = threading.Condition()
+        self._rows: List[_Row] = []
+        self._cache = None  # per layer, all rows left-padded to one length
+        self._pads: List[int] = []
+        self._stopping = False
+        self.metrics = collections.Counter()
+        self.batch_sizes = collections.Counter()  # decode steps by number of rows decoded together
+        _settle(model)
+        self._thread = threading.Thread(target=self._run, name="mlx_qwen3vl-model", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ called from the HTTP side
+    def submit(self, prepared: Prepared, loop) -> Handle:
+        handle = Handle(prepared, loop)
+        with self._cv:
+            if len(self._pending) >= self.max_queue:
+                self.metrics["rejected"] += 1
+                raise APIError(503, f"the server is busy ({len(self._pending)} requests waiting); retry shortly",
+                               code="queue_full", headers={"Retry-After": "1"})
+            self._pending.append(handle)
+            self._cv.notify()
+        return handle
+
+    def close(self):
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    def stats(self) -> dict:
+        with self._cv:
+            waiting = len(self._pending)
+        return {"running": len(self._rows), "waiting": waiting, "max_batch": self.max_batch,
+                "max_queue": self.max_queue, **dict(self.metrics),
+                "decode_steps_by_batch_size": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+                "prefix_cache": self.prefix.stats(), "vision_feature_cache": self.features.stats()}
+
+    # ------------------------------------------------------------------ sampling
+    def sampling(self, p: Prepared):
+        from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+        s = p.sampling
+        sampler = make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
+        processors = make_logits_processors(
+            repetition_penalty=s.repetition_penalty if s.repetition_penalty not in (None, 1.0) else None,
+            presence_penalty=s.presence_penalty or None, frequency_penalty=s.frequency_penalty or None)
+        return sampler, processors + list(p.processors)
+
+    def _sample(self, row: _Row, logits):
+        """logits (1, V) → (token (1,), log-probs (1, V)), with the row's processors and RNG."""
+        if row.processors:
+            history = mx.array(row.history)
+            for proc in row.processors:
+                logits = proc(history, logits)
+        logprobs = self.log_softmax(logits)
+        seed = row.prepared.sampling.seed
+        if seed is not None and row.prepared.sampling.temperature > 0:
+            # A seeded request draws from its own (seed, step) key, so its answer does not depend
+            # on which requests share its batch.
+            mx.random.seed((seed * 1_000_003 + len(row.tokens)) % 2**63)
+        return row.sampler(logprobs), logprobs
+
+    # ------------------------------------------------------------------ the worker loop
+    def _run(self):
+        # MLX streams belong to the thread that made them: the model thread makes its own.
+        mx.set_default_stream(mx.new_stream(mx.default_device()))
+        while True:
+            with self._cv:
+                while not self._pending and not self._rows and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                admit = []
+                while self._pending and len(self._rows) + len(admit) < self.max_batch:
+                    admit.append(self._pending.popleft())
+            for handle in admit:
+                if handle.cancelled:
+                    self.metrics["cancelled"] += 1
+                    continue
+                try:
+                    self._start(handle)
+                except Exception as e:  # noqa: BLE001 — the request fails, the server keeps serving
+                    handle.emit({"type": "error", "error": _as_api_error(e)})
+            if self._rows:
+                try:
+                    self._step()
+                except Exception as e:  # noqa: BLE001
+                    for row in self._rows:
+                        row.handle.emit({"type": "error", "error": _as_api_error(e)})
+                    self._rows, self._cache, self._pads = [], None, []
+
+    # ------------------------------------------------------------------ prefill
+    def _features(self, kind, inputs, hashes, first):
+        """VisualFeatures of the images (or videos) from index `first` on, reusing cached ones."""
+        _, px, grid = next(m for m in MEDIA if m[0] == kind)
+        if grid not in inputs or first >= len(inputs[grid]):
+            return None
+        grids = np.asarray(inputs[grid])
+        rows = np.concatenate([[0], np.cumsum(grids.prod(-1))])
+        parts = {k: self.features.get(hashes[kind][k]) for k in range(first, len(grids))}
+        missing = [k for k, v in parts.items() if v is None]
+        if missing:
+            pixels = np.asarray(inputs[px])
+            sel = np.concatenate([pixels[rows[k]:rows[k + 1]] for k in missing])
+            feats = self.model.get_image_features(sel, grids[missing])
+            arrays = [feats.embeds] + list(feats.deepstack)
+            mx.eval(arrays)
+            counts = grids[missing].prod(-1) // self.merge_size**2
+            bounds = np.concatenate([[0], np.cumsum(counts)])
+            for i, k in enumerate(missing):
+                parts[k] = [a[int(bounds[i]):int(bounds[i + 1])] for a in arrays]
+                self.features.put(hashes[kind][k], parts[k])
+        ordered = [parts[k] for k in range(first, len(grids))]
+        joined = [mx.concatenate(list(col)) if len(col) > 1 else col[0] for col in zip(*ordered)]
+        return VisualFeatures(joined[0], joined[1:])
+
+    def _start(self, handle: Handle):
+        p = handle.prepared
+        inputs = p.inputs
+        eid, start = self.prefix.lookup(p.key)
+        first_new = {IMAGE: 0, VIDEO: 0}
+        if start:
+            start, first_new = _media_split(inputs, start)
+        if start:
+            cache = self.prefix.take(eid, start)
+        else:
+            self.prefix.misses += 1
+            cache = self.model.make_cache()
+        prepared = self.model.prepare_inputs(
+            inputs["input_ids"], None, image_grid_thw=inputs.get("image_grid_thw"),
+            video_grid_thw=inputs.get("video_grid_thw"), mm_token_type_ids=inputs.get("mm_token_type_ids"),
+            image_features=self._features(IMAGE, inputs, p.hashes, first_new[IMAGE]),
+            video_features=self._features(VIDEO, inputs, p.hashes, first_new[VIDEO]), start=start)
+        n = prepared.inputs_embeds.shape[1]
+        step = max(1, self.prefill_step_size)
+        for s in range(0, n, step):
+            e = min(n, s + step)
+            hidden = self.model.decode_hidden(prepared, None, cache, s, e)
+            if e < n:
+                mx.eval([c.state for c in cache])
+        logits = self.model.logits(hidden[:, -1, :])
+        row = _Row(handle, self, start)
+        row.position = int(prepared.rope_deltas[0, 0].item()) + p.prompt_tokens
+        self.metrics["requests"] += 1
+        self.metrics["prompt_tokens"] += p.prompt_tokens
+        self.metrics["prompt_tokens_computed"] += p.prompt_tokens - start
+        token, logprobs = self._sample(row, logits)
+        mx.eval(token, logprobs, [c.state for c in cache])
+        self._emit(row, int(token.item()), logprobs)
+        if row.finish:
+            self._finish(row, cache)
+        else:
+            self._join(row, cache)
+
+    def _join(self, row: _Row, caches):
+        length = caches[0].offset
+        if self._cache is None:
+            self._cache, self._pads, self._rows = caches, [0], [row]
+            return
+        S = self._cache[0].offset
+        T = max(S, length)
+        for bc, nc in zip(self._cache, caches):
+            parts = []
+            for c, n in ((bc, S), (nc, length)):
+                k, v = c.keys[..., :n, :], c.values[..., :n, :]
+                if T > n:
+                    pad = [(0, 0), (0, 0), (T - n, 0), (0, 0)]
+                    k, v = mx.pad(k, pad), mx.pad(v, pad)
+                parts.append((k, v))
+            bc.keys = mx.concatenate([parts[0][0], parts[1][0]])
+            bc.values = mx.concatenate([parts[0][1], parts[1][1]])
+            bc.offset = T
+        mx.eval([(c.keys, c.values) for c in self._cache])
+        self._pads = [p + T - S for p in self._pads] + [T - length]
+        self._rows.append(row)
+
+    # ------------------------------------------------------------------ decode
+    def _step(self):
+        rows = self._rows
+        y = mx.array([r.tokens[-1] for r in rows])
+        positions = mx.array([r.position for r in rows])
+        S = self._cache[0].offset
+        key_mask = None
+        if any(self._pads):
+            key_mask = mx.array(np.arange(S + 1)[None, :] >= np.asarray(self._pads)[:, None])
+        logits = decode_step(self.model, y, self._cache, positions, key_mask)
+        self.batch_sizes[len(rows)] += 1
+        self.metrics["decode_steps"] += 1
+        sampled = []
+        for b, row in enumerate(rows):
+            row.position += 1
+            if row.history is not None:
+                row.history.append(row.tokens[-1])
+            sampled.append(self._sample(row, logits[b: b + 1]))
+        mx.eval(sampled)
+        for row, (token, logprobs) in zip(rows, sampled):
+            if row.handle.cancelled:
+                row.finish = "cancelled"
+                self.metrics["cancelled"] += 1
+            else:
+                self._emit(row, int(token.item()), logprobs)
+        done = [i for i, r in enumerate(rows) if r.finish]
+        if done:
+            self._remove(done)
+
+    def _remove(self, done: List[int]):
+        S = self._cache[0].offset
+        for i in done:
+            pad = self._pads[i]
+            row_cache = _extract(self._cache, i, pad, S)
+            self._finish(self._rows[i], row_cache)
+        keep = [i for i in range(len(self._rows)) if i not in set(done)]
+        if not keep:
+            self._rows, self._cache, self._pads = [], None, []
+            return
+        trim = min(self._pads[i] for i in keep)
+        index = mx.array(keep)
+        for c in self._cache:
+            c.keys, c.values = c.keys[index, :, trim:S], c.values[index, :, trim:S]
+            c.offset = S - trim
+        mx.eval([(c.keys, c.values) for c in self._cache])
+        self._rows = [self._rows[i] for i in keep]
+        self._pads = [self._pads[i] - trim for i in keep]
+
+    # ------------------------------------------------------------------ output
+    def _emit(self, row: _Row, token: int, logprobs):
+        p = row.prepared
+        row.tokens.append(token)
+        finish = None
+        if token in self.eos:
+            finish = "stop"
+        else:
+            row.detok.add_token(token)
+        if finish is None and (len(row.tokens) >= p.max_tokens):
+            finish = "length"
+        if finish:
+            row.detok.finalize()
+        row.text += row.detok.last_segment
+        stops = p.sampling.stop
+        if stops:
+            hits = [i for i in (row.text.find(s, max(0, row.sent - len(s))) for s in stops) if i >= 0]
+            if hits:
+                row.text, finish = row.text[:min(hits)], "stop"
+        end = len(row.text) if finish or not stops else len(row.text) - _holdback(row.text, stops)
+        event = {"type": "token", "text": row.text[row.sent:end], "token": token}
+        row.sent = max(row.sent, end)
+        if p.sampling.logprobs:
+            event["logprobs"] = self._logprob_entry(token, logprobs, p.sampling.top_logprobs)
+        row.handle.emit(event)
+        if finish:
+            row.finish = finish
+            self.metrics["completion_tokens"] += len(row.tokens)
+
+    def _logprob_entry(self, token, logprobs, top):
+        lp = np.asarray(logprobs[0].astype(mx.float32))
+        decode = self.processor.tokenizer.decode
+
+        def item(t):
+            s = decode([int(t)])
+            return {"token": s, "logprob": float(lp[t]), "bytes": list(s.encode("utf-8"))}
+
+        entry = item(token)
+        best = np.argsort(-lp, kind="stable")[:top] if top else []
+        entry["top_logprobs"] = [item(t) for t in best]
+        return entry
+
+    def _finish(self, row: _Row, caches):
+        p = row.prepared
+        # The last sampled token was never fed, so the cache holds the prompt and the others.
+        key = np.concatenate([p.key, np.asarray(row.tokens[:-1], np.int64)])
+        if row.finish != "cancelled":
+            row.handle.emit({"type": "done", "finish_reason": row.finish, "prompt_tokens": p.prompt_tokens,
+                             "completion_tokens": len(row.tokens), "cached_tokens": row.cached})
+        self.prefix.insert(key[:caches[0].offset], caches)
+
+
+def _settle(model):
+    """Evaluate the model's weights and precomputed tables (rotary frequencies) here: a lazy array
+    made on this thread's stream cannot be evaluated from the model thread."""
+    arrays = []
+    for _, module in model.named_modules():
+        for value in vars(module).values():
+            if isinstance(value, mx.array):
+                arrays.append(value)
+            elif hasattr(value, "__dict__") and not isinstance(value, type):
+                arrays += [a for a in vars(value).values() if isinstance(a, mx.array)]
+    mx.eval(arrays, model.parameters())
+
+
+def _extract(caches, i, pad, S):
+    from mlx_lm.models.cache import KVCache
+
+    out = []
+    for c in caches:
+        n = KVCache()
+        n.keys = mx.contiguous(c.keys[i:i + 1, :, pad:S])
+        n.values = mx.contiguous(c.values[i:i + 1, :, pad:S])
+        n.offset = S - pad
+        out.append(n)
+    return out
+
+
+def _as_api_error(e) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, Qwen3VLError):
+        return APIError(400, str(e), code="invalid_input")
+    return APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")

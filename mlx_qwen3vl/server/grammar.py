@@ -1,0 +1,96 @@
+"""Constrained decoding with llguidance: `response_format` (json_object, json_schema) and forced
+tool calls (`tool_choice` "required" or a named function) as mlx-lm-style logits processors.
+
+llguidance was picked over xgrammar (which needs torch, not a runtime dependency here) and
+outlines-core; its mask is computed per token on the CPU (see benchmarks/README.md, "Server").
+"""
+
+import json
+import threading
+
+import mlx.core as mx
+import numpy as np
+
+from .protocol import APIError
+
+# Compact JSON (no free whitespace): a model cannot pad its answer with blanks until the limit.
+COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarFactory:
+    """Compiles grammars for one tokenizer; the llguidance tokenizer is built once, lazily."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int):
+        self.tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, eos_token_id
+        self._lltok = None
+        self._lock = threading.Lock()
+
+    def _llg_tokenizer(self):
+        import llguidance.hf
+
+        with self._lock:
+            if self._lltok is None:
+                self._lltok = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
+                                                          eos_token=self.eos)
+            return self._lltok
+
+    def _processor(self, grammar: str, param: str):
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar)
+        if matcher.is_error():
+            raise APIError(400, f"'{param}' could not be compiled: {matcher.get_error()}", param=param,
+                           code="invalid_schema")
+        return GrammarProcessor(matcher, self.vocab_size)
+
+    def json_schema(self, schema: dict, param="response_format"):
+        import llguidance
+
+        schema = {**schema, "x-guidance": {**COMPACT, **schema.get("x-guidance", {})}}
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, f"'{param}' is not a usable JSON schema: {e}", param=param,
+                           code="invalid_schema") from None
+        return self._processor(grammar, param)
+
+    def tool_call(self, tools, name=None):
+        """One `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` block, for the
+        named function or any of `tools`, in the Qwen3-VL template's format."""
+        import llguidance
+
+        options = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+        calls = [{"type": "object", "properties": {
+                     "name": {"const": f["name"]},
+                     "arguments": f.get("parameters") or {"type": "object"}},
+                  "required": ["name", "arguments"], "additionalProperties": False} for f in options]
+        schema = {"anyOf": calls} if len(calls) > 1 else calls[0]
+        schema["x-guidance"] = COMPACT
+        ids = [self.tokenizer.convert_tokens_to_ids(t) for t in ("<tool_call>", "</tool_call>")]
+        if any(i is None or i == self.tokenizer.unk_token_id for i in ids):
+            raise APIError(400, "this checkpoint's tokenizer has no <tool_call> token; tool_choice "
+                           "'required' cannot be enforced", param="tool_choice")
+        lark = f'start: <[{ids[0]}]> "\\n" call "\\n" <[{ids[1]}]>\ncall: %json {json.dumps(schema)}\n'
+        return self._processor(llguidance.LLMatcher.grammar_from_lark(lark), "tool_choice")
+
+
+class GrammarProcessor:
+    """(tokens, logits) → logits with every token the grammar forbids at -inf. `tokens` is the
+    whole sequence so far (prompt + answer), as mlx-lm passes it; the first call marks where the
+    answer starts, later calls feed the tokens sampled since into the matcher."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher, self.vocab_size = matcher, vocab_size
+        self.seen = None
+
+    def __call__(self, tokens, logits):
+        n = int(tokens.shape[0])
+        if self.seen is not None and n > self.seen:
+            for t in np.asarray(tokens[self.seen:]).tolist():
+                if not self.matcher.consume_token(int(t)):
+                    raise APIError(500, f"constrained decoding failed: {self.matcher.get_error()}",
+                                   code="grammar_error")
+        self.seen = n
+        bits = np.frombuffer(self.matcher.compute_bitmask(), np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")[: logits.shape[-1]].astype(bool)
+        return mx.where(mx.array(allowed), logits, mx.array(-np.inf, logits.dtype))

@@ -1,0 +1,102 @@
+"""An OpenAI chat request → model inputs: media resolved under the server's policy, the chat
+template rendered with the tools, tokens and pixels from the processor, the cache key, the
+sampling limits and any grammar. Runs on the HTTP side's thread pool, never on the model thread."""
+
+import os
+import threading
+
+from ..errors import Qwen3VLError
+from .cache import cache_key, media_hashes
+from .engine import Prepared
+from .fetch import resolve_image, resolve_video
+from .protocol import APIError, ChatRequest
+
+
+def _text_of(content):
+    if isinstance(content, str) or content is None:
+        return content or ""
+    return "".join(p["text"] for p in content if p.get("type") == "text")
+
+
+def convert_messages(messages, policy, temp_files):
+    """OpenAI messages → (template messages with media placeholders, images, videos), in order."""
+    out, images, videos = [], [], []
+    for i, m in enumerate(messages):
+        role = "system" if m["role"] == "developer" else m["role"]
+        msg = {"role": role}
+        content = m.get("content")
+        if isinstance(content, list) and role == "user":
+            parts = []
+            for j, part in enumerate(content):
+                kind = part["type"]
+                param = f"messages[{i}].content[{j}].{kind}"
+                if kind == "text":
+                    parts.append({"type": "text", "text": part["text"]})
+                    continue
+                ref = part[kind]
+                url = ref["url"] if isinstance(ref, dict) else ref
+                if kind == "image_url":
+                    images.append(resolve_image(url, policy, param + ".url"))
+                    parts.append({"type": "image"})
+                else:
+                    videos.append(resolve_video(url, policy, param + ".url", temp_files))
+                    parts.append({"type": "video"})
+            msg["content"] = parts
+        else:
+            msg["content"] = _text_of(content)
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = m["tool_calls"]
+        if role == "tool" and m.get("tool_call_id"):
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
+    return out, images, videos
+
+
+class PromptBuilder:
+    def __init__(self, engine, policy, grammars):
+        self.engine, self.policy, self.grammars = engine, policy, grammars
+        self.processor = engine.processor
+        self._lock = threading.Lock()  # one tokenizer / processor call at a time
+
+    def build(self, req: ChatRequest) -> Prepared:
+        temp_files = []
+        try:
+            messages, images, videos = convert_messages(req.messages, self.policy, temp_files)
+            tools = req.tools if req.tool_choice != "none" else None
+            with self._lock:
+                try:
+                    text = self.processor.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                              **req.chat_template_kwargs)
+                    inputs = self.processor(text=text, images=images or None, videos=videos or None,
+                                            min_pixels=req.min_pixels, max_pixels=req.max_pixels)
+                except Qwen3VLError as e:
+                    raise APIError(400, str(e), param="messages", code="invalid_input") from None
+                except (TypeError, ValueError) as e:  # the template rejected the conversation
+                    raise APIError(400, f"the chat template could not render these messages: {e}",
+                                   param="messages", code="invalid_input") from None
+        finally:
+            for path in temp_files:
+                os.unlink(path)
+        if "mm_token_type_ids" not in inputs:
+            import numpy as np
+
+            inputs["mm_token_type_ids"] = np.zeros_like(inputs["input_ids"])
+        hashes = media_hashes(inputs)
+        key = cache_key(inputs, hashes, self.engine.merge_size)
+        n_prompt, context = len(key), self.engine.context
+        if n_prompt >= context:
+            raise APIError(400, f"the prompt has {n_prompt} tokens, past this model's context of {context}; "
+                           "send fewer or smaller images, or shorter messages", param="messages",
+                           code="context_length_exceeded")
+        s = req.sampling
+        max_tokens = min(s.max_tokens or self.engine.default_max_tokens, context - n_prompt)
+        processors = []
+        if req.response_format is not None:
+            rf = req.response_format
+            schema = {"type": "object"} if rf["type"] == "json_object" else rf["json_schema"].get("schema", {})
+            processors.append(self.grammars.json_schema(schema))
+        elif req.tools and (req.tool_choice == "required" or isinstance(req.tool_choice, dict)):
+            name = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
+            processors.append(self.grammars.tool_call(req.tools, name))
+        return Prepared(inputs=inputs, key=key, hashes=hashes, sampling=s, max_tokens=max_tokens,
+                        processors=processors)

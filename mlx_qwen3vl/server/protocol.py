@@ -1,0 +1,246 @@
+"""The OpenAI chat-completions wire format: request validation into `ChatRequest`, error bodies,
+and the response / stream-chunk dictionaries.
+
+Every check names the field (`param`) and what to send instead, and answers with OpenAI's error
+body `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOP = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type: Optional[str] = None, param: Optional[str] = None,
+                 code: Optional[str] = None, headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                             413: "request_too_large", 429: "rate_limit_error",
+                             503: "server_overloaded"}.get(status, "server_error")
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _invalid(param, message, code="invalid_value"):
+    return APIError(400, message, param=param, code=code)
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: Optional[int] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    seed: Optional[int] = None
+    stop: List[str] = field(default_factory=list)
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+@dataclass
+class ChatRequest:
+    messages: List[dict]  # OpenAI messages, validated (media URLs still unresolved)
+    sampling: SamplingParams
+    model: Optional[str] = None
+    stream: bool = False
+    include_usage: bool = False
+    tools: Optional[List[dict]] = None
+    tool_choice: Any = "auto"
+    response_format: Optional[dict] = None
+    min_pixels: Optional[int] = None
+    max_pixels: Optional[int] = None
+    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
+
+
+def _number(body, name, lo=None, hi=None, *, integer=False, lo_open=False, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        raise _invalid(name, f"'{name}' must be {kind}, got {type(value).__name__}", "invalid_type")
+    if not math.isfinite(value):
+        raise _invalid(name, f"'{name}' must be finite")
+    if lo is not None and (value <= lo if lo_open else value < lo) or hi is not None and value > hi:
+        lo_s = "" if lo is None else f"{'>' if lo_open else '>='} {lo}"
+        hi_s = "" if hi is None else f"<= {hi}"
+        raise _invalid(name, f"'{name}' is {value}; it must be {' and '.join(s for s in (lo_s, hi_s) if s)}")
+    return value
+
+
+def _check_content(i, message):
+    role = message["role"]
+    content = message.get("content")
+    param = f"messages[{i}].content"
+    if content is None:
+        if role == "assistant" and message.get("tool_calls"):
+            return
+        raise _invalid(param, f"'{param}' is missing; send a string or a list of content parts", "missing_field")
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise _invalid(param, f"'{param}' must be a string or a list of content parts", "invalid_type")
+    for j, part in enumerate(content):
+        p = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise _invalid(p, f"'{p}' must be an object with a 'type'", "invalid_type")
+        kind = part.get("type")
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise _invalid(f"{p}.text", f"'{p}.text' must be a string", "invalid_type")
+        elif kind in ("image_url", "video_url"):
+            ref = part.get(kind)
+            url = ref.get("url") if isinstance(ref, dict) else ref
+            if not isinstance(url, str) or not url:
+                raise _invalid(f"{p}.{kind}.url", f"'{p}.{kind}.url' must be a non-empty string", "invalid_type")
+            if role not in ("user", "system", "developer"):
+                raise _invalid(p, f"'{p}': {kind.split('_')[0]}s are only accepted in user messages")
+        else:
+            raise _invalid(f"{p}.type", f"'{p}.type' is {kind!r}; use 'text', 'image_url' or 'video_url'")
+
+
+def _check_tools(tools, tool_choice):
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise _invalid("tools", "'tools' must be a list of {'type': 'function', 'function': {...}}", "invalid_type")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or tool.get("type", "function") != "function":
+            raise _invalid(f"tools[{i}]", f"'tools[{i}]' must be {{'type': 'function', 'function': {{'name': ...}}}}")
+        if "parameters" in fn and not isinstance(fn["parameters"], dict):
+            raise _invalid(f"tools[{i}].function.parameters", "function parameters must be a JSON schema object")
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice.get("function"), dict) else None
+        if name not in {t["function"]["name"] for t in tools}:
+            raise _invalid("tool_choice", f"'tool_choice' names function {name!r}, which is not in 'tools'")
+    elif tool_choice not in ("auto", "none", "required"):
+        raise _invalid("tool_choice", "'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', ...}")
+
+
+def _check_response_format(rf):
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise _invalid("response_format", "'response_format.type' must be 'text', 'json_object' or 'json_schema'")
+    if rf["type"] == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise _invalid("response_format.json_schema", "'response_format.json_schema' must be "
+                           "{'name': ..., 'schema': {...}}")
+    return None if rf["type"] == "text" else rf
+
+
+def parse_chat_request(body) -> ChatRequest:
+    if not isinstance(body, dict):
+        raise _invalid(None, "the request body must be a JSON object", "invalid_type")
+    messages = body.get("messages")
+    if messages is None:
+        raise _invalid("messages", "'messages' is required", "missing_field")
+    if not isinstance(messages, list) or not messages:
+        raise _invalid("messages", "'messages' must be a non-empty list", "invalid_type")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise _invalid(f"messages[{i}]", f"'messages[{i}]' must be an object with 'role' and 'content'",
+                           "invalid_type")
+        if m.get("role") not in ROLES:
+            raise _invalid(f"messages[{i}].role", f"'messages[{i}].role' is {m.get('role')!r}; use one of "
+                           + ", ".join(ROLES))
+        _check_content(i, m)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _invalid("model", "'model' must be a string", "invalid_type")
+    for name in ("stream", "logprobs"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise _invalid(name, f"'{name}' must be true or false", "invalid_type")
+    n = _number(body, "n", 1, 1, integer=True)
+    del n  # one choice per request (n > 1 is refused above)
+
+    max_tokens = _number(body, "max_completion_tokens", 1, integer=True)
+    if max_tokens is None:
+        max_tokens = _number(body, "max_tokens", 1, integer=True)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
+        raise _invalid("stop", f"'stop' must be a non-empty string or a list of at most {MAX_STOP} of them")
+    top_k = _number(body, "top_k", -1, integer=True, default=0)
+    top_logprobs = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True, default=0)
+    if top_logprobs and not body.get("logprobs"):
+        raise _invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 0, 2, default=1.0),
+        top_p=_number(body, "top_p", 0, 1, lo_open=True, default=1.0),
+        top_k=max(top_k, 0),
+        min_p=_number(body, "min_p", 0, 1, default=0.0),
+        repetition_penalty=_number(body, "repetition_penalty", 0, 10, lo_open=True),
+        presence_penalty=_number(body, "presence_penalty", -2, 2),
+        frequency_penalty=_number(body, "frequency_penalty", -2, 2),
+        seed=_number(body, "seed", 0, 2**63 - 1, integer=True),
+        stop=stop, logprobs=bool(body.get("logprobs")), top_logprobs=top_logprobs,
+    )
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise _invalid("stream_options", "'stream_options' must be an object", "invalid_type")
+    tools, tool_choice = body.get("tools"), body.get("tool_choice", "auto")
+    _check_tools(tools, tool_choice)
+    mm = body.get("mm_processor_kwargs") or {}
+    if not isinstance(mm, dict):
+        raise _invalid("mm_processor_kwargs", "'mm_processor_kwargs' must be an object", "invalid_type")
+    pixels = {k: _number(body, k, 1, integer=True, default=_number(mm, k, 1, integer=True))
+              for k in ("min_pixels", "max_pixels")}
+    if pixels["min_pixels"] and pixels["max_pixels"] and pixels["min_pixels"] > pixels["max_pixels"]:
+        raise _invalid("min_pixels", "'min_pixels' is larger than 'max_pixels'")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise _invalid("chat_template_kwargs", "'chat_template_kwargs' must be an object", "invalid_type")
+    return ChatRequest(
+        messages=messages, sampling=sampling, model=model, stream=bool(body.get("stream")),
+        include_usage=bool(stream_options.get("include_usage")), tools=tools or None,
+        tool_choice=tool_choice if tools else "none", response_format=_check_response_format(body.get("response_format")),
+        chat_template_kwargs=kwargs, **pixels,
+    )
+
+
+# ------------------------------------------------------------------------------------ responses
+
+
+def completion_id() -> str:
+    return "chatcmpl-" + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens, completion_tokens, cached_tokens) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def chat_response(cid, model, message, finish_reason, logprobs, use) -> dict:
+    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
+            "usage": use}
+
+
+def chunk(cid, model, delta=None, finish_reason=None, logprobs=None, use=None, choices=True) -> dict:
+    out = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+           "choices": [{"index": 0, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish_reason}]
+           if choices else []}
+    if use is not None:
+        out["usage"] = use
+    return out
