@@ -1,0 +1,392 @@
+"""The OpenAI-compatible server, end to end: a real server process on a free 127.0.0.1 port with
+the tiny fixture checkpoint, called with the real `openai` client (and raw HTTP for bad input).
+Answers are compared with generate() run in this process (greedy, token for token via the text)."""
+
+import base64
+import http.client
+import http.server
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import mlx_qwen3vl as M
+from conftest import FIXTURES, load_fixture_model
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+ROOT = FIXTURES.parents[1]
+MEDIA = FIXTURES / "media"
+KEY = "test-key"
+CHECKPOINT = "tiny-a"
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *args):
+        self.port = _free_port()
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlx_qwen3vl.server", "--model", str(FIXTURES / CHECKPOINT), "--port",
+             str(self.port), *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.log, self.ready = [], threading.Event()
+        threading.Thread(target=self._drain, daemon=True).start()
+        if not self.ready.wait(120):
+            self.stop()
+            raise RuntimeError("server did not start:\n" + "".join(self.log))
+        assert self.request("GET", "/health")[0] == 200
+
+    def _drain(self):
+        for line in self.proc.stderr:
+            self.log.append(line)
+            if "Uvicorn running on" in line:
+                self.ready.set()
+        self.ready.set()  # exited: wake the waiter, which then sees the log
+
+    def request(self, method, path, body=None, headers=None, key=KEY):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        h = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
+        data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
+        conn.request(method, path, body=data, headers=h)
+        r = conn.getresponse()
+        raw = r.read()
+        conn.close()
+        return r.status, json.loads(raw) if raw else None
+
+    def metrics(self):
+        return self.request("GET", "/metrics")[1]
+
+    def client(self):
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--api-key", KEY, "--max-body-bytes", "1000000", "--allowed-local-media-path", str(MEDIA),
+               "--log-level", "info")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def local():
+    return load_fixture_model(CHECKPOINT), M.Processor.from_pretrained(FIXTURES / CHECKPOINT)
+
+
+def png_bytes(name=None, array=None):
+    if name is not None:
+        return (MEDIA / name).read_bytes()
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes, subtype=True):
+    return ("data:image/png;base64," if subtype else "data:image;base64,") + base64.b64encode(data).decode()
+
+
+def user(text, *images, subtype=True):
+    return {"role": "user", "content": [*({"type": "image_url", "image_url": {"url": data_url(i, subtype)}}
+                                          for i in images), {"type": "text", "text": text}]}
+
+
+def local_messages(messages):
+    """The same conversation for generate(): images as bytes."""
+    out = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, list):
+            content = [{"type": "image", "image": base64.b64decode(p["image_url"]["url"].split(",", 1)[1])}
+                       if p["type"] == "image_url" else p for p in content]
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def expected(local, messages, max_tokens, **kw):
+    model, processor = local
+    return M.generate(model, processor, messages=local_messages(messages), max_tokens=max_tokens, **kw)
+
+
+def test_answer_and_stream_with_image_equal_generate(server, local):
+    client = server.client()
+    for subtype in (True, False):
+        messages = [user("Describe the picture.", png_bytes("img_123x77.png"), subtype=subtype)]
+        want = expected(local, messages, 12)
+        r = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
+        assert r.choices[0].message.content == want.text
+        assert r.choices[0].finish_reason == want.finish_reason
+        assert r.usage.prompt_tokens == want.prompt_tokens and r.usage.completion_tokens == len(want.token_ids)
+
+        pieces, usage, finish = [], None, None
+        for chunk in client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True}):
+            if chunk.usage:
+                usage = chunk.usage
+            for c in chunk.choices:
+                pieces.append(c.delta.content or "")
+                finish = c.finish_reason or finish
+        assert "".join(pieces) == want.text and finish == want.finish_reason
+        assert usage.prompt_tokens == want.prompt_tokens
+        assert usage.prompt_tokens_details.cached_tokens == want.prompt_tokens - 1  # the same prompt again
+
+
+def test_models_health_and_logprobs(server, local):
+    status, body = server.request("GET", "/v1/models")
+    assert status == 200 and body["data"][0]["id"].endswith(CHECKPOINT)
+    messages = [user("Hi", png_bytes("img_90x260.png"))]
+    r = server.client().chat.completions.create(model="m", messages=messages, max_tokens=4, temperature=0,
+                                                logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.top_logprobs[0].logprob == t.logprob for t in content)  # greedy: the best token
+
+
+def test_stop_string_across_tokens(server, local):
+    messages = [user("Say something.")]
+    full = expected(local, messages, 16).text
+    stop = full[5:9]  # a piece of the answer, likely across token boundaries
+    r = server.client().chat.completions.create(model="m", messages=messages, max_tokens=16, temperature=0, stop=[stop])
+    assert r.choices[0].message.content == full[:full.find(stop)] and r.choices[0].finish_reason == "stop"
+    text = "".join(c.choices[0].delta.content or "" for c in server.client().chat.completions.create(
+        model="m", messages=messages, max_tokens=16, temperature=0, stop=[stop], stream=True) if c.choices)
+    assert text == full[:full.find(stop)]
+
+
+def test_concurrent_clients_get_their_single_answers_decoded_together(server, local):
+    images = [png_bytes(n) for n in ("img_123x77.png", "img_300x200.png", "img_90x260.png")]
+    # 10 distinct requests of different lengths (so rows are padded), each sent 4 times in all.
+    distinct = [[user(f"Request {k}: what is shown?" + " more" * (k % 4), images[k % 3])] if k % 4 else
+                [user(f"Request {k}, text only" + " please" * k)] for k in range(10)]
+    jobs = [distinct[(3 * c + r) % 10] for c in range(8) for r in range(5)]
+    wants = {json.dumps(m): expected(local, m, 8).text for m in distinct}
+    before = server.metrics()["decode_steps_by_batch_size"]
+
+    def client_run(c):
+        client = server.client()
+        return [client.chat.completions.create(model="m", messages=jobs[c * 5 + r], max_tokens=8,
+                                               temperature=0).choices[0].message.content for r in range(5)]
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = sum(pool.map(client_run, range(8)), [])
+    assert answers == [wants[json.dumps(m)] for m in jobs]
+    after = server.metrics()["decode_steps_by_batch_size"]
+    batched = sum(v - before.get(k, 0) for k, v in after.items() if int(k) >= 2)
+    assert batched > 0, after  # some decode steps ran several requests' rows together
+
+
+def test_agent_conversation_reuses_each_turn(server, local):
+    """History resent each turn, a new same-size screenshot each turn: each turn's cached tokens
+    cover the previous prompt, and each answer equals a fresh run of the whole conversation."""
+    base = np.asarray(Image.open(MEDIA / "img_300x200.png").convert("RGB").resize((96, 64)))
+    client, messages, previous = server.client(), [{"role": "system", "content": "You are a GUI agent."}], 0
+    for turn in range(5):
+        screenshot = np.roll(base, 13 * turn, axis=1)
+        messages.append(user(f"Step {turn}: click the button.", png_bytes(array=screenshot), subtype=turn % 2 == 0))
+        want = expected(local, messages, 6)
+        r = client.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0)
+        assert r.choices[0].message.content == want.text, turn
+        assert r.usage.prompt_tokens_details.cached_tokens >= previous, turn
+        previous = r.usage.prompt_tokens
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+
+
+def test_same_size_image_never_reuses_another_images_state(server, local):
+    a = np.asarray(Image.open(MEDIA / "img_300x200.png").convert("RGB"))
+    client = server.client()
+    for img in (a, 255 - a):
+        messages = [user("What changed?", png_bytes(array=img))]
+        r = client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0)
+        assert r.choices[0].message.content == expected(local, messages, 8).text
+    # The second image's placeholders follow a few text tokens: only those may be reused.
+    assert r.usage.prompt_tokens_details.cached_tokens < 10
+
+
+def test_media_sources_and_pixel_budget(server, local):
+    data = png_bytes("img_300x200.png")
+    messages = [user("Where is it?", data)]
+    want = expected(local, messages, 6)
+    client = server.client()
+    url = (MEDIA / "img_300x200.png").as_uri()
+    r = client.chat.completions.create(model="m", max_tokens=6, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                     {"type": "text", "text": "Where is it?"}]}])
+    assert r.choices[0].message.content == want.text
+
+    handler = type("H", (http.server.SimpleHTTPRequestHandler,), {"log_message": lambda *a: None})
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: handler(*a, directory=str(MEDIA)))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        r = client.chat.completions.create(model="m", max_tokens=6, temperature=0, messages=[
+            {"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": f"http://127.0.0.1:{httpd.server_address[1]}/img_300x200.png"}},
+                {"type": "text", "text": "Where is it?"}]}])
+        assert r.choices[0].message.content == want.text
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+    small = expected(local, messages, 6, max_pixels=64 * 64)
+    r = client.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0,
+                                       extra_body={"max_pixels": 64 * 64})
+    assert r.usage.prompt_tokens == small.prompt_tokens < want.prompt_tokens
+    assert r.choices[0].message.content == small.text
+
+
+GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+
+
+def _with(**kw):
+    return {**GOOD, **kw}
+
+
+BAD = [
+    ("malformed json", b'{"messages": [', 400, None),
+    ("not an object", b"[1, 2]", 400, None),
+    ("missing messages", {"max_tokens": 2}, 400, "messages"),
+    ("messages not a list", _with(messages="hi"), 400, "messages"),
+    ("bad role", _with(messages=[{"role": "robot", "content": "hi"}]), 400, "messages[0].role"),
+    ("content wrong type", _with(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content"),
+    ("unknown part", _with(messages=[{"role": "user", "content": [{"type": "audio"}]}]), 400,
+     "messages[0].content[0].type"),
+    ("max_tokens wrong type", _with(max_tokens="ten"), 400, "max_tokens"),
+    ("temperature out of range", _with(temperature=3.5), 400, "temperature"),
+    ("top_p zero", _with(top_p=0), 400, "top_p"),
+    ("min_p out of range", _with(min_p=1.5), 400, "min_p"),
+    ("top_logprobs without logprobs", _with(top_logprobs=3), 400, "top_logprobs"),
+    ("n > 1", _with(n=2), 400, "n"),
+    ("undecodable image", _with(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8gd29ybGQ="}}]}]), 400, "messages"),
+    ("bad base64", _with(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image;base64"}}]}]), 400,
+     "messages[0].content[0].image_url.url"),
+    ("file outside allowed dirs", _with(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]), 400,
+     "messages[0].content[0].image_url.url"),
+    ("unreachable url", _with(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}]}]), 400,
+     "messages[0].content[0].image_url.url"),
+    ("prompt past the context", _with(messages=[{"role": "user", "content": "lorem ipsum " * 3000}]), 400, "messages"),
+    ("oversize body", _with(messages=[{"role": "user", "content": "x" * 1_200_000}]), 413, None),
+    ("bad schema", _with(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "nope"}}}}}), 400, "response_format"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_request_gets_its_error_and_the_server_keeps_serving(server, case):
+    _, body, status, param = case
+    got, err = server.request("POST", "/v1/chat/completions", body)
+    assert got == status, err
+    assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["message"]
+    assert err["error"]["param"] == param
+    assert server.request("POST", "/v1/chat/completions", GOOD)[0] == 200
+
+
+def test_api_key_required(server):
+    status, err = server.request("POST", "/v1/chat/completions", GOOD, key=None)
+    assert status == 401 and err["error"]["type"] == "authentication_error"
+    assert server.request("GET", "/v1/models", key="wrong")[0] == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="wrong", max_retries=0).models.list()
+    assert server.request("POST", "/v1/chat/completions", GOOD)[0] == 200
+
+
+def test_disconnect_frees_the_slot(server):
+    before = server.metrics().get("cancelled", 0)
+    stream = server.client().chat.completions.create(model="m", messages=[user("Tell a long story.")],
+                                                     max_tokens=3000, temperature=0, stream=True)
+    next(iter(stream))
+    stream.close()
+    for _ in range(5000):  # bounded: each poll is one request round trip
+        m = server.metrics()
+        if m["running"] == 0 and m.get("cancelled", 0) > before:
+            break
+    assert m["running"] == 0 and m.get("cancelled", 0) > before
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "click", "description": "Click a point on the screen",
+    "parameters": {"type": "object", "properties": {"target": {"type": "string", "enum": ["ok", "cancel"]},
+                                                    "double": {"type": "boolean"}},
+                   "required": ["target", "double"], "additionalProperties": False}}}]
+
+
+def test_tool_calls_parse_plain_and_streamed(server):
+    client = server.client()
+    messages = [user("Press OK.", png_bytes("img_123x77.png"))]
+    plain = client.chat.completions.create(model="m", messages=messages, max_tokens=20)
+    with_tools = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, max_tokens=1)
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens  # the template rendered the tools
+    r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="required",
+                                       max_tokens=60, temperature=0.8, seed=3)
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "click"
+    assert json.loads(call.function.arguments)["target"] in ("ok", "cancel")
+    calls = {}
+    for chunk in client.chat.completions.create(model="m", messages=messages, tools=TOOLS, max_tokens=60, stream=True,
+                                                tool_choice={"type": "function", "function": {"name": "click"}}):
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                calls.setdefault(tc.index, "")
+                calls[tc.index] += tc.function.arguments or ""
+    assert set(json.loads(calls[0])) == {"target", "double"}
+
+
+def test_json_schema_output_parses(server):
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+              "required": ["color", "ok"], "additionalProperties": False}
+    r = server.client().chat.completions.create(
+        model="m", messages=[user("Which color?")], max_tokens=40, temperature=1.0, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    value = json.loads(r.choices[0].message.content)
+    assert value["color"] in ("red", "green", "blue") and isinstance(value["ok"], bool)
+
+
+def test_tool_call_parser_across_pieces():
+    from mlx_qwen3vl.server.tools import ToolCallParser, split_tool_calls
+
+    text = 'Sure.<tool_call>\n{"name": "click", "arguments": {"x": 1}}\n</tool_call> done <tool'
+    parser, content, calls = ToolCallParser(), "", []
+    for i in range(0, len(text), 3):
+        c, new = parser.feed(text[i:i + 3])
+        content, calls = content + c, calls + new
+    c, new = parser.feed("", final=True)
+    assert content + c == "Sure. done <tool" and [x["function"]["name"] for x in calls + new] == ["click"]
+    assert split_tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+
+
+def test_queue_limit_answers_503_never_hangs():
+    s = Server("--max-batch", "1", "--max-queue", "1")
+    try:
+        body = _with(max_tokens=400, messages=[{"role": "user", "content": "Tell a long story."}])
+        with ThreadPoolExecutor(6) as pool:
+            statuses = list(pool.map(lambda _: s.request("POST", "/v1/chat/completions", body, key=None)[0], range(6)))
+        assert 200 in statuses and 503 in statuses and set(statuses) <= {200, 503}
+        assert s.request("POST", "/v1/chat/completions", GOOD, key=None)[0] == 200
+        # Defaults: no key needed when none is set; CORS headers only when asked for.
+        status = s.request("GET", "/v1/models", headers={"Origin": "http://example.test"}, key=None)[0]
+        assert status == 200
+    finally:
+        s.stop()
