@@ -56,18 +56,14 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else n
 
 
-def copy_cache(caches, length: int):
-    """Batch-1 KV caches holding the first `length` positions, as new arrays (the entry stays
-    intact: the copy's writes go to its own buffers)."""
-    from mlx_lm.models.cache import KVCache
-
-    out = []
-    for c in caches:
-        n = KVCache()
+def copy_cache(caches, length: int, fresh):
+    """Batch-1 KV caches (new ones from `fresh()`, the model's make_cache) holding the first
+    `length` positions of `caches`; the source stays intact: the copy writes to its own buffers."""
+    out = fresh()
+    for c, n in zip(caches, out):
         if length:
             n.keys, n.values = c.keys[..., :length, :], c.values[..., :length, :]
             n.offset = length
-        out.append(n)
     return out
 
 
@@ -105,11 +101,11 @@ class PrefixCache:
             self.entries.move_to_end(best)
         return best, best_n
 
-    def take(self, eid, length: int):
-        """Fresh batch-1 caches holding the entry's first `length` positions."""
+    def take(self, eid, length: int, fresh):
+        """New batch-1 caches (from `fresh()`) holding the entry's first `length` positions."""
         self.hits += 1
         self.reused_tokens += length
-        return copy_cache(self.entries[eid].caches, length)
+        return copy_cache(self.entries[eid].caches, length, fresh)
 
     def insert(self, key: np.ndarray, caches):
         if not len(key) or caches[0].keys is None:

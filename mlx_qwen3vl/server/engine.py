@@ -235,7 +235,7 @@ class Engine:
         if start:
             start, first_new = _media_split(inputs, start)
         if start:
-            cache = self.prefix.take(eid, start)
+            cache = self.prefix.take(eid, start, self.model.make_cache)
         else:
             self.prefix.misses += 1
             cache = self.model.make_cache()
@@ -320,7 +320,7 @@ class Engine:
         S = self._cache[0].offset
         for i in done:
             pad = self._pads[i]
-            row_cache = _extract(self._cache, i, pad, S)
+            row_cache = _extract(self._cache, i, pad, S, self.model.make_cache)
             self._finish(self._rows[i], row_cache)
         keep = [i for i in range(len(self._rows)) if i not in set(done)]
         if not keep:
@@ -400,16 +400,12 @@ def _settle(model):
     mx.eval(arrays, model.parameters())
 
 
-def _extract(caches, i, pad, S):
-    from mlx_lm.models.cache import KVCache
-
-    out = []
-    for c in caches:
-        n = KVCache()
+def _extract(caches, i, pad, S, fresh):
+    out = fresh()
+    for c, n in zip(caches, out):
         n.keys = mx.contiguous(c.keys[i:i + 1, :, pad:S])
         n.values = mx.contiguous(c.values[i:i + 1, :, pad:S])
         n.offset = S - pad
-        out.append(n)
     return out
 
 
