@@ -104,6 +104,11 @@ def run(server, args):
             turns = sum(pool.map(lambda c: conversation(client, model_id, c, args.turns, args.size, args.max_tokens,
                                                         args.seed), range(args.conversations)), [])
         wall = time.perf_counter() - tic
+        metrics = None
+        if server == "ours":
+            import urllib.request
+
+            metrics = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read())
     finally:
         proc.terminate()
         proc.wait(30)
@@ -116,7 +121,7 @@ def run(server, args):
         "completion_tok_per_s": sum(r["completion_tokens"] for r in turns) / wall,
         "requests_per_s": len(turns) / wall,
         "median_latency_by_turn_s": [statistics.median(x) for x in by_turn],
-        "turns": turns,
+        "server_metrics": metrics, "turns": turns,
     }
 
 

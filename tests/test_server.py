@@ -40,8 +40,7 @@ def _free_port():
 class Server:
     def __init__(self, *args):
         self.port = _free_port()
-        # One OpenBLAS thread: on a busy 2-core machine its spinning threads slow the tiny model 10x.
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlx_qwen3vl.server", "--model", str(FIXTURES / CHECKPOINT), "--port",
              str(self.port), *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

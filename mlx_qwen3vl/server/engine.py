@@ -190,17 +190,21 @@ class Engine:
                 if handle.cancelled:
                     self.metrics["cancelled"] += 1
                     continue
+                tic = time.perf_counter()
                 try:
                     self._start(handle)
                 except Exception as e:  # noqa: BLE001 — the request fails, the server keeps serving
                     handle.emit({"type": "error", "error": _as_api_error(e)})
+                self.metrics["prefill_s"] += time.perf_counter() - tic
             if self._rows:
+                tic = time.perf_counter()
                 try:
                     self._step()
                 except Exception as e:  # noqa: BLE001
                     for row in self._rows:
                         row.handle.emit({"type": "error", "error": _as_api_error(e)})
                     self._rows, self._cache, self._pads = [], None, []
+                self.metrics["decode_s"] += time.perf_counter() - tic
 
     # ------------------------------------------------------------------ prefill
     def _features(self, kind, inputs, hashes, first):
