@@ -19,6 +19,7 @@ import pytest
 from PIL import Image
 
 import mlx_qwen3vl as M
+from mlx_qwen3vl.server.__main__ import BLAS_ENV
 from conftest import FIXTURES, load_fixture_model
 
 openai = pytest.importorskip("openai")
@@ -26,6 +27,31 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
 ROOT = FIXTURES.parents[1]
+
+
+BLAS_THREADS = {"mkl_rt": ("MKL_Get_Max_Threads", "MKL_Set_Num_Threads"),
+                "openblas": ("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
+                "gomp": ("omp_get_max_threads", "omp_set_num_threads")}
+
+
+def _blas_threads(n=None):
+    """Set the BLAS libraries loaded in this process to n threads; returns their former counts."""
+    import ctypes
+    import re
+
+    before = {}
+    if sys.platform != "linux":
+        return before
+    for path in set(re.findall(r"(/\S+\.so[.\d]*)", open("/proc/self/maps").read())):
+        for key, (get, set_) in BLAS_THREADS.items():
+            if key in os.path.basename(path):
+                try:
+                    lib = ctypes.CDLL(path)
+                    before[path] = getattr(lib, get)()
+                    getattr(lib, set_)(n if isinstance(n, int) else n[path])
+                except (OSError, AttributeError, KeyError):
+                    pass
+    return before
 MEDIA = FIXTURES / "media"
 KEY = "test-key"
 CHECKPOINT = "tiny-a"
@@ -40,7 +66,8 @@ def _free_port():
 class Server:
     def __init__(self, *args):
         self.port = _free_port()
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        # The BLAS thread count the server would restart itself with (--blas-threads 1), set here.
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **dict.fromkeys(BLAS_ENV, "1")}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlx_qwen3vl.server", "--model", str(FIXTURES / CHECKPOINT), "--port",
              str(self.port), *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -92,7 +119,11 @@ def server():
 
 @pytest.fixture(scope="module")
 def local():
-    return load_fixture_model(CHECKPOINT), M.Processor.from_pretrained(FIXTURES / CHECKPOINT)
+    """The reference side (generate() in this process), with one BLAS thread as the server runs:
+    spinning BLAS threads beside the server's make both far slower on a busy 2-core machine."""
+    before = _blas_threads(1)
+    yield load_fixture_model(CHECKPOINT), M.Processor.from_pretrained(FIXTURES / CHECKPOINT)
+    _blas_threads(before)
 
 
 def png_bytes(name=None, array=None):
