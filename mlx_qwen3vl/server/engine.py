@@ -2,9 +2,10 @@
 
 Each loop iteration admits waiting requests (each is prefilled alone — reusing the longest cached
 prefix and cached vision features — and its first token sampled), joins them to the running
-batch, and decodes one token for every running row. The batch's KV cache is one mlx-lm `KVCache`
-per layer holding all rows left-padded to a common length; each row keeps its own 1D decode
-position (its cache length + its mRoPE rope delta), sampler, logits processors and stop strings.
+batch, and decodes one token for every running row. The batch's KV cache is one cache per layer
+(the model's own type, from make_cache) holding all rows left-padded to a common length; each
+row keeps its own 1D decode position (its cache length + its mRoPE rope delta), sampler, logits
+processors and stop strings.
 A row leaves when it stops, hits its limit or its client goes away; its cache then goes to the
 prefix cache. With a single row and no padding the step is exactly `generate()`'s decode step
 (the CPU fast path included).
@@ -86,7 +87,6 @@ class _Row:
         self.text, self.sent = "", 0
         self.finish: Optional[str] = None
         self.sampler, self.processors = engine.sampling(p)
-        self.started = time.perf_counter()
 
     @staticmethod
     def _needs_history(p):
