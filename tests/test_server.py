@@ -278,9 +278,9 @@ def test_media_sources_and_pixel_budget(server, local):
         httpd.shutdown()
         httpd.server_close()
 
-    small = expected(local, messages, 6, max_pixels=64 * 64)
+    small = expected(local, messages, 6, min_pixels=32 * 32, max_pixels=64 * 64)
     r = client.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0,
-                                       extra_body={"max_pixels": 64 * 64})
+                                       extra_body={"min_pixels": 32 * 32, "max_pixels": 64 * 64})
     assert r.usage.prompt_tokens == small.prompt_tokens < want.prompt_tokens
     assert r.choices[0].message.content == small.text
 

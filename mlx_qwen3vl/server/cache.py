@@ -2,58 +2,19 @@
 features keyed by pixels.
 
 Same-size images expand to identical placeholder tokens, so a prefix cache matched on token ids
-alone would hand one screenshot's keys and values to another (issue #19). Here every placeholder
-position's key is the content hash of the image or video it belongs to (hash of the preprocessed
-pixels and grid, negative so it never equals a token id): a cached prefix ends before the first
-image that differs, and the same screenshot resent in another encoding still matches.
+alone would hand one screenshot's keys and values to another (issue #19). Each entry keeps its
+token ids and its media keys (kind, span, content hash: prompt_cache.media_keys), and a request
+reuses what `prompt_cache.reusable_prefix` allows: the common prefix, cut before the first image
+or video that is not the same content at the same place.
 """
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional  # noqa: F401
 
 import mlx.core as mx
-import numpy as np
 
-from ..positions import IMAGE, VIDEO
-
-MEDIA = ((IMAGE, "pixel_values", "image_grid_thw"), (VIDEO, "pixel_values_videos", "video_grid_thw"))
-
-
-def media_hashes(inputs) -> dict:
-    """{kind: [hash per image / video]} of the preprocessed pixels and grid, as positive int63."""
-    out = {}
-    for kind, px, grid in MEDIA:
-        if grid not in inputs:
-            continue
-        pixels, grids = np.asarray(inputs[px]), np.asarray(inputs[grid])
-        rows = np.concatenate([[0], np.cumsum(grids.prod(-1))])
-        hashes = []
-        for k in range(len(grids)):
-            h = hashlib.blake2b(digest_size=8)
-            h.update(np.ascontiguousarray(grids[k]).tobytes())
-            h.update(np.ascontiguousarray(pixels[rows[k]:rows[k + 1]]).tobytes())
-            hashes.append(int.from_bytes(h.digest(), "little") >> 1)
-        out[kind] = hashes
-    return out
-
-
-def cache_key(inputs, hashes, merge_size: int) -> np.ndarray:
-    """Token ids with each image / video placeholder replaced by -(its content hash) - 1."""
-    key = np.asarray(inputs["input_ids"])[0].astype(np.int64).copy()
-    types = np.asarray(inputs["mm_token_type_ids"])[0]
-    for kind, _, grid in MEDIA:
-        if grid in inputs:
-            counts = np.asarray(inputs[grid]).prod(-1) // merge_size**2
-            key[types == kind] = np.repeat(-np.asarray(hashes[kind], np.int64) - 1, counts)
-    return key
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
+from ..prompt_cache import reusable_prefix
 
 
 def copy_cache(caches, length: int, fresh):
@@ -73,9 +34,16 @@ def _nbytes(caches) -> int:
 
 @dataclass
 class _Entry:
-    key: np.ndarray
+    tokens: List[int]
+    media: list  # prompt_cache.media_keys of the tokens
     caches: list
     nbytes: int
+
+
+def _extends(longer: _Entry, shorter_tokens, shorter_media) -> bool:
+    """Whether `longer` holds everything a (tokens, media) entry would."""
+    n = len(shorter_tokens)
+    return len(longer.tokens) >= n and longer.tokens[:n] == shorter_tokens and set(shorter_media) <= set(longer.media)
 
 
 class PrefixCache:
@@ -89,12 +57,12 @@ class PrefixCache:
         self._next = 0
         self.hits = self.misses = self.reused_tokens = 0
 
-    def lookup(self, key: np.ndarray):
-        """(entry id, matched length) for the entry sharing the longest prefix with key[:-1]
-        (the last prompt token is always computed: its logits start the answer), or (None, 0)."""
+    def lookup(self, inputs):
+        """(entry id, reusable length) of the entry that serves the most of the prompt `inputs`
+        (never its last token: its logits start the answer), or (None, 0)."""
         best, best_n = None, 0
         for eid, e in self.entries.items():
-            n = common_prefix(e.key, key[:-1])
+            n = reusable_prefix(e.tokens, e.media, inputs)
             if n > best_n:
                 best, best_n = eid, n
         if best is not None:
@@ -107,16 +75,16 @@ class PrefixCache:
         self.reused_tokens += length
         return copy_cache(self.entries[eid].caches, length, fresh)
 
-    def insert(self, key: np.ndarray, caches):
-        if not len(key) or caches[0].keys is None:
+    def insert(self, tokens: List[int], media: list, caches):
+        if not tokens or caches[0].keys is None:
             return
-        if any(len(e.key) >= len(key) and common_prefix(e.key, key) == len(key) for e in self.entries.values()):
-            return  # an entry already holds this whole prefix
-        for eid in [eid for eid, e in self.entries.items()  # entries this one extends are redundant
-                    if len(e.key) <= len(key) and common_prefix(e.key, key) == len(e.key)]:
-            self._drop(eid)
+        if any(_extends(e, tokens, media) for e in self.entries.values()):
+            return  # an entry already holds all of it
+        new = _Entry(tokens, media, caches, 0)
+        for eid in [eid for eid, e in self.entries.items() if _extends(new, e.tokens, e.media)]:
+            self._drop(eid)  # entries this one extends are redundant
         mx.eval([(c.keys, c.values) for c in caches])
-        entry = _Entry(key, caches, _nbytes(caches))
+        entry = _Entry(tokens, media, caches, _nbytes(caches))
         if entry.nbytes > self.max_bytes:
             return
         self.entries[self._next] = entry
@@ -140,7 +108,7 @@ class FeatureCache:
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self.items: "OrderedDict[int, list]" = OrderedDict()
+        self.items: "OrderedDict[str, list]" = OrderedDict()
         self.nbytes = 0
         self.hits = self.misses = 0
 

@@ -16,17 +16,20 @@ import collections
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import List, Optional
 
 import mlx.core as mx
 import numpy as np
 
 from ..backend import backend_of
 from ..errors import Qwen3VLError
-from ..generate import _media_split, decode_step, eos_token_ids
+from ..generate import decode_step, eos_token_ids
+from ..prompt_cache import media_hashes, media_spans
 from ..model import VisualFeatures
 from ..positions import IMAGE, VIDEO
-from .cache import MEDIA, FeatureCache, PrefixCache
+from .cache import FeatureCache, PrefixCache
+
+PIXELS = {IMAGE: ("pixel_values", "image_grid_thw"), VIDEO: ("pixel_values_videos", "video_grid_thw")}
 from .protocol import APIError, SamplingParams
 
 
@@ -35,15 +38,15 @@ class Prepared:
     """A request turned into model inputs (built off the worker thread)."""
 
     inputs: dict
-    key: np.ndarray  # cache key: token ids, media positions replaced by content hashes
-    hashes: dict  # {IMAGE / VIDEO: [content hash per image / video]}
+    tokens: List[int]  # the prompt's token ids
+    media: list  # prompt_cache.media_keys: (kind, start, end, content hash) per image / video
     sampling: SamplingParams
     max_tokens: int
     processors: list = field(default_factory=list)  # extra mlx-lm-style logits processors (grammar)
 
     @property
     def prompt_tokens(self) -> int:
-        return int(self.key.shape[0])
+        return len(self.tokens)
 
 
 class Handle:
@@ -81,7 +84,7 @@ class _Row:
         p = handle.prepared
         self.handle, self.prepared, self.cached = handle, p, cached
         self.tokens: List[int] = []
-        self.history = list(np.asarray(p.inputs["input_ids"])[0].tolist()) if self._needs_history(p) else None
+        self.history = list(p.tokens) if self._needs_history(p) else None
         self.position = 0
         self.detok = engine.tokenizer_wrapper.detokenizer
         self.text, self.sent = "", 0
@@ -207,14 +210,19 @@ class Engine:
                 self.metrics["decode_s"] += time.perf_counter() - tic
 
     # ------------------------------------------------------------------ prefill
-    def _features(self, kind, inputs, hashes, first):
-        """VisualFeatures of the images (or videos) from index `first` on, reusing cached ones."""
-        _, px, grid = next(m for m in MEDIA if m[0] == kind)
-        if grid not in inputs or first >= len(inputs[grid]):
+    def _features(self, kind, inputs, start):
+        """VisualFeatures of the images (or videos) that begin at or after token `start`, reusing
+        cached ones (by content hash)."""
+        px, grid = PIXELS[kind]
+        spans = media_spans(inputs)
+        hashes = {(m.kind, m.index): h for m, h in zip(spans, media_hashes(inputs, spans))}
+        later = [m.index for m in spans if m.kind == kind and m.start >= start]
+        if not later:
             return None
+        first = later[0]
         grids = np.asarray(inputs[grid])
         rows = np.concatenate([[0], np.cumsum(grids.prod(-1))])
-        parts = {k: self.features.get(hashes[kind][k]) for k in range(first, len(grids))}
+        parts = {k: self.features.get(hashes[kind, k]) for k in range(first, len(grids))}
         missing = [k for k, v in parts.items() if v is None]
         if missing:
             pixels = np.asarray(inputs[px])
@@ -226,7 +234,7 @@ class Engine:
             bounds = np.concatenate([[0], np.cumsum(counts)])
             for i, k in enumerate(missing):
                 parts[k] = [a[int(bounds[i]):int(bounds[i + 1])] for a in arrays]
-                self.features.put(hashes[kind][k], parts[k])
+                self.features.put(hashes[kind, k], parts[k])
         ordered = [parts[k] for k in range(first, len(grids))]
         joined = [mx.concatenate(list(col)) if len(col) > 1 else col[0] for col in zip(*ordered)]
         return VisualFeatures(joined[0], joined[1:])
@@ -234,10 +242,7 @@ class Engine:
     def _start(self, handle: Handle):
         p = handle.prepared
         inputs = p.inputs
-        eid, start = self.prefix.lookup(p.key)
-        first_new = {IMAGE: 0, VIDEO: 0}
-        if start:
-            start, first_new = _media_split(inputs, start)
+        eid, start = self.prefix.lookup(inputs)
         if start:
             cache = self.prefix.take(eid, start, self.model.make_cache)
         else:
@@ -246,8 +251,8 @@ class Engine:
         prepared = self.model.prepare_inputs(
             inputs["input_ids"], None, image_grid_thw=inputs.get("image_grid_thw"),
             video_grid_thw=inputs.get("video_grid_thw"), mm_token_type_ids=inputs.get("mm_token_type_ids"),
-            image_features=self._features(IMAGE, inputs, p.hashes, first_new[IMAGE]),
-            video_features=self._features(VIDEO, inputs, p.hashes, first_new[VIDEO]), start=start)
+            image_features=self._features(IMAGE, inputs, start),
+            video_features=self._features(VIDEO, inputs, start), start=start)
         n = prepared.inputs_embeds.shape[1]
         step = max(1, self.prefill_step_size)
         for s in range(0, n, step):
@@ -384,11 +389,11 @@ class Engine:
     def _finish(self, row: _Row, caches):
         p = row.prepared
         # The last sampled token was never fed, so the cache holds the prompt and the others.
-        key = np.concatenate([p.key, np.asarray(row.tokens[:-1], np.int64)])
+        tokens = p.tokens + row.tokens[:-1]
         if row.finish != "cancelled":
             row.handle.emit({"type": "done", "finish_reason": row.finish, "prompt_tokens": p.prompt_tokens,
                              "completion_tokens": len(row.tokens), "cached_tokens": row.cached})
-        self.prefix.insert(key[:caches[0].offset], caches)
+        self.prefix.insert(tokens[:caches[0].offset], p.media, caches)
 
 
 def _settle(model):

@@ -5,8 +5,10 @@ sampling limits and any grammar. Runs on the HTTP side's thread pool, never on t
 import os
 import threading
 
+import numpy as np
+
 from ..errors import Qwen3VLError
-from .cache import cache_key, media_hashes
+from ..prompt_cache import media_keys
 from .engine import Prepared
 from .fetch import resolve_image, resolve_video
 from .protocol import APIError, ChatRequest
@@ -78,12 +80,10 @@ class PromptBuilder:
             for path in temp_files:
                 os.unlink(path)
         if "mm_token_type_ids" not in inputs:
-            import numpy as np
-
             inputs["mm_token_type_ids"] = np.zeros_like(inputs["input_ids"])
-        hashes = media_hashes(inputs)
-        key = cache_key(inputs, hashes, self.engine.merge_size)
-        n_prompt, context = len(key), self.engine.context
+        tokens = np.asarray(inputs["input_ids"])[0].tolist()
+        media = media_keys(inputs)  # content hashes, computed here, off the model thread
+        n_prompt, context = len(tokens), self.engine.context
         if n_prompt >= context:
             raise APIError(400, f"the prompt has {n_prompt} tokens, past this model's context of {context}; "
                            "send fewer or smaller images, or shorter messages", param="messages",
@@ -98,5 +98,5 @@ class PromptBuilder:
         elif req.tools and (req.tool_choice == "required" or isinstance(req.tool_choice, dict)):
             name = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
             processors.append(self.grammars.tool_call(req.tools, name))
-        return Prepared(inputs=inputs, key=key, hashes=hashes, sampling=s, max_tokens=max_tokens,
+        return Prepared(inputs=inputs, tokens=tokens, media=media, sampling=s, max_tokens=max_tokens,
                         processors=processors)
