@@ -168,6 +168,30 @@ def test_ranks_with_different_checkpoints_fail_clearly():
         assert "rank(s) [1] have a different checkpoint" in line and "copy the same folder" in line
 
 
+def test_quantized_checkpoint_logits_equal_one_process(tmp_path):
+    """mlx-vlm's mixed 3/6-bit folder (quantized tied embedding split by vocabulary, 3-bit
+    projections split by rows and columns): every position's logits of an image prompt."""
+    path = FIXTURES / "mlxvlm-mixed_3_6"
+    image = str(FIXTURES / "media" / "img_123x77.png")
+    script = ("import mlx.core as mx, numpy as np, mlx_qwen3vl as M\n"
+              "from mlx_qwen3vl.generate import encode_prompt\n"
+              f"model, processor = M.load({str(path)!r})\n"
+              f"inputs = encode_prompt(processor, 'Describe the image.', images=[{image!r}])\n"
+              "r = mx.distributed.init().rank()\n"
+              f"np.save({str(tmp_path)!r} + f'/rank{{r}}.npy', np.array(model(**inputs)))\n")
+    p = launch("-c", script)
+    model, processor = M.load(path)
+    from mlx_qwen3vl.generate import encode_prompt
+
+    expected = np.array(model(**encode_prompt(processor, "Describe the image.", images=[image])))
+    assert all((tmp_path / f"rank{r}.npy").is_file() for r in range(2)), p.stdout + p.stderr
+    got = [np.load(tmp_path / f"rank{r}.npy") for r in range(2)]
+    np.testing.assert_array_equal(got[0], got[1])  # every rank sees the very same logits
+    # Sums split over ranks round differently (as the CPU path does against MLX here: ~1e-5).
+    assert got[0].shape == expected.shape
+    assert np.abs(got[0] - expected).max() <= 1e-4 * np.abs(expected).max()
+
+
 # --- in one process: what needs no second rank --------------------------------------------------
 class FakeGroup:
     def __init__(self, size, rank=0):
