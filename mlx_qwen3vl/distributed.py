@@ -44,7 +44,7 @@ import numpy as np
 from mlx.nn.layers.distributed import shard_linear
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .backend import MLX
+from .backend import MLXBackend
 from .errors import ConfigError, Qwen3VLError, WeightsError
 
 VISION_MODES = ("replicate", "heads")
@@ -260,9 +260,21 @@ def shard(model, group, vision: str = VISION_DEFAULT):
         _shard_vision(model.visual, group)
     # The plain MLX graph, explicitly: the CPU path's one-token decode stack reads whole weight
     # matrices and knows no collectives, so it is never installed on a sharded model.
-    model.backend = MLX
+    model.backend = ShardedMLX(group, vision)
     model.group = group
     return model
+
+
+class ShardedMLX(MLXBackend):
+    """The plain MLX graph of a model split over a group (what `--verbose` names)."""
+
+    def __init__(self, group, vision):
+        self.group, self.vision = group, vision
+
+    def describe(self) -> str:
+        vision = "replicated" if self.vision == "replicate" else "split by heads"
+        return (f"{super().describe()}, tensor parallel over {self.group.size()} ranks (this is rank "
+                f"{self.group.rank()}; vision tower {vision})")
 
 
 # ---------------------------------------------------------------------------------------------

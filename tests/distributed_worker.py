@@ -40,7 +40,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--vision", default=None)
+    p.add_argument("--heads-too", action="store_true", help="also run the cases with the vision tower split by heads")
     p.add_argument("--max-tokens", type=int, default=16)
     args = p.parse_args()
 
@@ -51,17 +51,21 @@ def main():
 
     group = mx.distributed.init()
     rank = group.rank()
-    if args.vision:
-        model, processor = distributed.load_sharded(args.model, group, vision=args.vision)
-    else:
-        model, processor = M.load(args.model)
+    model, processor = M.load(args.model)
     out = {"rank": rank, "size": group.size(), "sharded": distributed.is_sharded(model),
-           "backend": model.backend.name, "cases": {}}
+           "backend": model.backend.name, "describe": model.backend.describe()}
 
-    for case in CASES:
-        messages, fps = case_messages(case, rank)
-        r = M.generate(model, processor, messages=messages, video_fps=fps, max_tokens=args.max_tokens)
-        out["cases"][case] = r.token_ids
+    def run_cases(model, processor):
+        cases = {}
+        for case in CASES:
+            messages, fps = case_messages(case, rank)
+            cases[case] = M.generate(model, processor, messages=messages, video_fps=fps,
+                                     max_tokens=args.max_tokens).token_ids
+        return cases
+
+    out["cases"] = run_cases(model, processor)
+    if args.heads_too:
+        out["cases_heads"] = run_cases(*distributed.load_sharded(args.model, group, vision="heads"))
 
     media = FIXTURES / "media"
     img1, img2 = ([str(media / "img_300x200.png"), str(media / "img_90x260.png")] if rank == 0

@@ -63,7 +63,7 @@ def run_worker(checkpoint, tmp_path_factory, *extra):
 
 @pytest.fixture(scope="module", params=["tiny-a", "tiny-b"])
 def sharded_run(request, tmp_path_factory):
-    return request.param, run_worker(request.param, tmp_path_factory)
+    return request.param, run_worker(request.param, tmp_path_factory, "--heads-too")
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +95,7 @@ def test_sharded_ranks_run_the_plain_mlx_graph(sharded_run):
     for r, out in enumerate(ranks):
         assert out["rank"] == r and out["size"] == 2
         assert out["sharded"] and out["backend"] == "mlx"
+        assert f"tensor parallel over 2 ranks (this is rank {r}; vision tower replicated)" in out["describe"]
 
 
 def test_sharded_greedy_equals_one_process_and_transformers(sharded_run, single):
@@ -131,10 +132,10 @@ def test_bad_image_on_rank0_is_one_clear_error_on_every_rank(sharded_run):
     assert ranks[1]["bad_image"] == ranks[0]["bad_image"] + " (reported by rank 0)"
 
 
-def test_vision_sharded_by_heads_gives_the_same_answers(tmp_path_factory, single):
-    ranks = run_worker("tiny-a", tmp_path_factory, "--vision", "heads")
+def test_vision_sharded_by_heads_gives_the_same_answers(sharded_run, single):
+    checkpoint, ranks = sharded_run
     for out in ranks:
-        assert out["cases"] == single("tiny-a")["cases"]
+        assert out["cases_heads"] == single(checkpoint)["cases"]
 
 
 def test_cli_under_mlx_launch_prints_once():
@@ -229,6 +230,11 @@ def test_dimensions_that_do_not_divide_are_one_clear_error(n, vision, needle):
     with pytest.raises(ConfigError):
         distributed.shard(model, FakeGroup(n), vision)
     assert model.language_model.layers[0].self_attn.q_proj.weight.shape == before  # untouched
+
+
+def test_cpu_path_is_refused_for_a_sharded_model():
+    with pytest.raises(ConfigError, match="sharded models run the plain MLX graph"):
+        distributed.sharded_load(FIXTURES / "tiny-a", FakeGroup(2), backend="cpu")
 
 
 def test_vision_heads_that_do_not_divide(tmp_path):
