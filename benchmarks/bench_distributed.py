@@ -18,6 +18,7 @@ one process on this machine, talking over 127.0.0.1. Each worker reports, per ra
                           embedding's all_sum, the logits' all_gather), timed on this ring
   comm_bytes_per_token    what those collectives carry per rank
 
+Workloads are bench.py's (text256, image448, ...) and textN (a text prompt of N tokens).
 The preset's folder is bench.py's (benchmarks/models/, built once). 2B in float32 needs ~10 GB for
 one process and ~6 GB per rank: the driver refuses to start when less than --min-free-gb is free.
 """
@@ -75,6 +76,15 @@ def _comm_per_token(model, group, reps=20):
     return 1e3 * float(np.median(times)), sent
 
 
+def _messages(name, processor):
+    """bench.py's workloads, plus textN: a text prompt of N tokens (short runs on a busy machine)."""
+    from bench import ALL_WORKLOADS, _text_prompt, workload_messages
+
+    if name.startswith("text") and name not in ALL_WORKLOADS:
+        return [{"role": "user", "content": [{"type": "text", "text": _text_prompt(processor, int(name[4:]))}]}], {}
+    return workload_messages(name, processor)
+
+
 def worker(spec_path):
     spec = json.loads(Path(spec_path).read_text())
     import mlx.core as mx
@@ -83,7 +93,7 @@ def worker(spec_path):
     import mlx_qwen3vl as M
     from mlx_qwen3vl import distributed
     from mlx_qwen3vl.generate import encode_prompt, generate_tokens
-    from bench import workload_messages, WARMUP
+    from bench import WARMUP
 
     group = mx.distributed.init()
     rank = group.rank()
@@ -110,7 +120,7 @@ def worker(spec_path):
     model.get_image_features = model.get_video_features = timed_features
     sampler = lambda logprobs: mx.argmax(logprobs, axis=-1)
     for name in [WARMUP] + spec["workloads"]:
-        messages, kw = workload_messages(name, processor)
+        messages, kw = _messages(name, processor)
         inputs = encode_prompt(processor, messages=messages, **kw)
         n_tokens = 4 if name == WARMUP else spec["decode_tokens"]
         vision_time.clear()

@@ -26,7 +26,10 @@
   `sharded_load` does the same), and the ranks first compare a fingerprint of config.json and the
   safetensors headers, so different checkpoints on different machines fail at once.
 
-MoE checkpoints and a pipeline (layers split across ranks) are not sharded yet.
+- MoE layers (moe.py): the router replicated, every expert's intermediate dimension split (as
+  mlx-lm's Qwen3-MoE `shard`), one `all_sum` per layer.
+
+A pipeline (layers split across ranks) is not built yet.
 """
 
 import hashlib
@@ -41,7 +44,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.nn.layers.distributed import shard_linear
+from mlx.nn.layers.distributed import shard_inplace, shard_linear
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .backend import MLXBackend
@@ -147,6 +150,9 @@ def check_shardable(config, n: int, vision: str = VISION_DEFAULT):
         problems.append(f"num_key_value_heads={t.num_key_value_heads} (nor does {n} divide by it)")
     if t.intermediate_size % n:
         problems.append(f"intermediate_size={t.intermediate_size}")
+    moe_size = getattr(t, "moe_intermediate_size", None) if getattr(t, "num_experts", 0) else None
+    if moe_size and moe_size % n:
+        problems.append(f"moe_intermediate_size={moe_size}")
     if vision == "heads":
         if v.num_heads % n:
             problems.append(f"vision num_heads={v.num_heads}")
@@ -156,6 +162,21 @@ def check_shardable(config, n: int, vision: str = VISION_DEFAULT):
         raise ConfigError(
             f"cannot shard this model over {n} ranks: {', '.join(problems)} do not divide by {n}; "
             "launch a number of ranks that divides them (e.g. mlx.launch -n 2)"
+        )
+    # A quantized layer split by input columns keeps whole quantization groups on each rank.
+    q = config.quantization if isinstance(getattr(config, "quantization", None), dict) else {}
+    sizes = {int(v["group_size"]) for v in [q, *q.values()] if isinstance(v, dict) and "group_size" in v}
+    columns = {"o_proj input": t.num_attention_heads * t.head_dim, "intermediate_size": t.intermediate_size}
+    if moe_size:
+        columns["moe_intermediate_size"] = moe_size
+    if vision == "heads":
+        columns.update({"vision hidden_size": v.hidden_size, "vision intermediate_size": v.intermediate_size})
+    split = [f"{name} {size}/{n}" for name, size in columns.items() for g in sizes if (size // n) % g]
+    if split:
+        raise ConfigError(
+            f"cannot shard this quantized model over {n} ranks: {', '.join(sorted(set(split)))} is not a multiple "
+            f"of the quantization group size ({', '.join(map(str, sorted(sizes)))}); use fewer ranks, or convert "
+            "with a smaller --q-group-size"
         )
 
 
@@ -217,6 +238,23 @@ def _shard_mlp(mlp, up_names, down_name, group):
     setattr(mlp, down_name, shard_linear(getattr(mlp, down_name), "sharded-to-all", group=group))
 
 
+class ShardedExperts(nn.Module):
+    """A sparse MoE block with every expert's intermediate dimension split over the ranks (mlx-lm's
+    way): the router is replicated, each rank runs its part of each chosen expert, and the parts of
+    the weighted sum are summed over ranks (the weighting is linear, so summing last is exact)."""
+
+    def __init__(self, block, group):
+        super().__init__()
+        experts = block.switch_mlp
+        shard_inplace(experts.gate_proj, "all-to-sharded", group=group)
+        shard_inplace(experts.up_proj, "all-to-sharded", group=group)
+        shard_inplace(experts.down_proj, "sharded-to-all", group=group)
+        self.block, self.group = block, group
+
+    def __call__(self, x):
+        return mx.distributed.all_sum(self.block(x), group=self.group)
+
+
 def _shard_attention(attn, group):
     n, rank = group.size(), group.rank()
     attn.q_proj = shard_linear(attn.q_proj, "all-to-sharded", group=group)
@@ -245,13 +283,14 @@ def _shard_vision(visual, group):
 def shard(model, group, vision: str = VISION_DEFAULT):
     """Split a loaded (possibly still lazy) Qwen3-VL model over `group` in place; see the module
     docstring. Raises ConfigError when a dimension does not divide by the group size."""
-    if getattr(model.config, "model_type", "qwen3_vl") != "qwen3_vl":
-        raise ConfigError(f"sharding {model.config.model_type!r} checkpoints is not supported yet; run it on one rank")
     check_shardable(model.config, group.size(), vision)
     lm = model.language_model
     for layer in lm.layers:
         _shard_attention(layer.self_attn, group)
-        _shard_mlp(layer.mlp, ("gate_proj", "up_proj"), "down_proj", group)
+        if hasattr(layer.mlp, "switch_mlp"):  # MoE layer (moe.py); dense layers of an MoE model below
+            layer.mlp = ShardedExperts(layer.mlp, group)
+        else:
+            _shard_mlp(layer.mlp, ("gate_proj", "up_proj"), "down_proj", group)
     vocab = model.config.text_config.vocab_size
     lm.embed_tokens = VocabShardedEmbedding(lm.embed_tokens, vocab, group)
     if not model.config.tie_word_embeddings:
