@@ -25,6 +25,7 @@ from mlx_qwen3vl.errors import ConfigError
 
 ROOT = FIXTURES.parents[1]
 LAUNCH_TIMEOUT = 240
+IMAGE = str(FIXTURES / "media" / "img_123x77.png")
 pytestmark = pytest.mark.skipif(shutil.which("mlx.launch") is None, reason="mlx.launch is not on PATH")
 
 
@@ -169,28 +170,54 @@ def test_ranks_with_different_checkpoints_fail_clearly():
         assert "rank(s) [1] have a different checkpoint" in line and "copy the same folder" in line
 
 
-def test_quantized_checkpoint_logits_equal_one_process(tmp_path):
-    """mlx-vlm's mixed 3/6-bit folder (quantized tied embedding split by vocabulary, 3-bit
-    projections split by rows and columns): every position's logits of an image prompt."""
-    path = FIXTURES / "mlxvlm-mixed_3_6"
-    image = str(FIXTURES / "media" / "img_123x77.png")
-    script = ("import mlx.core as mx, numpy as np, mlx_qwen3vl as M\n"
-              "from mlx_qwen3vl.generate import encode_prompt\n"
-              f"model, processor = M.load({str(path)!r})\n"
-              f"inputs = encode_prompt(processor, 'Describe the image.', images=[{image!r}])\n"
-              "r = mx.distributed.init().rank()\n"
-              f"np.save({str(tmp_path)!r} + f'/rank{{r}}.npy', np.array(model(**inputs)))\n")
-    p = launch("-c", script)
+def _logits_script(path, out_dir):
+    """Each rank: all-position logits of an image prompt to rank<r>.npy, a greedy answer to rank<r>.json."""
+    return ("import mlx.core as mx, numpy as np, mlx_qwen3vl as M\n"
+            "from mlx_qwen3vl.generate import encode_prompt\n"
+            f"model, processor = M.load({str(path)!r})\n"
+            f"inputs = encode_prompt(processor, 'Describe the image.', images=[{IMAGE!r}])\n"
+            "r = mx.distributed.init().rank()\n"
+            f"np.save({str(out_dir)!r} + f'/rank{{r}}.npy', np.array(model(**inputs)))\n"
+            f"ids = M.generate(model, processor, 'Describe the image.', images=[{IMAGE!r}], max_tokens=12).token_ids\n"
+            f"open({str(out_dir)!r} + f'/rank{{r}}.json', 'w').write(str(ids))\n")
+
+
+def _sharded_logits_equal_one_process(path, tmp_path):
+    """Launch _logits_script on 2 ranks; its logits agree bitwise across ranks and match one
+    process's within 1e-4 (sums split over ranks round differently, as the CPU path does against
+    MLX here: ~1e-5). Returns one process's (model, processor) and the ranks' greedy answers."""
+    p = launch("-c", _logits_script(path, tmp_path))
+    assert all((tmp_path / f"rank{r}.npy").is_file() for r in range(2)), p.stdout + p.stderr
+    got = [np.load(tmp_path / f"rank{r}.npy") for r in range(2)]
+    np.testing.assert_array_equal(got[0], got[1])
     model, processor = M.load(path)
     from mlx_qwen3vl.generate import encode_prompt
 
-    expected = np.array(model(**encode_prompt(processor, "Describe the image.", images=[image])))
-    assert all((tmp_path / f"rank{r}.npy").is_file() for r in range(2)), p.stdout + p.stderr
-    got = [np.load(tmp_path / f"rank{r}.npy") for r in range(2)]
-    np.testing.assert_array_equal(got[0], got[1])  # every rank sees the very same logits
-    # Sums split over ranks round differently (as the CPU path does against MLX here: ~1e-5).
+    expected = np.array(model(**encode_prompt(processor, "Describe the image.", images=[IMAGE])))
     assert got[0].shape == expected.shape
     assert np.abs(got[0] - expected).max() <= 1e-4 * np.abs(expected).max()
+    return model, processor, [(tmp_path / f"rank{r}.json").read_text() for r in range(2)]
+
+
+def test_quantized_checkpoint_logits_equal_one_process(tmp_path):
+    """mlx-vlm's mixed 3/6-bit folder: quantized tied embedding split by vocabulary, 3-bit
+    projections split by rows and columns."""
+    _sharded_logits_equal_one_process(FIXTURES / "mlxvlm-mixed_3_6", tmp_path)
+
+
+@pytest.mark.skipif(not (FIXTURES / "tiny-moe").is_dir(), reason="the MoE fixture is not on this branch yet")
+def test_moe_logits_and_greedy_equal_one_process(tmp_path):
+    """Experts' intermediate split over 2 ranks, router replicated, the dense mlp_only layer split too."""
+    model, processor, answers = _sharded_logits_equal_one_process(FIXTURES / "tiny-moe", tmp_path)
+    ids = M.generate(model, processor, "Describe the image.", images=[IMAGE], max_tokens=12).token_ids
+    assert answers == [str(ids)] * 2
+
+
+@pytest.mark.skipif(not (FIXTURES / "mlxvlm-moe-q4").is_dir(), reason="the MoE fixture is not on this branch yet")
+def test_quantized_experts_that_do_not_split_by_group_are_one_clear_error():
+    config = ModelConfig.from_pretrained(FIXTURES / "mlxvlm-moe-q4")  # moe_intermediate_size 96, groups of 32
+    with pytest.raises(ConfigError, match="moe_intermediate_size 96/2 is not a multiple of the quantization group"):
+        distributed.check_shardable(config, 2)
 
 
 # --- in one process: what needs no second rank --------------------------------------------------
