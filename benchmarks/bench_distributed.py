@@ -11,7 +11,7 @@ one process on this machine, talking over 127.0.0.1. Each worker reports, per ra
 
   load_s, load_peak_gb    loading time; MLX's peak allocation and the process's peak RSS after load
   weights_gb              bytes of the parameters this rank holds
-  ttft_s, vision_s        ready inputs → first token, and the vision tower's part of it
+  ttft_s, vision_s        ready inputs → first token; the vision tower alone (timed apart)
   decode_tps              greedy decode, EOS ignored, (N - 1) / (time of token N - time of token 1)
   peak_rss_gb             the process's peak resident set over everything it did
   comm_ms_per_token       the collectives of one decode step alone (2 all_sums per layer, the
@@ -26,7 +26,6 @@ one process and ~6 GB per rank: the driver refuses to start when less than --min
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -107,23 +106,17 @@ def worker(spec_path):
                load_peak_rss_gb=_rss_peak_gb(),
                weights_gb=sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9,
                backend=getattr(model, "backend", None) and model.backend.name, results={})
-    vision_time = []
-    orig = model.get_image_features
-
-    def timed_features(pixel_values, grid_thw):
-        t = time.perf_counter()
-        feats = orig(pixel_values, grid_thw)
-        mx.eval(feats.embeds, *feats.deepstack)
-        vision_time.append(time.perf_counter() - t)
-        return feats
-
-    model.get_image_features = model.get_video_features = timed_features
     sampler = lambda logprobs: mx.argmax(logprobs, axis=-1)
     for name in [WARMUP] + spec["workloads"]:
         messages, kw = _messages(name, processor)
         inputs = encode_prompt(processor, messages=messages, **kw)
         n_tokens = 4 if name == WARMUP else spec["decode_tokens"]
-        vision_time.clear()
+        vision_s = 0.0
+        if "pixel_values" in inputs and name != WARMUP:  # the vision tower alone, before the timed run
+            tic = time.perf_counter()
+            feats = model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+            mx.eval(feats.embeds, *feats.deepstack)
+            vision_s = time.perf_counter() - tic
         times = []
         tic = time.perf_counter()
         for y in generate_tokens(model, inputs, model.make_cache(), sampler=sampler, max_tokens=n_tokens):
@@ -134,7 +127,7 @@ def worker(spec_path):
         n = len(times)
         out["results"][name] = dict(
             prompt_tokens=int(np.asarray(inputs["input_ids"]).shape[1]), ttft_s=times[0] - tic,
-            vision_s=sum(vision_time), decode_tps=(n - 1) / (times[-1] - times[0]) if n > 1 else 0.0,
+            vision_s=vision_s, decode_tps=(n - 1) / (times[-1] - times[0]) if n > 1 else 0.0,
             load_average=os.getloadavg()[0])
     out["peak_rss_gb"] = _rss_peak_gb()
     out["peak_mlx_gb"] = mx.get_peak_memory() / 1e9
@@ -144,20 +137,6 @@ def worker(spec_path):
 
 
 # ------------------------------------------------------------------------------------- driver
-def _free_port_pair():
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair on 127.0.0.1")
-
-
 def _available_gb():
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
@@ -180,8 +159,9 @@ def run_config(config, model, args):
     if int(ranks) > 1:
         # Each rank gets one BLAS thread: the two ranks share this machine's cores.
         env.update(MKL_NUM_THREADS="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-        cmd = ["mlx.launch", "-n", ranks, "--backend", "ring", "--hosts", "127.0.0.1",
-               "--starting-port", str(_free_port_pair()), *cmd]
+        from mlx_qwen3vl.distributed import local_launch_command
+
+        cmd = local_launch_command(int(ranks), cmd)
     print(f"[bench-dist] {config}: {' '.join(cmd[:6])} ...", file=sys.stderr, flush=True)
     p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
     results = []

@@ -404,6 +404,26 @@ def load_sharded(path, group, dtype=None, backend=None, vision: str = VISION_DEF
     return model, RankZeroProcessor(Processor.from_pretrained(Path(path)), group)
 
 
+def local_launch_command(n: int, command) -> list:
+    """`mlx.launch` running `command` (an argv list) as n ranks on this machine, ring backend over
+    127.0.0.1 on free ports (one per rank): for tests and benchmarks."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            for k in range(1, n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + k))
+        except OSError:
+            continue
+        return ["mlx.launch", "-n", str(n), "--backend", "ring", "--hosts", "127.0.0.1",
+                "--starting-port", str(port), *command]
+    raise RuntimeError(f"no {n} consecutive free ports on 127.0.0.1")
+
+
 def quiet_other_ranks(group=None):
     """For the CLI: ranks other than 0 print nothing (their answer is rank 0's)."""
     group = group if group is not None else world()

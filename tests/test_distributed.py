@@ -1,6 +1,6 @@
 """One model over two ranks: `mlx.launch -n 2 --backend ring` on 127.0.0.1, against one process.
 
-Each launch is bounded (LAUNCH_TIMEOUT) and uses a free local port pair. The worker
+Each launch is bounded (LAUNCH_TIMEOUT) and listens on free 127.0.0.1 ports only. The worker
 (tests/distributed_worker.py) loads through `mlx_qwen3vl.load`, which shards because the group has
 two ranks; rank 1 is never given readable media, so the answers also prove that rank 0's processor
 output reached it.
@@ -9,7 +9,6 @@ output reached it.
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -29,25 +28,9 @@ IMAGE = str(FIXTURES / "media" / "img_123x77.png")
 pytestmark = pytest.mark.skipif(shutil.which("mlx.launch") is None, reason="mlx.launch is not on PATH")
 
 
-def _free_port_pair():
-    """A port p with p and p+1 free on 127.0.0.1 (the ring backend listens on one per rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair on 127.0.0.1")
-
-
 def launch(*command, input=None):
     """Run `command` on 2 ranks over loopback; mlx.launch itself always exits 0, so callers check output."""
-    args = ["mlx.launch", "-n", "2", "--backend", "ring", "--hosts", "127.0.0.1",
-            "--starting-port", str(_free_port_pair()), sys.executable, *command]
+    args = distributed.local_launch_command(2, [sys.executable, *command])
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env, input=input,
                           timeout=LAUNCH_TIMEOUT)
