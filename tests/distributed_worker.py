@@ -1,7 +1,8 @@
 """One rank of tests/test_distributed.py, started by `mlx.launch -n 2 --backend ring`.
 
 Loads a fixture checkpoint with `mlx_qwen3vl.load` (sharded because the group has 2 ranks), runs
-the text, image, two-image and video cases, a two-turn ChatSession and seeded sampling, and writes
+the text, image, two-image and video cases, a padded batch, a two-turn ChatSession and seeded
+sampling, and writes
 what it got to OUT/rank<r>.json. Only rank 0 is given the media: the others get paths that do not
 exist, so the test fails if they read anything themselves.
 """
@@ -18,9 +19,9 @@ sys.path.insert(0, str(FIXTURES.parents[1]))  # this checkout's mlx_qwen3vl, as 
 CASES = ["text", "image", "two_images", "video"]
 
 
-def case_messages(case, rank):
+def case_messages(case, rank, row=0):
     data = json.loads((FIXTURES / "cases" / f"{case}.json").read_text())
-    messages, fps = data["messages"][0], None
+    messages, fps = data["messages"][row], None
     for message in messages:
         for block in message["content"] if isinstance(message["content"], list) else []:
             if block["type"] in ("image", "video"):
@@ -66,6 +67,9 @@ def main():
     out["cases"] = run_cases(model, processor)
     if args.heads_too:
         out["cases_heads"] = run_cases(*distributed.load_sharded(args.model, group, vision="heads"))
+
+    batch = [dict(messages=case_messages("batch", rank, row)[0]) for row in range(2)]
+    out["batch"] = [r.token_ids for r in M.batch_generate(model, processor, batch, max_tokens=args.max_tokens)]
 
     media = FIXTURES / "media"
     img1, img2 = ([str(media / "img_300x200.png"), str(media / "img_90x260.png")] if rank == 0
