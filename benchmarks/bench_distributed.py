@@ -84,8 +84,44 @@ def _messages(name, processor):
     return workload_messages(name, processor)
 
 
+def vision_worker(spec):
+    """The vision tower alone (random weights, the preset's shapes), replicated and split by heads,
+    on one image: median seconds of a few forwards per mode."""
+    import mlx.core as mx
+
+    from mlx_qwen3vl import distributed
+    from mlx_qwen3vl.config import ModelConfig
+    from mlx_qwen3vl.vision import VisionModel
+
+    group = mx.distributed.init()
+    cfg = ModelConfig.from_pretrained(Path(spec["model"])).vision_config
+    side = spec["image_side"] // 16
+    pixels = mx.random.normal((side * side, 3 * 2 * 16 * 16))  # one image: (1, side, side) patches
+    grid = np.array([[1, side, side]])
+    out = dict(config=spec["config"], rank=group.rank(), image_side=spec["image_side"], results={})
+    for mode in ("replicate", "heads"):
+        mx.random.seed(0)
+        model = VisionModel(cfg)
+        model.set_dtype(mx.float32)
+        if mode == "heads" and group.size() > 1:
+            distributed._shard_vision(model, group)
+        mx.eval(model.parameters())
+        times = []
+        for _ in range(spec["reps"] + 1):
+            tic = time.perf_counter()
+            merged, deepstack = model(pixels, grid)
+            mx.eval(merged, *deepstack)
+            times.append(time.perf_counter() - tic)
+        out["results"][mode] = dict(vision_s=float(np.median(times[1:])), all_s=times,
+                                    load_average=os.getloadavg()[0])
+        del model
+    Path(spec["out"], f"rank{group.rank()}.json").write_text(json.dumps(out))
+
+
 def worker(spec_path):
     spec = json.loads(Path(spec_path).read_text())
+    if spec.get("vision_only"):
+        return vision_worker(spec)
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -149,7 +185,7 @@ def run_config(config, model, args):
     out = tempfile.mkdtemp(prefix="bench-dist-")
     spec = dict(config=config, model=str(model), workloads=args.workloads.split(","),
                 decode_tokens=args.decode_tokens, vision=mode if mode in ("replicate", "heads") else "replicate",
-                out=out)
+                out=out, vision_only=args.vision_only, image_side=args.image_side, reps=args.reps)
     spec_path = Path(out, "spec.json")
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -202,6 +238,10 @@ def main(argv=None):
     p.add_argument("--min-free-gb", type=float, default=16.0)
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--out", help="write the report (JSON) here")
+    p.add_argument("--vision-only", action="store_true",
+                   help="time the vision tower alone, replicated and split by heads (random weights, no checkpoint read)")
+    p.add_argument("--image-side", type=int, default=448, help="--vision-only: one square image of this side")
+    p.add_argument("--reps", type=int, default=2)
     args = p.parse_args(argv)
     if args.worker:
         return worker(args.worker)
@@ -219,7 +259,10 @@ def main(argv=None):
                   file=sys.stderr)
             continue
         report["runs"][config] = run_config(config, model, args)
-    print_table(report)
+    if args.vision_only:
+        print(json.dumps({c: [r["results"] for r in ranks] for c, ranks in report["runs"].items()}, indent=1))
+    else:
+        print_table(report)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return 0
