@@ -13,8 +13,9 @@
   fewer KV heads than ranks, each rank keeps the KV head its query heads read.
 - Embedding and output head split by vocabulary: a lookup is summed over ranks (each id lives on one
   rank), the logits are gathered. The tied 151936-row table is ~15% of a 2B model.
-- The vision tower is replicated by default (VISION_DEFAULT; benchmarks/README.md has the measured
-  comparison), or split by heads like the decoder (`vision="heads"`). Patch embedding, mergers,
+- The vision tower is replicated by default (VISION_DEFAULT: no collectives inside it, and the
+  memory target holds without splitting it; benchmarks/README.md says what was measured), or
+  split by heads like the decoder (`vision="heads"`, two `all_sum`s per block). Patch embedding, mergers,
   norms, DeepStack and mRoPE are unchanged: every rank computes the same positions and features.
 - Sharded models run the plain MLX graph: `model.backend` is the MLX backend, never the CPU fast
   path (its fused decode step reads whole weight matrices and knows no collectives).
@@ -51,7 +52,7 @@ from .backend import MLXBackend
 from .errors import ConfigError, Qwen3VLError, WeightsError
 
 VISION_MODES = ("replicate", "heads")
-VISION_DEFAULT = "replicate"  # faster here, see benchmarks/README.md ("Several ranks")
+VISION_DEFAULT = "replicate"  # see benchmarks/README.md ("Several ranks")
 
 
 def world() -> Optional[mx.distributed.Group]:
