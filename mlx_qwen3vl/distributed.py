@@ -1,7 +1,7 @@
 """One Qwen3-VL across several processes or machines, on MLX's own distributed runtime.
 
-    mlx.launch -n 2 --backend ring -m mlx_qwen3vl.generate --model ... --image shot.png
-    mlx.launch --hostfile hosts.json --backend ring -m mlx_qwen3vl.generate --model ...
+    mlx.launch -n 2 --backend ring python -m mlx_qwen3vl --model ... --image shot.png
+    mlx.launch --hostfile hosts.json --backend ring python -m mlx_qwen3vl --model ...
 
 `load` calls `load_sharded` when the process belongs to a group of more than one rank
 (`mx.distributed.init()`, set up by `mlx.launch`), so the CLI, `generate`, `stream_generate`,
