@@ -36,4 +36,9 @@ def load(path_or_hub_id, dtype=None, backend=None):
     (automatic, see backend.py)."""
     path = resolve_model_path(path_or_hub_id, flag="load()'s path")
     check_tokenizer_files(path)  # before the weights: a broken folder fails fast, in one line
+    from . import distributed
+
+    group = distributed.world()  # under `mlx.launch -n N`: split the model over the N ranks
+    if group is not None:
+        return distributed.load_sharded(path, group, dtype, backend)
     return load_model(path, dtype, backend), Processor.from_pretrained(path)

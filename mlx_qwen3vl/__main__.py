@@ -59,7 +59,10 @@ def _print_stats(last, out=sys.stderr):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    from .distributed import quiet_other_ranks
     from .errors import InputError, Qwen3VLError
+
+    quiet_other_ranks()  # under mlx.launch only rank 0 prints
     from .sampling import SamplingParams, check_sampling
 
     try:

@@ -116,7 +116,7 @@ class VisionAttention(nn.Module):
             end = start + count * length
             window = lambda a: a[start:end].reshape(count, length, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
             o = self.attend(window(q), window(k), window(v))
-            outs.append(o.transpose(0, 2, 1, 3).reshape(count * length, dim))
+            outs.append(o.transpose(0, 2, 1, 3).reshape(count * length, -1))  # -1: heads may be sharded
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
         return self.proj(out)
 

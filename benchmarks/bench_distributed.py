@@ -1,0 +1,272 @@
+"""One model on 1 rank against the same model split over 2 ranks (`mlx.launch --backend ring`).
+
+    python benchmarks/bench_distributed.py --preset 2b                 # 1 rank vs 2 ranks, text and image
+    python benchmarks/bench_distributed.py --preset 2b --configs 2:heads --workloads image448
+    python benchmarks/bench_distributed.py --preset tiny --decode-tokens 4   # smoke test
+
+Configurations (`--configs`, comma separated): `1:cpu` (one process, the CPU fast path as `load`
+installs it), `1:mlx` (one process, the plain MLX graph: what the ranks run), `2:replicate` (two
+ranks, vision tower replicated), `2:heads` (two ranks, vision tower split by heads). Every rank is
+one process on this machine, talking over 127.0.0.1. Each worker reports, per rank:
+
+  load_s, load_peak_gb    loading time; MLX's peak allocation and the process's peak RSS after load
+  weights_gb              bytes of the parameters this rank holds
+  ttft_s, vision_s        ready inputs → first token; the vision tower alone (timed apart)
+  decode_tps              greedy decode, EOS ignored, (N - 1) / (time of token N - time of token 1)
+  peak_rss_gb             the process's peak resident set over everything it did
+  comm_ms_per_token       the collectives of one decode step alone (2 all_sums per layer, the
+                          embedding's all_sum, the logits' all_gather), timed on this ring
+  comm_bytes_per_token    what those collectives carry per rank
+
+Workloads are bench.py's (text256, image448, ...) and textN (a text prompt of N tokens).
+The preset's folder is bench.py's (benchmarks/models/, built once). 2B in float32 needs ~10 GB for
+one process and ~6 GB per rank: the driver refuses to start when less than --min-free-gb is free.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+CONFIGS = ["1:cpu", "1:mlx", "2:replicate", "2:heads"]
+
+
+# ------------------------------------------------------------------------------------- worker
+def _rss_peak_gb():
+    from bench import _rss_peak_gb as peak
+
+    return peak()
+
+
+def _comm_per_token(model, group, reps=20):
+    """Time one decode step's collectives, with the shapes the step uses."""
+    import mlx.core as mx
+
+    t = model.config.text_config
+    vocab_rows = model.language_model.embed_tokens.rows
+    dtype = model.language_model.norm.weight.dtype
+    hidden = mx.zeros((1, 1, t.hidden_size), dtype)
+    logits = mx.zeros((vocab_rows, 1), dtype)
+    n_sums = 2 * t.num_hidden_layers + 1
+
+    def step():
+        outs = [mx.distributed.all_sum(hidden + i, group=group) for i in range(n_sums)]
+        outs.append(mx.distributed.all_gather(logits, group=group))
+        mx.eval(outs)
+
+    step()
+    times = []
+    for _ in range(reps):
+        tic = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - tic)
+    sent = (n_sums * t.hidden_size + vocab_rows) * hidden.itemsize
+    return 1e3 * float(np.median(times)), sent
+
+
+def _messages(name, processor):
+    """bench.py's workloads, plus textN: a text prompt of N tokens (short runs on a busy machine)."""
+    from bench import ALL_WORKLOADS, _text_prompt, workload_messages
+
+    if name.startswith("text") and name not in ALL_WORKLOADS:
+        return [{"role": "user", "content": [{"type": "text", "text": _text_prompt(processor, int(name[4:]))}]}], {}
+    return workload_messages(name, processor)
+
+
+def vision_worker(spec):
+    """The vision tower alone (random weights, the preset's shapes), replicated and split by heads,
+    on one image: median seconds of a few forwards per mode."""
+    import mlx.core as mx
+
+    from mlx_qwen3vl import distributed
+    from mlx_qwen3vl.config import ModelConfig
+    from mlx_qwen3vl.vision import VisionModel
+
+    group = mx.distributed.init()
+    cfg = ModelConfig.from_pretrained(Path(spec["model"])).vision_config
+    side = spec["image_side"] // 16
+    pixels = mx.random.normal((side * side, 3 * 2 * 16 * 16))  # one image: (1, side, side) patches
+    grid = np.array([[1, side, side]])
+    out = dict(config=spec["config"], rank=group.rank(), image_side=spec["image_side"], results={})
+    for mode in ("replicate", "heads"):
+        mx.random.seed(0)
+        model = VisionModel(cfg)
+        model.set_dtype(mx.float32)
+        if mode == "heads" and group.size() > 1:
+            distributed._shard_vision(model, group)
+        mx.eval(model.parameters())
+        times = []
+        for _ in range(spec["reps"] + 1):
+            tic = time.perf_counter()
+            merged, deepstack = model(pixels, grid)
+            mx.eval(merged, *deepstack)
+            times.append(time.perf_counter() - tic)
+        out["results"][mode] = dict(vision_s=float(np.median(times[1:])), all_s=times,
+                                    load_average=os.getloadavg()[0])
+        del model
+    Path(spec["out"], f"rank{group.rank()}.json").write_text(json.dumps(out))
+
+
+def worker(spec_path):
+    spec = json.loads(Path(spec_path).read_text())
+    if spec.get("vision_only"):
+        return vision_worker(spec)
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    import mlx_qwen3vl as M
+    from mlx_qwen3vl import distributed
+    from mlx_qwen3vl.generate import encode_prompt, generate_tokens
+    from bench import WARMUP
+
+    group = mx.distributed.init()
+    rank = group.rank()
+    tic = time.perf_counter()
+    if group.size() > 1:
+        model, processor = distributed.load_sharded(spec["model"], group, vision=spec["vision"])
+    else:
+        model, processor = M.load(spec["model"])
+    load_s = time.perf_counter() - tic
+    out = dict(config=spec["config"], rank=rank, load_s=load_s, load_peak_mlx_gb=mx.get_peak_memory() / 1e9,
+               load_peak_rss_gb=_rss_peak_gb(),
+               weights_gb=sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9,
+               backend=getattr(model, "backend", None) and model.backend.name, results={})
+    sampler = lambda logprobs: mx.argmax(logprobs, axis=-1)
+    for name in [WARMUP] + spec["workloads"]:
+        messages, kw = _messages(name, processor)
+        inputs = encode_prompt(processor, messages=messages, **kw)
+        n_tokens = 4 if name == WARMUP else spec["decode_tokens"]
+        vision_s = 0.0
+        if "pixel_values" in inputs and name != WARMUP:  # the vision tower alone, before the timed run
+            tic = time.perf_counter()
+            feats = model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+            mx.eval(feats.embeds, *feats.deepstack)
+            vision_s = time.perf_counter() - tic
+        times = []
+        tic = time.perf_counter()
+        for y in generate_tokens(model, inputs, model.make_cache(), sampler=sampler, max_tokens=n_tokens):
+            y.item()
+            times.append(time.perf_counter())
+        if name == WARMUP:
+            continue
+        n = len(times)
+        out["results"][name] = dict(
+            prompt_tokens=int(np.asarray(inputs["input_ids"]).shape[1]), ttft_s=times[0] - tic,
+            vision_s=vision_s, decode_tps=(n - 1) / (times[-1] - times[0]) if n > 1 else 0.0,
+            load_average=os.getloadavg()[0])
+    out["peak_rss_gb"] = _rss_peak_gb()
+    out["peak_mlx_gb"] = mx.get_peak_memory() / 1e9
+    if group.size() > 1:
+        out["comm_ms_per_token"], out["comm_bytes_per_token"] = _comm_per_token(model, group)
+    Path(spec["out"], f"rank{rank}.json").write_text(json.dumps(out))
+
+
+# ------------------------------------------------------------------------------------- driver
+def _available_gb():
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 1e6
+    return float("inf")
+
+
+def run_config(config, model, args):
+    ranks, mode = config.split(":")
+    out = tempfile.mkdtemp(prefix="bench-dist-")
+    spec = dict(config=config, model=str(model), workloads=args.workloads.split(","),
+                decode_tokens=args.decode_tokens, vision=mode if mode in ("replicate", "heads") else "replicate",
+                out=out, vision_only=args.vision_only, image_side=args.image_side, reps=args.reps)
+    spec_path = Path(out, "spec.json")
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if mode == "mlx":
+        env["MLX_QWEN3VL_CPU_KERNELS"] = "mlx"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)]
+    if int(ranks) > 1:
+        # Each rank gets one BLAS thread: the two ranks share this machine's cores.
+        env.update(MKL_NUM_THREADS="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+        from mlx_qwen3vl.distributed import local_launch_command
+
+        cmd = local_launch_command(int(ranks), cmd)
+    print(f"[bench-dist] {config}: {' '.join(cmd[:6])} ...", file=sys.stderr, flush=True)
+    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    results = []
+    for r in range(int(ranks)):
+        f = Path(out, f"rank{r}.json")
+        if not f.is_file():
+            raise RuntimeError(f"{config}: rank {r} wrote no result\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+        results.append(json.loads(f.read_text()))
+    return results
+
+
+def print_table(report):
+    rows = []
+    for config, ranks in report["runs"].items():
+        for r in ranks:
+            for name, w in r["results"].items():
+                rows.append((config, r["rank"], name, w["ttft_s"], w["vision_s"], w["decode_tps"], r["weights_gb"],
+                             r["load_peak_rss_gb"], r["peak_rss_gb"], r.get("comm_ms_per_token"),
+                             r.get("comm_bytes_per_token")))
+    print("| config | rank | workload | TTFT s | vision s | decode tok/s | weights GB | load peak RSS GB "
+          "| peak RSS GB | comm ms/token | comm KB/token |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for c, rank, name, ttft, vis, dec, wgb, lrss, rss, cms, cb in rows:
+        comm = f"{cms:.2f}" if cms is not None else "-"
+        kb = f"{cb / 1e3:.0f}" if cb is not None else "-"
+        print(f"| {c} | {rank} | {name} | {ttft:.2f} | {vis:.2f} | {dec:.2f} | {wgb:.2f} | {lrss:.2f} | {rss:.2f} "
+              f"| {comm} | {kb} |")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--preset", default="2b")
+    p.add_argument("--model", help="a checkpoint folder instead of a preset")
+    p.add_argument("--configs", default="1:mlx,2:replicate", help=f"comma separated, of {', '.join(CONFIGS)}")
+    p.add_argument("--workloads", default="text256,image448")
+    p.add_argument("--decode-tokens", type=int, default=16)
+    p.add_argument("--min-free-gb", type=float, default=16.0)
+    p.add_argument("--timeout", type=int, default=1800)
+    p.add_argument("--out", help="write the report (JSON) here")
+    p.add_argument("--vision-only", action="store_true",
+                   help="time the vision tower alone, replicated and split by heads (random weights, no checkpoint read)")
+    p.add_argument("--image-side", type=int, default=448, help="--vision-only: one square image of this side")
+    p.add_argument("--reps", type=int, default=2)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args.worker)
+    from bench import build_preset
+
+    model = Path(args.model) if args.model else build_preset(args.preset)
+    report = dict(model=str(model), preset=None if args.model else args.preset, runs={},
+                  decode_tokens=args.decode_tokens, machine=dict(cpus=os.cpu_count()))
+    for config in args.configs.split(","):
+        if config not in CONFIGS:
+            p.error(f"unknown config {config!r}; one of {', '.join(CONFIGS)}")
+        free = _available_gb()
+        if free < args.min_free_gb:
+            print(f"[bench-dist] skipping {config}: {free:.1f} GB available < --min-free-gb {args.min_free_gb}",
+                  file=sys.stderr)
+            continue
+        report["runs"][config] = run_config(config, model, args)
+    if args.vision_only:
+        print(json.dumps({c: [r["results"] for r in ranks] for c, ranks in report["runs"].items()}, indent=1))
+    else:
+        print_table(report)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

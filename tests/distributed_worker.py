@@ -1,0 +1,103 @@
+"""One rank of tests/test_distributed.py, started by `mlx.launch -n 2 --backend ring`.
+
+Loads a fixture checkpoint with `mlx_qwen3vl.load` (sharded because the group has 2 ranks), runs
+the text, image, two-image and video cases, a padded batch, a two-turn ChatSession and seeded
+sampling, and writes
+what it got to OUT/rank<r>.json. Only rank 0 is given the media: the others get paths that do not
+exist, so the test fails if they read anything themselves.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+FIXTURES = Path(__file__).parent / "fixtures"
+sys.path.insert(0, str(FIXTURES.parents[1]))  # this checkout's mlx_qwen3vl, as pytest imports it
+CASES = ["text", "image", "two_images", "video"]
+
+
+def case_messages(case, rank, row=0):
+    data = json.loads((FIXTURES / "cases" / f"{case}.json").read_text())
+    messages, fps = data["messages"][row], None
+    for message in messages:
+        for block in message["content"] if isinstance(message["content"], list) else []:
+            if block["type"] in ("image", "video"):
+                name = block[block["type"]]
+                if rank != 0:
+                    block[block["type"]] = f"/nonexistent/rank{rank}/{name}"
+                elif block["type"] == "image":
+                    block["image"] = str(FIXTURES / "media" / name)
+                else:
+                    block["video"] = list(np.load(FIXTURES / "media" / name))
+                if block["type"] == "video":
+                    fps = block.pop("fps")
+    return messages, fps
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--heads-too", action="store_true", help="also run the cases with the vision tower split by heads")
+    p.add_argument("--max-tokens", type=int, default=16)
+    args = p.parse_args()
+
+    import mlx.core as mx
+
+    import mlx_qwen3vl as M
+    from mlx_qwen3vl import distributed
+
+    group = mx.distributed.init()
+    rank = group.rank()
+    model, processor = M.load(args.model)
+    out = {"rank": rank, "size": group.size(), "sharded": distributed.is_sharded(model),
+           "backend": model.backend.name, "describe": model.backend.describe()}
+
+    def run_cases(model, processor):
+        cases = {}
+        for case in CASES:
+            messages, fps = case_messages(case, rank)
+            cases[case] = M.generate(model, processor, messages=messages, video_fps=fps,
+                                     max_tokens=args.max_tokens).token_ids
+        return cases
+
+    out["cases"] = run_cases(model, processor)
+    if args.heads_too:
+        out["cases_heads"] = run_cases(*distributed.load_sharded(args.model, group, vision="heads"))
+
+    batch = [dict(messages=case_messages("batch", rank, row)[0]) for row in range(2)]
+    out["batch"] = [r.token_ids for r in M.batch_generate(model, processor, batch, max_tokens=args.max_tokens)]
+
+    media = FIXTURES / "media"
+    img1, img2 = ([str(media / "img_300x200.png"), str(media / "img_90x260.png")] if rank == 0
+                  else ["/nonexistent/a.png", "/nonexistent/b.png"])
+    session = M.ChatSession(model, processor, system="You are a GUI agent.", max_tokens=8)
+    turns = []
+    for text, image in (("Where is the search box?", img1), ("Now click it.", img2)):
+        tokens = [piece.token for piece in session.stream(text, images=[image])]
+        turns.append({"tokens": tokens, "prompt_tokens": session.last.prompt_tokens,
+                      "cached_tokens": session.last.cached_tokens})
+    out["chat"] = turns
+    out["chat_text"] = [m["content"] for m in session.messages if m["role"] == "assistant"]
+
+    # Sampling: unseeded runs must agree across ranks; a seed reproduces one process's run.
+    out["sampled"] = M.generate(model, processor, "Tell me a story.", max_tokens=12, temperature=1.0).token_ids
+    out["seeded"] = M.generate(model, processor, "Tell me a story.", max_tokens=12, temperature=1.0,
+                               seed=7).token_ids
+
+    try:  # a bad image on rank 0 must raise the same clear error everywhere, not hang the others
+        M.generate(model, processor, "hi", images=[str(media / "missing.png") if rank == 0 else "x.png"],
+                   max_tokens=2)
+        out["bad_image"] = None
+    except M.errors.InputError as e:
+        out["bad_image"] = str(e)
+
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""One model over two ranks: `mlx.launch -n 2 --backend ring` on 127.0.0.1, against one process.
+
+Each launch is bounded (LAUNCH_TIMEOUT) and listens on free 127.0.0.1 ports only. The worker
+(tests/distributed_worker.py) loads through `mlx_qwen3vl.load`, which shards because the group has
+two ranks; rank 1 is never given readable media, so the answers also prove that rank 0's processor
+output reached it.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import mlx_qwen3vl as M
+from conftest import FIXTURES, load_fixture_model, reference
+from distributed_worker import CASES, case_messages
+from mlx_qwen3vl import distributed
+from mlx_qwen3vl.config import ModelConfig
+from mlx_qwen3vl.errors import ConfigError
+
+ROOT = FIXTURES.parents[1]
+LAUNCH_TIMEOUT = 600  # generous: the machine may be shared and busy
+IMAGE = str(FIXTURES / "media" / "img_123x77.png")
+pytestmark = pytest.mark.skipif(shutil.which("mlx.launch") is None, reason="mlx.launch is not on PATH")
+
+
+def launch(*command, input=None):
+    """Run `command` on 2 ranks over loopback; mlx.launch itself always exits 0, so callers check output."""
+    args = distributed.local_launch_command(2, [sys.executable, *command])
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env, input=input,
+                          timeout=LAUNCH_TIMEOUT)
+
+
+def run_worker(checkpoint, tmp_path_factory, *extra):
+    out = tmp_path_factory.mktemp(f"dist-{checkpoint}")
+    p = launch(str(ROOT / "tests" / "distributed_worker.py"), "--model", str(FIXTURES / checkpoint),
+               "--out", str(out), *extra)
+    ranks = [out / f"rank{r}.json" for r in range(2)]
+    assert all(f.is_file() for f in ranks), p.stdout + p.stderr
+    return [json.loads(f.read_text()) for f in ranks]
+
+
+@pytest.fixture(scope="module", params=["tiny-a", "tiny-b"])
+def sharded_run(request, tmp_path_factory):
+    return request.param, run_worker(request.param, tmp_path_factory, "--heads-too")
+
+
+@pytest.fixture(scope="module")
+def single():
+    """One process's answers, computed the same way the worker does."""
+    cache = {}
+
+    def get(checkpoint):
+        if checkpoint not in cache:
+            model = load_fixture_model(checkpoint)
+            processor = M.Processor.from_pretrained(FIXTURES / checkpoint)
+            cases = {}
+            for case in CASES:
+                messages, fps = case_messages(case, 0)
+                cases[case] = M.generate(model, processor, messages=messages, video_fps=fps, max_tokens=16).token_ids
+            session = M.ChatSession(model, processor, system="You are a GUI agent.", max_tokens=8)
+            chat = []
+            for text, image in (("Where is the search box?", "img_300x200.png"), ("Now click it.", "img_90x260.png")):
+                chat.append([p.token for p in session.stream(text, images=[str(FIXTURES / "media" / image)])])
+            seeded = M.generate(model, processor, "Tell me a story.", max_tokens=12, temperature=1.0, seed=7).token_ids
+            cache[checkpoint] = dict(cases=cases, chat=chat, seeded=seeded)
+        return cache[checkpoint]
+
+    return get
+
+
+def test_sharded_ranks_run_the_plain_mlx_graph(sharded_run):
+    _, ranks = sharded_run
+    for r, out in enumerate(ranks):
+        assert out["rank"] == r and out["size"] == 2
+        assert out["sharded"] and out["backend"] == "mlx"
+        assert f"tensor parallel over 2 ranks (this is rank {r}; vision tower replicated)" in out["describe"]
+
+
+def test_sharded_greedy_equals_one_process_and_transformers(sharded_run, single):
+    """Text, image, two images and video: every rank's answer is one process's; where transformers'
+    run used the same inputs (text and images), it is also transformers' recorded answer."""
+    checkpoint, ranks = sharded_run
+    expected = single(checkpoint)["cases"]
+    for out in ranks:
+        assert out["cases"] == expected
+    for case in ("text", "image", "two_images"):
+        assert ranks[0]["cases"][case] == reference(checkpoint, case)["greedy"][0].tolist()
+
+
+def test_sharded_padded_batch_equals_transformers(sharded_run):
+    """batch_generate: an image request and a text request, left-padded, per-sequence rope deltas."""
+    checkpoint, ranks = sharded_run
+    for out in ranks:
+        assert out["batch"] == reference(checkpoint, "batch")["greedy"].tolist()
+
+
+def test_sharded_chat_session_reuses_cache_on_every_rank(sharded_run, single):
+    checkpoint, ranks = sharded_run
+    for out in ranks:
+        first, second = out["chat"]
+        assert [first["tokens"], second["tokens"]] == single(checkpoint)["chat"]
+        assert first["cached_tokens"] == 0
+        assert second["cached_tokens"] >= first["prompt_tokens"]  # turn 1 came from each rank's own cache
+    assert ranks[0]["chat_text"] == ranks[1]["chat_text"]
+
+
+def test_sampling_agrees_across_ranks(sharded_run, single):
+    """Unseeded: the seed made equal at load gives every rank the same tokens; seeded: one process's."""
+    checkpoint, ranks = sharded_run
+    assert ranks[0]["sampled"] == ranks[1]["sampled"]
+    assert ranks[0]["seeded"] == ranks[1]["seeded"] == single(checkpoint)["seeded"]
+
+
+def test_bad_image_on_rank0_is_one_clear_error_on_every_rank(sharded_run):
+    _, ranks = sharded_run
+    assert "missing.png" in ranks[0]["bad_image"] and "check the path" in ranks[0]["bad_image"]
+    assert ranks[1]["bad_image"] == ranks[0]["bad_image"] + " (reported by rank 0)"
+
+
+def test_vision_sharded_by_heads_gives_the_same_answers(sharded_run, single):
+    checkpoint, ranks = sharded_run
+    for out in ranks:
+        assert out["cases_heads"] == single(checkpoint)["cases"]
+
+
+def test_cli_under_mlx_launch_prints_once():
+    image = str(FIXTURES / "media" / "img_123x77.png")
+    p = launch("-m", "mlx_qwen3vl.generate", "--model", str(FIXTURES / "tiny-a"), "--image", image,
+               "--prompt", "Describe the image.", "--max-tokens", "16")
+    processor = M.Processor.from_pretrained(FIXTURES / "tiny-a")
+    answer = processor.tokenizer.decode(reference("tiny-a", "image")["greedy"][0].tolist())
+    assert p.stdout.strip("\n") == answer.strip("\n"), p.stderr
+    assert p.stderr.count("Generation: 16 tokens") == 1 and "WARN" not in p.stderr
+
+
+def test_cli_error_under_mlx_launch_is_one_line_from_rank0():
+    p = launch("-m", "mlx_qwen3vl.generate", "--model", str(FIXTURES / "tiny-a"), "--image", "missing.png",
+               "--prompt", "hi")
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "missing.png" in errors[0]
+    assert "Traceback" not in p.stderr and p.stdout == ""
+
+
+def test_ranks_with_different_checkpoints_fail_clearly():
+    script = ("import mlx.core as mx, mlx_qwen3vl as M, sys\n"
+              "g = mx.distributed.init()\n"
+              f"paths = [{str(FIXTURES / 'tiny-a')!r}, {str(FIXTURES / 'tiny-b')!r}]\n"
+              "try:\n    M.load(paths[g.rank()])\nexcept M.errors.WeightsError as e:\n"
+              "    print(f'rank{g.rank()}: {e}')\n")
+    p = launch("-c", script)
+    lines = sorted(line for line in p.stdout.splitlines() if line.startswith("rank"))
+    assert len(lines) == 2, p.stdout + p.stderr
+    for line in lines:
+        assert "rank(s) [1] have a different checkpoint" in line and "copy the same folder" in line
+
+
+def _logits_script(path, out_dir):
+    """Each rank: all-position logits of an image prompt to rank<r>.npy, a greedy answer to rank<r>.json."""
+    return ("import mlx.core as mx, numpy as np, mlx_qwen3vl as M\n"
+            "from mlx_qwen3vl.generate import encode_prompt\n"
+            f"model, processor = M.load({str(path)!r})\n"
+            f"inputs = encode_prompt(processor, 'Describe the image.', images=[{IMAGE!r}])\n"
+            "r = mx.distributed.init().rank()\n"
+            f"np.save({str(out_dir)!r} + f'/rank{{r}}.npy', np.array(model(**inputs)))\n"
+            f"ids = M.generate(model, processor, 'Describe the image.', images=[{IMAGE!r}], max_tokens=12).token_ids\n"
+            f"open({str(out_dir)!r} + f'/rank{{r}}.json', 'w').write(str(ids))\n")
+
+
+def _sharded_logits_equal_one_process(path, tmp_path):
+    """Launch _logits_script on 2 ranks; its logits agree bitwise across ranks and match one
+    process's within 1e-4 (sums split over ranks round differently, as the CPU path does against
+    MLX here: ~1e-5). Returns one process's (model, processor) and the ranks' greedy answers."""
+    p = launch("-c", _logits_script(path, tmp_path))
+    assert all((tmp_path / f"rank{r}.npy").is_file() for r in range(2)), p.stdout + p.stderr
+    got = [np.load(tmp_path / f"rank{r}.npy") for r in range(2)]
+    np.testing.assert_array_equal(got[0], got[1])
+    model, processor = M.load(path)
+    from mlx_qwen3vl.generate import encode_prompt
+
+    expected = np.array(model(**encode_prompt(processor, "Describe the image.", images=[IMAGE])))
+    assert got[0].shape == expected.shape
+    assert np.abs(got[0] - expected).max() <= 1e-4 * np.abs(expected).max()
+    return model, processor, [(tmp_path / f"rank{r}.json").read_text() for r in range(2)]
+
+
+def test_quantized_checkpoint_logits_equal_one_process(tmp_path):
+    """mlx-vlm's mixed 3/6-bit folder: quantized tied embedding split by vocabulary, 3-bit
+    projections split by rows and columns."""
+    _sharded_logits_equal_one_process(FIXTURES / "mlxvlm-mixed_3_6", tmp_path)
+
+
+@pytest.mark.skipif(not (FIXTURES / "tiny-moe").is_dir(), reason="the MoE fixture is not on this branch yet")
+def test_moe_logits_and_greedy_equal_one_process(tmp_path):
+    """Experts' intermediate split over 2 ranks, router replicated, the dense mlp_only layer split too."""
+    model, processor, answers = _sharded_logits_equal_one_process(FIXTURES / "tiny-moe", tmp_path)
+    ids = M.generate(model, processor, "Describe the image.", images=[IMAGE], max_tokens=12).token_ids
+    assert answers == [str(ids)] * 2
+
+
+@pytest.mark.skipif(not (FIXTURES / "mlxvlm-moe-q4").is_dir(), reason="the MoE fixture is not on this branch yet")
+def test_quantized_experts_that_do_not_split_by_group_are_one_clear_error():
+    config = ModelConfig.from_pretrained(FIXTURES / "mlxvlm-moe-q4")  # moe_intermediate_size 96, groups of 32
+    with pytest.raises(ConfigError, match="moe_intermediate_size 96/2 is not a multiple of the quantization group"):
+        distributed.check_shardable(config, 2)
+
+
+# --- in one process: what needs no second rank --------------------------------------------------
+class FakeGroup:
+    def __init__(self, size, rank=0):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+def test_fixture_head_counts_divide_by_two():
+    for name in ("tiny-a", "tiny-b"):
+        config = ModelConfig.from_pretrained(FIXTURES / name)
+        distributed.check_shardable(config, 2, "heads")
+    # tiny-b has one KV head for two query heads: each rank keeps a copy of it.
+    assert ModelConfig.from_pretrained(FIXTURES / "tiny-b").text_config.num_key_value_heads == 1
+
+
+@pytest.mark.parametrize("n, vision, needle", [
+    (3, "replicate", "num_attention_heads=4"),
+    (8, "replicate", "num_attention_heads=4"),
+    (4, "heads", None),
+])
+def test_dimensions_that_do_not_divide_are_one_clear_error(n, vision, needle):
+    config = ModelConfig.from_pretrained(FIXTURES / "tiny-a")
+    if needle is None:
+        distributed.check_shardable(config, n, vision)  # 4 heads, 2 KV heads, 4 vision heads: fine
+        return
+    with pytest.raises(ConfigError, match=f"cannot shard this model over {n} ranks: .*{needle}"):
+        distributed.check_shardable(config, n, vision)
+    model = M.load_model(FIXTURES / "tiny-a")
+    before = model.language_model.layers[0].self_attn.q_proj.weight.shape
+    with pytest.raises(ConfigError):
+        distributed.shard(model, FakeGroup(n), vision)
+    assert model.language_model.layers[0].self_attn.q_proj.weight.shape == before  # untouched
+
+
+def test_cpu_path_is_refused_for_a_sharded_model():
+    with pytest.raises(ConfigError, match="sharded models run the plain MLX graph"):
+        distributed.sharded_load(FIXTURES / "tiny-a", FakeGroup(2), backend="cpu")
+
+
+def test_vision_heads_that_do_not_divide(tmp_path):
+    config = ModelConfig.from_pretrained(FIXTURES / "tiny-b")  # vision num_heads=2
+    with pytest.raises(ConfigError, match="vision num_heads=2"):
+        distributed.check_shardable(config, 4, "heads")
+    with pytest.raises(ConfigError, match="not one of"):
+        distributed.check_shardable(config, 2, "rows")
+
+
+def test_fingerprint_tells_checkpoints_apart(tmp_path):
+    a = distributed.checkpoint_fingerprint(FIXTURES / "tiny-a")
+    assert a == distributed.checkpoint_fingerprint(FIXTURES / "tiny-a")
+    assert a != distributed.checkpoint_fingerprint(FIXTURES / "tiny-b")
+    copy = tmp_path / "copy"
+    shutil.copytree(FIXTURES / "tiny-a", copy)
+    assert distributed.checkpoint_fingerprint(copy) == a
+    config = json.loads((copy / "config.json").read_text())
+    config["text_config"]["rms_norm_eps"] = 1e-5
+    (copy / "config.json").write_text(json.dumps(config))
+    assert distributed.checkpoint_fingerprint(copy) != a
+
+
+def test_one_process_is_not_sharded():
+    assert distributed.world() is None
+    model, _ = M.load(FIXTURES / "tiny-a")
+    assert not distributed.is_sharded(model)
+    np.testing.assert_array_equal(np.array(model.language_model.embed_tokens.weight.shape), [448, 64])
