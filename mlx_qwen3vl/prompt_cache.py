@@ -17,6 +17,7 @@ import numpy as np
 
 from .errors import InputError
 from .positions import IMAGE, VIDEO
+from .processor import VISION_TOKENS
 
 _PIXELS = {IMAGE: ("pixel_values", "image_grid_thw"), VIDEO: ("pixel_values_videos", "video_grid_thw")}
 
@@ -263,6 +264,10 @@ class ChatSession:
             done = True
         finally:
             if done:
+                # A vision marker in the answer (random or confused weights emit them) would read as
+                # a media slot when the history is rendered again; the history keeps the text around it.
+                for token in VISION_TOKENS:
+                    answer = answer.replace(token, "")
                 self.messages.append({"role": "assistant", "content": answer})
                 self.settings.append(None)
             else:  # a failed or abandoned turn leaves the conversation as it was

@@ -3,6 +3,7 @@ placeholder tokens, so every scenario here swaps, slides, moves or resends same-
 compares the answer with a fresh run's, greedy, token for token (issue #19). Also ChatSession's
 per-turn settings (issue #20)."""
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from PIL import Image
@@ -173,3 +174,20 @@ def test_abandoned_turn_leaves_the_session_consistent(loaded):
     assert len(session.messages) == 2
     tokens = [p.token for p in session.stream("Something else.")]
     assert tokens == M.generate(model, processor, messages=session.messages[:-1], max_tokens=N).token_ids
+
+
+def test_vision_markers_in_an_answer_do_not_break_the_next_turn(checkpoint, monkeypatch):
+    """An answer that holds <|image_pad|> (random weights emit it) is kept in the history without
+    the marker, so the next turn renders (no stray media slot) and equals a fresh run on it."""
+    model = load_fixture_model(checkpoint)
+    processor = M.Processor.from_pretrained(FIXTURES / checkpoint)
+    original = type(model).logits
+    bias = mx.zeros((model.config.text_config.vocab_size,)).at[processor.image_token_id].add(1e4)
+    monkeypatch.setattr(model, "logits", lambda hidden: original(model, hidden) + bias)
+    session = M.ChatSession(model, processor, max_tokens=3)
+    img = Image.open(FIXTURES / "media" / "img_123x77.png")
+    first = session.send("Where is it?", images=[img])
+    assert "<|image_pad|>" in first and "<|image_pad|>" not in session.messages[-1]["content"]
+    monkeypatch.undo()
+    answer = session.send("And now?")
+    assert answer == M.generate(model, processor, messages=session.messages[:-1], max_tokens=3).text
