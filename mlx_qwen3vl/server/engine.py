@@ -4,8 +4,9 @@ Each loop iteration admits waiting requests (each is prefilled alone — reusing
 prefix and cached vision features — and its first token sampled), joins them to the running
 batch, and decodes one token for every running row. The batch's KV cache is one cache per layer
 (the model's own type, from make_cache) holding all rows left-padded to a common length; each
-row keeps its own 1D decode position (its cache length + its mRoPE rope delta), sampler, logits
-processors and stop strings.
+row keeps its own 1D decode position (its cache length + its mRoPE rope delta), logits
+processors, stop strings and the library's per-request `Sampler` (its own random stream, from its
+seed: a seeded answer equals generate(seed=...)'s, alone or batched).
 A row leaves when it stops, hits its limit or its client goes away; its cache then goes to the
 prefix cache. With a single row and no padding the step is exactly `generate()`'s decode step
 (the CPU fast path included).
@@ -25,12 +26,14 @@ from ..backend import backend_of
 from ..errors import Qwen3VLError
 from ..generate import decode_step, eos_token_ids
 from ..prompt_cache import media_hashes, media_spans
+from ..sampling import Sampler
+from ..sampling import SamplingParams as LibrarySampling
 from ..model import VisualFeatures
 from ..positions import IMAGE, VIDEO
 from .cache import FeatureCache, PrefixCache
+from .protocol import APIError, SamplingParams
 
 PIXELS = {IMAGE: ("pixel_values", "image_grid_thw"), VIDEO: ("pixel_values_videos", "video_grid_thw")}
-from .protocol import APIError, SamplingParams
 
 
 @dataclass
@@ -84,17 +87,13 @@ class _Row:
         p = handle.prepared
         self.handle, self.prepared, self.cached = handle, p, cached
         self.tokens: List[int] = []
-        self.history = list(p.tokens) if self._needs_history(p) else None
         self.position = 0
         self.detok = engine.tokenizer_wrapper.detokenizer
         self.text, self.sent = "", 0
         self.finish: Optional[str] = None
         self.sampler, self.processors = engine.sampling(p)
-
-    @staticmethod
-    def _needs_history(p):
-        s = p.sampling
-        return bool(p.processors or s.repetition_penalty or s.presence_penalty or s.frequency_penalty)
+        # The tokens so far (prompt + answer), kept only for the processors that read them.
+        self.history = list(p.tokens) if self.sampler.processors or self.processors else None
 
 
 class Engine:
@@ -153,27 +152,27 @@ class Engine:
 
     # ------------------------------------------------------------------ sampling
     def sampling(self, p: Prepared):
-        from mlx_lm.sample_utils import make_logits_processors, make_sampler
+        """(the library's Sampler, extra logits processors) of one request. The Sampler is the one
+        generate() builds for the same settings (repetition penalty, filters, and a random stream of
+        the request's own, from its seed), so a seeded answer equals generate(seed=...)'s whatever
+        requests share the batch; presence / frequency penalties and any grammar follow it."""
+        from mlx_lm.sample_utils import make_logits_processors
 
         s = p.sampling
-        sampler = make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
-        processors = make_logits_processors(
-            repetition_penalty=s.repetition_penalty if s.repetition_penalty not in (None, 1.0) else None,
-            presence_penalty=s.presence_penalty or None, frequency_penalty=s.frequency_penalty or None)
-        return sampler, processors + list(p.processors)
+        sampler = Sampler(LibrarySampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                                          repetition_penalty=s.repetition_penalty, seed=s.seed))
+        extra = make_logits_processors(presence_penalty=s.presence_penalty or None,
+                                       frequency_penalty=s.frequency_penalty or None)
+        return sampler, extra + list(p.processors)
 
     def _sample(self, row: _Row, logits):
-        """logits (1, V) → (token (1,), log-probs (1, V)), with the row's processors and RNG."""
-        if row.processors:
+        """logits (1, V) → (token (1,), log-probs (1, V)), with the row's processors and random stream."""
+        if row.history is not None:
             history = mx.array(row.history)
+            logits = row.sampler.process(history, logits)
             for proc in row.processors:
                 logits = proc(history, logits)
         logprobs = self.log_softmax(logits)
-        seed = row.prepared.sampling.seed
-        if seed is not None and row.prepared.sampling.temperature > 0:
-            # A seeded request draws from its own (seed, step) key, so its answer does not depend
-            # on which requests share its batch.
-            mx.random.seed((seed * 1_000_003 + len(row.tokens)) % 2**63)
         return row.sampler(logprobs), logprobs
 
     # ------------------------------------------------------------------ the worker loop
