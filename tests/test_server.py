@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, end to end: a real server process on a free 127.0.0.1 port with
 the tiny fixture checkpoint, called with the real `openai` client (and raw HTTP for bad input).
-Answers are compared with generate() run in this process (greedy, token for token via the text)."""
+Answers are compared with generate() run in this process (greedy, and seeded sampling token for
+token)."""
 
 import base64
 import http.client
@@ -85,7 +86,7 @@ class Server:
                 self.ready.set()
         self.ready.set()  # exited: wake the waiter, which then sees the log
 
-    def request(self, method, path, body=None, headers=None, key=KEY):
+    def request(self, method, path, body=None, headers=None, key=KEY, with_headers=False):
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
         h = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
         data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
@@ -93,6 +94,8 @@ class Server:
         r = conn.getresponse()
         raw = r.read()
         conn.close()
+        if with_headers:  # (status, lower-cased response headers)
+            return r.status, {k.lower(): v for k, v in r.getheaders()}
         return r.status, json.loads(raw) if raw else None
 
     def metrics(self):
@@ -225,6 +228,78 @@ def test_concurrent_clients_get_their_single_answers_decoded_together(server, lo
     after = server.metrics()["decode_steps_by_batch_size"]
     batched = sum(v - before.get(k, 0) for k, v in after.items() if int(k) >= 2)
     assert batched > 0, after  # some decode steps ran several requests' rows together
+
+
+SEEDED = dict(max_tokens=12, temperature=1.0, seed=1234)
+
+
+def _seeded_expectation(local):
+    """(messages, generate()'s answer) of the seeded request, and its tokens as the server's
+    logprobs name them (one string per token)."""
+    messages = [user("Pick a word at random.", png_bytes("img_123x77.png"))]
+    want = expected(local, messages, **SEEDED)
+    greedy = expected(local, messages, SEEDED["max_tokens"])
+    assert want.token_ids != greedy.token_ids  # the draw matters, so the test can tell streams apart
+    decode = local[1].tokenizer.decode
+    return messages, want, [decode([t]) for t in want.token_ids]
+
+
+def _check_seeded(r, want, pieces):
+    assert r.choices[0].message.content == want.text
+    assert [t.token for t in r.choices[0].logprobs.content] == pieces
+    assert r.choices[0].finish_reason == want.finish_reason
+
+
+def test_seeded_sampling_equals_generate(server, local):
+    """temperature 1 with a seed: the server draws from the request's own random stream, the one
+    generate(seed=...) uses, so the answer is generate()'s token for token (and again on resend)."""
+    messages, want, pieces = _seeded_expectation(local)
+    client = server.client()
+    for _ in range(2):
+        r = client.chat.completions.create(model="m", messages=messages, logprobs=True, **SEEDED)
+        _check_seeded(r, want, pieces)
+
+
+def test_seeded_sampling_inside_a_running_batch_equals_generate(server, local):
+    """The same seeded request sent while four other requests (two greedy, two sampled; prompts of
+    other lengths, so the batch is padded) are decoding still gets generate()'s tokens, and every
+    one of its decode steps ran with all four others."""
+    messages, want, pieces = _seeded_expectation(local)
+    others = [[user(f"Tell story {k}." + " slowly" * k, *[png_bytes("img_90x260.png")] * (k % 2))] for k in range(4)]
+    # Greedy, or seeds whose answers run the full 1000 tokens (generate() with these settings).
+    settings = [dict(temperature=0), dict(temperature=1.0, seed=104),
+                dict(temperature=0), dict(temperature=1.0, seed=105)]
+    started = [threading.Event() for _ in others]
+    release = threading.Event()
+
+    def background(k):
+        stream = server.client().chat.completions.create(model="m", messages=others[k], max_tokens=1000,
+                                                         logprobs=True, stream=True, **settings[k])
+        try:
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].logprobs:  # a decoded token: the row is in the batch
+                    started[k].set()
+                if release.is_set():
+                    return
+        finally:
+            started[k].set()
+            stream.close()  # frees the row
+
+    with ThreadPoolExecutor(len(others)) as pool:
+        futures = [pool.submit(background, k) for k in range(len(others))]
+        try:
+            assert all(e.wait(120) for e in started)
+            five = str(len(others) + 1)
+            before = server.metrics()["decode_steps_by_batch_size"].get(five, 0)
+            r = server.client().chat.completions.create(model="m", messages=messages, logprobs=True, **SEEDED)
+            after = server.metrics()["decode_steps_by_batch_size"].get(five, 0)
+        finally:
+            release.set()
+        for f in futures:
+            f.result()
+    _check_seeded(r, want, pieces)
+    # Its first token comes from its prefill; each later one from a step of all five rows.
+    assert after - before == len(want.token_ids) - 1
 
 
 def test_agent_conversation_reuses_each_turn(server, local):
@@ -416,9 +491,37 @@ def test_queue_limit_answers_503_never_hangs():
             statuses = list(pool.map(lambda _: s.request("POST", "/v1/chat/completions", body, key=None)[0], range(6)))
         assert 200 in statuses and 503 in statuses and set(statuses) <= {200, 503}
         assert s.request("POST", "/v1/chat/completions", GOOD, key=None)[0] == 200
-        # Defaults: no key needed when none is set; CORS headers only when asked for.
-        status = s.request("GET", "/v1/models", headers={"Origin": "http://example.test"}, key=None)[0]
-        assert status == 200
+        assert s.request("GET", "/v1/models", key=None)[0] == 200  # no key needed when none is set
+    finally:
+        s.stop()
+
+
+def test_cors_headers_only_with_the_option(server):
+    """CORS is off by default: no Access-Control-* headers, preflights refused. With
+    --cors-allow-origin the named origin (only it) gets them, on answers and preflights."""
+    origin, preflight = "http://example.test", {"Access-Control-Request-Method": "POST",
+                                                "Access-Control-Request-Headers": "authorization,content-type"}
+
+    def cors(s, method, path, sent_origin=origin, extra=None):
+        status, headers = s.request(method, path, headers={"Origin": sent_origin, **(extra or {})}, with_headers=True)
+        return status, {k: v for k, v in headers.items() if k.startswith("access-control-")}
+
+    status, got = cors(server, "GET", "/v1/models")
+    assert status == 200 and got == {}
+    status, got = cors(server, "OPTIONS", "/v1/chat/completions", extra=preflight)
+    assert status == 405 and got == {}  # no OPTIONS route without CORS
+
+    s = Server("--api-key", KEY, "--cors-allow-origin", origin)
+    try:
+        status, got = cors(s, "GET", "/v1/models")
+        assert status == 200 and got["access-control-allow-origin"] == origin
+        status, got = cors(s, "OPTIONS", "/v1/chat/completions", extra=preflight)
+        assert status == 200 and got["access-control-allow-origin"] == origin
+        assert "POST" in got["access-control-allow-methods"]
+        allowed = {h.strip().lower() for h in got["access-control-allow-headers"].split(",")}
+        assert {"authorization", "content-type"} <= allowed
+        status, got = cors(s, "GET", "/v1/models", sent_origin="http://other.test")
+        assert status == 200 and "access-control-allow-origin" not in got
     finally:
         s.stop()
 
