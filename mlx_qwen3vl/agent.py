@@ -27,7 +27,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 from .errors import InputError
 

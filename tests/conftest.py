@@ -82,3 +82,18 @@ def backend(request, monkeypatch, on_cpu):
     if request.param == "cpu-all":
         cpu_path_for_every_size(monkeypatch)
     return request.param
+
+
+def write_fixture_video(folder):
+    """The fixture clip (8 fps, cropped to even sizes for the encoder) as a lossless FFV1 file in
+    `folder` → (its frames, its path). Skips the test without PyAV."""
+    av = pytest.importorskip("av")
+    frames = np.load(FIXTURES / "media" / "video_16x72x100.npy")[:, :64, :96]
+    path = Path(folder) / "clip.mkv"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("ffv1", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 96, 64, "bgr0"
+        for f in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+        container.mux(stream.encode())
+    return frames, path

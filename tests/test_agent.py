@@ -6,7 +6,6 @@ the tiny checkpoint."""
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import numpy as np

@@ -13,7 +13,7 @@ from mlx_lm.sample_utils import make_sampler
 from PIL import Image
 
 import mlx_qwen3vl as M
-from conftest import CASES, FIXTURES, case_inputs, load_fixture_model, reference, rel_err
+from conftest import CASES, FIXTURES, case_inputs, load_fixture_model, reference, rel_err, write_fixture_video
 from mlx_qwen3vl.generate import generate_tokens
 
 ROOT = FIXTURES.parents[1]
@@ -226,15 +226,7 @@ def test_cli_chat_reuses_cache_between_turns():
 
 def test_cli_video_file_equals_frames(loaded, tmp_path):
     """--video FILE (PyAV) answers as the same frames given to the Python API do."""
-    av = pytest.importorskip("av")
-    frames = np.load(FIXTURES / "media" / "video_16x72x100.npy")[:, :64, :96]  # even sizes for the encoder
-    path = tmp_path / "clip.mkv"
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("ffv1", rate=8)  # lossless
-        stream.width, stream.height, stream.pix_fmt = 96, 64, "bgr0"
-        for f in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
-        container.mux(stream.encode())
+    frames, path = write_fixture_video(tmp_path)
     model, processor = loaded["tiny-b"]
     expected = M.generate(model, processor, "What happens?", videos=[frames], video_fps=8.0, max_tokens=8)
     p = run_cli("--model", str(FIXTURES / "tiny-b"), "--video", str(path), "--prompt", "What happens?",

@@ -21,7 +21,7 @@ from PIL import Image
 
 import mlx_qwen3vl as M
 from mlx_qwen3vl.server.__main__ import BLAS_ENV
-from conftest import FIXTURES, load_fixture_model
+from conftest import FIXTURES, load_fixture_model, write_fixture_video
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
@@ -527,15 +527,7 @@ def test_cors_headers_only_with_the_option(server):
 
 
 def test_video_url_equals_generate(server, local, tmp_path):
-    av = pytest.importorskip("av")
-    frames = np.load(MEDIA / "video_16x72x100.npy")[:, :64, :96]  # even sizes for the encoder
-    path = tmp_path / "clip.mkv"
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("ffv1", rate=8)  # lossless
-        stream.width, stream.height, stream.pix_fmt = 96, 64, "bgr0"
-        for f in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
-        container.mux(stream.encode())
+    frames, path = write_fixture_video(tmp_path)
     model, processor = local
     want = M.generate(model, processor, messages=[{"role": "user", "content": [
         {"type": "video", "video": str(path)}, {"type": "text", "text": "What happens?"}]}], max_tokens=6)
