@@ -35,6 +35,8 @@ def build_parser():
     for f in _sampling_fields():
         if f.name == "stop":
             p.add_argument(f.metadata["flag"], nargs="+", default=None, help=f.metadata["help"])
+        elif f.type is bool:
+            p.add_argument(f.metadata["flag"], dest=f.name, action="store_true", help=f.metadata["help"])
         else:
             p.add_argument(f.metadata["flag"], dest=f.name, type=types.get(f.name, float), default=f.default,
                            help=f.metadata["help"])

@@ -144,18 +144,27 @@ def _generation_stream():
     return generation_stream
 
 
-def prefill(model, inputs, cache, *, start=0, prefill_step_size=2048):
+def prefill(model, inputs, cache, *, start=0, prefill_step_size=2048, on_vision_done=None):
     """Encode the new images/videos once, then run prompt positions [start, L) through the decoder
     in chunks of `prefill_step_size`, so activations stay bounded for long prompts.
+
+    `on_vision_done(seconds)`, when given and the prompt has new media, is called with the vision
+    tower's time; it evaluates the features before the prompt (one extra sync), so it is for
+    measuring, not for normal runs.
 
     Returns (logits of the last position (B, V), next 1D position per sequence (B,)). DeepStack
     tensors are sliced with the chunk, so features land on the right positions across chunks."""
     media = media_after(inputs, start)
+    tic = time.perf_counter()
     image_features = video_features = None
     if "pixel_values" in media:
         image_features = model.get_image_features(media["pixel_values"], media["image_grid_thw"])
     if "pixel_values_videos" in media:
         video_features = model.get_video_features(media["pixel_values_videos"], media["video_grid_thw"])
+    features = [f for f in (image_features, video_features) if f is not None]
+    if on_vision_done is not None and features:
+        mx.eval([[f.embeds, *f.deepstack] for f in features])
+        on_vision_done(time.perf_counter() - tic)
     prepared = model.prepare_inputs(
         inputs["input_ids"], inputs.get("attention_mask"), image_grid_thw=inputs.get("image_grid_thw"),
         video_grid_thw=inputs.get("video_grid_thw"), mm_token_type_ids=inputs.get("mm_token_type_ids"),
@@ -213,14 +222,15 @@ def sample(logits, sampler, histories, log_softmax):
 
 
 def generate_step(model, inputs, cache, *, sampler, max_tokens=256, start=0, prefill_step_size=2048,
-                  on_prefill_done=None) -> Iterator[tuple]:
+                  on_vision_done=None, on_prefill_done=None) -> Iterator[tuple]:
     """Yield (tokens (B,), log-probs (B, V)) one step at a time. A yielded token may or may not
     have been fed into `cache` yet (see `eager` below); callers keeping the cache trim it to what
-    they keep."""
+    they keep. `on_vision_done(seconds)` (see prefill) and `on_prefill_done()` are timing hooks."""
     stream = _generation_stream()
     backend = backend_of(model)
     with mx.stream(stream):
-        logits, positions = prefill(model, inputs, cache, start=start, prefill_step_size=prefill_step_size)
+        logits, positions = prefill(model, inputs, cache, start=start, prefill_step_size=prefill_step_size,
+                                    on_vision_done=on_vision_done)
         key_mask = _mask_or_none(inputs)
         histories = None
         if not callable(sampler) and any(s.processors for s in sampler):
@@ -279,7 +289,7 @@ def eos_token_ids(model, processor) -> set:
 
 class AnswerText:
     """One request's answer as it streams: mlx-lm's streaming detokenizer (multi-byte characters
-    never break), EOS tokens and stop strings end it, max_tokens bounds it. Text that could still
+    never break), EOS tokens (unless `ignore_eos`) and stop strings end it, max_tokens bounds it. Text that could still
     turn out to be the start of a stop string is held back until it is decided, so the streamed
     pieces always add up to the final text."""
 
@@ -288,7 +298,8 @@ class AnswerText:
 
         self.detok = TokenizerWrapper(processor.tokenizer).detokenizer
         self.detok.reset()
-        self.stop_ids, self.stops, self.max_tokens = stop_ids, params.stop_strings, params.max_tokens
+        self.stop_ids = frozenset() if params.ignore_eos else stop_ids
+        self.stops, self.max_tokens = params.stop_strings, params.max_tokens
         self.tokens, self.text, self.pending, self.finish = [], "", "", None
 
     def _held(self, text):

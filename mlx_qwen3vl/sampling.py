@@ -36,6 +36,7 @@ _CHECKS = {
     "seed": (lambda v: v is None or (_int(v) and 0 <= v < 2**63), "an integer in [0, 2**63)"),
     "stop": (lambda v: v is None or isinstance(v, str) and v != "" or (
         isinstance(v, (list, tuple)) and all(isinstance(s, str) and s for s in v)), "a non-empty string or a list of them"),
+    "ignore_eos": (lambda v: isinstance(v, bool), "True or False"),
 }
 
 
@@ -57,6 +58,10 @@ class SamplingParams:
         "flag": "--seed", "help": "seed of this request's random stream; none = drawn from MLX's global one"})
     stop: Union[None, str, Sequence[str]] = field(default=None, metadata={
         "flag": "--stop", "help": "stop strings (besides the checkpoint's EOS tokens), not part of the answer"})
+    # Benchmarks need answers of an exact length; EOS tokens then count as ordinary tokens (their
+    # text included), and stop strings and max_tokens still end the answer.
+    ignore_eos: bool = field(default=False, metadata={
+        "flag": "--ignore-eos", "help": "generate past the checkpoint's EOS tokens (exact-length answers)"})
 
     def __post_init__(self):
         check_sampling({f.name: getattr(self, f.name) for f in fields(self)})

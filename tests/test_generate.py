@@ -14,6 +14,7 @@ from PIL import Image
 
 import mlx_qwen3vl as M
 from conftest import CASES, FIXTURES, case_inputs, load_fixture_model, reference, rel_err, write_fixture_video
+from mlx_qwen3vl.errors import InputError
 from mlx_qwen3vl.generate import generate_tokens
 
 ROOT = FIXTURES.parents[1]
@@ -153,6 +154,44 @@ def test_stop_on_eos_and_stop_strings(loaded, monkeypatch):
     stop = full.text[5:8]
     cut = M.generate(model, processor, messages=messages[0], max_tokens=16, stop=[stop])
     assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.find(stop)]
+
+
+def test_ignore_eos_generates_past_eos_per_request(loaded, monkeypatch):
+    """ignore_eos is part of one request's stopping rule: that request runs to max_tokens past the
+    EOS token (the same greedy tokens), a request beside it in the batch still stops there."""
+    model, processor = loaded["tiny-b"]
+    messages, _ = fixture_messages("text")
+    greedy = reference("tiny-b", "text")["greedy"][0].tolist()
+    monkeypatch.setattr(model.config, "eos_token_ids", [greedy[3]])
+    past = M.generate(model, processor, messages=messages[0], max_tokens=16, ignore_eos=True)
+    assert past.finish_reason == "length" and past.token_ids == greedy
+    stopped, ignored = M.batch_generate(model, processor, [dict(messages=messages[0]),
+                                                           dict(messages=messages[0], ignore_eos=True)], max_tokens=16)
+    assert stopped.token_ids == greedy[:4] and stopped.finish_reason == "stop"
+    assert ignored.token_ids == greedy and ignored.finish_reason == "length"
+    cut = M.generate(model, processor, messages=messages[0], max_tokens=16, ignore_eos=True, stop=past.text[5:8])
+    assert cut.finish_reason == "stop"  # stop strings still end it
+    with pytest.raises(InputError, match="ignore_eos"):
+        M.SamplingParams(ignore_eos="yes")
+    from mlx_qwen3vl.__main__ import build_parser
+
+    assert build_parser().parse_args(["--ignore-eos"]).ignore_eos and not build_parser().parse_args([]).ignore_eos
+
+
+@pytest.mark.parametrize("case", ["text", "image", "video"])
+def test_vision_timing_hook(case):
+    """on_vision_done reports the vision tower's seconds once per prompt with media, never without,
+    and changes no token."""
+    model = load_fixture_model("tiny-a")
+    times = []
+    tokens = [np.array(y) for y in generate_tokens(model, case_inputs(case), model.make_cache(),
+                                                    sampler=make_sampler(0.0), max_tokens=4,
+                                                    on_vision_done=times.append)]
+    np.testing.assert_array_equal(np.stack(tokens, 1), reference("tiny-a", case)["greedy"][:, :4])
+    if case == "text":
+        assert times == []
+    else:
+        assert len(times) == 1 and times[0] > 0
 
 
 def test_streaming_pieces_add_up(loaded):

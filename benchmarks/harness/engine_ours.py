@@ -1,7 +1,6 @@
 """The worker of our engine: load with the chosen backend, time vision, TTFT and decode per
 workload, and the agent loop with and without KV-cache reuse."""
 
-import sys
 import time
 
 import numpy as np
@@ -13,10 +12,9 @@ from .workloads import AGENT_SYSTEM, WARMUP, agent_turns
 def worker_ours(args, spec):
     import mlx.core as mx
 
-    import mlx_qwen3vl
     from mlx_qwen3vl.cpu import blas as _blas
 
-    gen = sys.modules["mlx_qwen3vl.generate"]  # the module (the package exports the function)
+    from mlx_qwen3vl.generate import generate_tokens
     from mlx_qwen3vl.weights import load_model
 
     info = engine_info("mlx_qwen3vl")
@@ -29,40 +27,29 @@ def worker_ours(args, spec):
     info.update(dtype=str(dtype).replace("mlx.core.", ""), load_s=load_s, backend=model.backend.describe(), **bw)
     log(f"[ours] backend: {info['backend']}")
     results = {}
-    # Vision is timed on its own by evaluating the features where prefill asks for them.
+    # Vision is timed on its own: the token loop evaluates the features and reports their time.
     vision_time = []
-    orig = model.get_image_features
-
-    def timed_features(pixel_values, grid_thw):
-        t = time.perf_counter()
-        feats = orig(pixel_values, grid_thw)
-        mx.eval(feats.embeds, *feats.deepstack)
-        vision_time.append(time.perf_counter() - t)
-        return feats
-
-    model.get_image_features = model.get_video_features = timed_features
     sampler = lambda logprobs: mx.argmax(logprobs, axis=-1)
     data = np.load(spec["inputs"])
     warm = {k.split("/", 1)[1]: data[k] for k in data.files if k.startswith(WARMUP + "/")}
-    for y in gen.generate_tokens(model, warm, model.make_cache(), sampler=sampler, max_tokens=4):
+    for y in generate_tokens(model, warm, model.make_cache(), sampler=sampler, max_tokens=4):
         y.item()
     for name in spec["workloads"]:
         if name == "agent":
             continue
         inputs = {k.split("/", 1)[1]: data[k] for k in data.files if k.startswith(name + "/")}
         for _ in range(spec.get("warmup", 0)):
-            for y in gen.generate_tokens(model, inputs, model.make_cache(), sampler=sampler, max_tokens=2):
+            for y in generate_tokens(model, inputs, model.make_cache(), sampler=sampler, max_tokens=2):
                 y.item()
 
         def tokens(inputs=inputs):
-            for y in gen.generate_tokens(model, inputs, model.make_cache(), sampler=sampler,
-                                         max_tokens=spec["decode_tokens"],
-                                         prefill_step_size=spec.get("prefill_step_size", 2048)):
+            for y in generate_tokens(model, inputs, model.make_cache(), sampler=sampler,
+                                     max_tokens=spec["decode_tokens"], on_vision_done=vision_time.append,
+                                     prefill_step_size=spec.get("prefill_step_size", 2048)):
                 yield y.item()
 
         results[name] = time_workload("ours", name, inputs["input_ids"].shape[1], vision_time, tokens, spec)
     if "agent" in spec["workloads"]:
-        model.get_image_features = model.get_video_features = orig
         results["agent"] = agent_loop(model, spec)
     return {"info": info, "results": results}
 
@@ -73,15 +60,12 @@ def agent_loop(model, spec):
     EOS is ignored so every turn answers with exactly `agent_tokens` tokens in both variants."""
     import mlx.core as mx
 
-    from mlx_qwen3vl import ChatSession, Processor
-
-    gen = sys.modules["mlx_qwen3vl.generate"]
+    from mlx_qwen3vl import ChatSession, Processor, generate
 
     processor = Processor.from_pretrained(spec["model"])
-    gen.eos_token_ids = lambda model, processor: set()
     script = agent_turns(spec)
     turns = len(script)
-    kw = dict(max_tokens=spec.get("agent_tokens", 8), temperature=0.0)
+    kw = dict(max_tokens=spec.get("agent_tokens", 8), temperature=0.0, ignore_eos=True)
     out = {}
     for variant in spec.get("agent_variants", ["reuse", "no_reuse"]):
         fresh_mlx_measurement()
@@ -100,7 +84,7 @@ def agent_loop(model, spec):
             else:
                 messages.append({"role": "user", "content": [{"type": "image", "image": shot},
                                                              {"type": "text", "text": ask}]})
-                r = gen.generate(model, processor, messages=messages, **kw)
+                r = generate(model, processor, messages=messages, **kw)
                 answer = r.text
                 messages.append({"role": "assistant", "content": answer})
                 prompt_tokens.append(r.prompt_tokens)
