@@ -18,7 +18,6 @@ def worker_mlx_vlm(args, spec):
         blas_note = "MLX's bundled BLAS (nothing preloaded)"
     import mlx.core as mx
     from mlx_vlm import load as vlm_load, stream_generate
-    from mlx_vlm.models.qwen3_vl import vision as vlm_vision
 
     info = engine_info("mlx-vlm", "mlx_vlm")
     info["blas"] = blas_note
@@ -32,7 +31,9 @@ def worker_mlx_vlm(args, spec):
     tok.stopping_criteria = lambda token: False  # EOS ignored: a fixed number of decode tokens
 
     vision_time = []
-    orig_call = vlm_vision.VisionModel.__call__
+    # The class of this model's own tower: the dense and the MoE model each have their own module.
+    vision_class = type(model.vision_tower)
+    orig_call = vision_class.__call__
 
     def timed_call(self, *a, **k):
         t = time.perf_counter()
@@ -45,7 +46,7 @@ def worker_mlx_vlm(args, spec):
     for _ in stream_generate(model, processor, "", input_ids=mx.array(data[WARMUP + "/input_ids"]), max_tokens=4,
                              temperature=0.0):
         pass
-    vlm_vision.VisionModel.__call__ = timed_call
+    vision_class.__call__ = timed_call
     results = {}
     for name in spec["workloads"]:
         if name == "agent":
@@ -68,7 +69,7 @@ def worker_mlx_vlm(args, spec):
                     yield r.token
 
         results[name] = time_workload("mlx-vlm", name, inputs["input_ids"].shape[1], vision_time, tokens, spec)
-    vlm_vision.VisionModel.__call__ = orig_call
+    vision_class.__call__ = orig_call
     if "agent" in spec["workloads"]:
         results["agent"] = mlx_vlm_agent(model, processor, spec, stream_generate)
         log(f"[mlx-vlm] agent: {results['agent']['no_reuse']['total_s']:.1f} s")
