@@ -195,7 +195,6 @@ def test_quantized_checkpoint_logits_equal_one_process(tmp_path):
     _sharded_logits_equal_one_process(FIXTURES / "mlxvlm-mixed_3_6", tmp_path)
 
 
-@pytest.mark.skipif(not (FIXTURES / "tiny-moe").is_dir(), reason="the MoE fixture is not on this branch yet")
 def test_moe_logits_and_greedy_equal_one_process(tmp_path):
     """Experts' intermediate split over 2 ranks, router replicated, the dense mlp_only layer split too."""
     model, processor, answers = _sharded_logits_equal_one_process(FIXTURES / "tiny-moe", tmp_path)
@@ -203,7 +202,6 @@ def test_moe_logits_and_greedy_equal_one_process(tmp_path):
     assert answers == [str(ids)] * 2
 
 
-@pytest.mark.skipif(not (FIXTURES / "mlxvlm-moe-q4").is_dir(), reason="the MoE fixture is not on this branch yet")
 def test_quantized_experts_that_do_not_split_by_group_are_one_clear_error():
     config = ModelConfig.from_pretrained(FIXTURES / "mlxvlm-moe-q4")  # moe_intermediate_size 96, groups of 32
     with pytest.raises(ConfigError, match="moe_intermediate_size 96/2 is not a multiple of the quantization group"):
