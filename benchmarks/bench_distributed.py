@@ -65,12 +65,9 @@ def _comm_per_token(model, group, reps=20):
         outs.append(mx.distributed.all_gather(logits, group=group))
         mx.eval(outs)
 
-    step()
-    times = []
-    for _ in range(reps):
-        tic = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - tic)
+    from harness.measure import repeat_times
+
+    times = repeat_times(step, reps)
     sent = (n_sums * t.hidden_size + vocab_rows) * hidden.itemsize
     return 1e3 * float(np.median(times)), sent
 

@@ -10,18 +10,13 @@ configs (tests/fixtures/tokenizer). Median and min of --repeat runs after one wa
 import argparse
 import hashlib
 import statistics
-import time
 
 from bench_preprocess import MODEL, screenshot
+from harness.measure import repeat_times
 
 
 def timed(fn, repeat):
-    fn()
-    out = []
-    for _ in range(repeat):
-        tic = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - tic)
+    out = repeat_times(fn, repeat)
     return statistics.median(out) * 1e3, min(out) * 1e3
 
 

@@ -27,13 +27,9 @@ import mlx.core as mx  # noqa: E402
 
 
 def median_time(fn, reps):
-    fn()
-    times = []
-    for _ in range(reps):
-        tic = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - tic)
-    return statistics.median(times)
+    from harness.measure import repeat_times
+
+    return statistics.median(repeat_times(fn, reps))
 
 
 def interleaved(variants, reps):

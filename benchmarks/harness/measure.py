@@ -13,6 +13,17 @@ from pathlib import Path
 import numpy as np
 
 
+def repeat_times(fn, reps):
+    """Seconds of each of `reps` calls of fn, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        tic = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - tic)
+    return times
+
+
 def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
