@@ -7,16 +7,10 @@
 
 from .cpu import blas  # noqa: F401  (loads an optimized BLAS, so it must run before mlx.core is imported)
 import os
-import warnings
 
 # Only transformers' tokenizer and chat template are used, never torch: its "PyTorch was not
 # found" advisory (printed on import) is noise on every run. mlx-lm sets the same.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-
-# `python -m mlx_qwen3vl.generate` (the older spelling of `python -m mlx_qwen3vl`) runs a module
-# this package has already imported for its public `generate` function; runpy's warning about
-# that is harmless here.
-warnings.filterwarnings("ignore", message=r"'mlx_qwen3vl\.generate' found in sys\.modules", category=RuntimeWarning)
 
 from .generate import GenerationResponse, GenerationResult, batch_generate, generate, stream_generate  # noqa: E402
 from .prompt_cache import ChatSession, PromptCache  # noqa: E402

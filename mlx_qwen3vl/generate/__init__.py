@@ -3,10 +3,11 @@
 The pieces follow gpt-fast's shape: `prefill` (vision once, then the prompt in chunks),
 `decode_step` (one token through the cache) and `sample`, composed by `generate_step`. Reuse
 across turns lives in prompt_cache.py, sampling settings in sampling.py, the CLI in __main__.py
-(`python -m mlx_qwen3vl`; `python -m mlx_qwen3vl.generate` runs the same).
+(`python -m mlx_qwen3vl`; `python -m mlx_qwen3vl.generate` runs the same through
+generate/__main__.py: a package, so runpy finds the loop already imported by the package's
+`generate` function without a warning).
 """
 
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional
@@ -14,10 +15,10 @@ from typing import Iterator, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from .backend import backend_of
-from .errors import InputError
-from .prompt_cache import PromptCache, media_after
-from .sampling import FIELD_NAMES, Sampler, SamplingParams
+from ..backend import backend_of
+from ..errors import InputError
+from ..prompt_cache import PromptCache, media_after
+from ..sampling import FIELD_NAMES, Sampler, SamplingParams
 
 TEMPLATE_MARKER = "<|im_start|>"
 
@@ -106,7 +107,7 @@ def render_prompt(processor, prompt=None, *, messages=None, images=None, videos=
         if messages and isinstance(messages[0], dict) and messages[0].get("role") == "system":
             raise InputError("system= was given but the messages already start with a system message; give one")
         messages = [{"role": "system", "content": system}] + list(messages)
-    from .processor import extract_media
+    from ..processor import extract_media
 
     found_images, found_videos = extract_media(messages)
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
@@ -473,8 +474,3 @@ def batch_generate(model, processor, requests, *, sampling: Optional[SamplingPar
         generation_tps=generated / max(total - timing["prompt"], 1e-9),
         peak_memory=mx.get_peak_memory() / 1e9, finish_reason=a.finish or "length") for b, a in enumerate(answers)]
 
-
-if __name__ == "__main__":  # `python -m mlx_qwen3vl.generate`, the older spelling of `python -m mlx_qwen3vl`
-    from .__main__ import main
-
-    sys.exit(main())
