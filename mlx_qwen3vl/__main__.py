@@ -8,13 +8,10 @@ import argparse
 import sys
 from dataclasses import fields
 
+from .cli import FLAGS, Parser, check_media_flags, run
+
 DEFAULT_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 DEFAULT_PROMPT = "Describe this image."
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        self.exit(2, f"error: {message} (see --help)\n")
 
 
 def _sampling_fields():
@@ -24,7 +21,7 @@ def _sampling_fields():
 
 
 def build_parser():
-    p = _Parser(prog="python -m mlx_qwen3vl", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = Parser(prog="python -m mlx_qwen3vl", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                 description="Generate text from images/videos and a prompt with Qwen3-VL.")
     p.add_argument("--model", default=DEFAULT_MODEL, help="local checkpoint folder or Hugging Face repo id")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user's text")
@@ -40,9 +37,9 @@ def build_parser():
         else:
             p.add_argument(f.metadata["flag"], dest=f.name, type=types.get(f.name, float), default=f.default,
                            help=f.metadata["help"])
-    p.add_argument("--min-pixels", type=int, default=None, help="smallest image area; none = the checkpoint's")
-    p.add_argument("--max-pixels", type=int, default=None, help="largest image area; none = the checkpoint's")
-    p.add_argument("--fps", type=float, default=None, help="source fps for videos given as frames")
+    p.add_argument(FLAGS["min_pixels"], type=int, default=None, help="smallest image area; none = the checkpoint's")
+    p.add_argument(FLAGS["max_pixels"], type=int, default=None, help="largest image area; none = the checkpoint's")
+    p.add_argument(FLAGS["video_fps"], type=float, default=None, help="source fps for videos given as frames")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="compute dtype; none = float32 on the CPU, the checkpoint's on a GPU")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk")
@@ -62,49 +59,49 @@ def _print_stats(last, out=sys.stderr):
 def main(argv=None):
     args = build_parser().parse_args(argv)
     from .distributed import quiet_other_ranks
-    from .errors import InputError, Qwen3VLError
 
     quiet_other_ranks()  # under mlx.launch only rank 0 prints
+    return run(lambda: _main(args))
+
+
+def _main(args):
+    from .errors import InputError
     from .sampling import SamplingParams, check_sampling
 
-    try:
-        flags = {f.name: f.metadata["flag"] for f in _sampling_fields()}
-        values = {name: getattr(args, name) for name in flags}
-        check_sampling(values, name=flags.get)
-        if args.prefill_step_size < 1:
-            raise InputError(f"--prefill-step-size = {args.prefill_step_size} is not allowed; use an integer >= 1")
-        sampling = SamplingParams(**values)
+    flags = {f.name: f.metadata["flag"] for f in _sampling_fields()}
+    values = {name: getattr(args, name) for name in flags}
+    check_sampling(values, name=flags.get)
+    if args.prefill_step_size < 1:
+        raise InputError(f"--prefill-step-size = {args.prefill_step_size} is not allowed; use an integer >= 1")
+    sampling = SamplingParams(**values)
 
-        from . import load
-        from .backend import backend_of
-        from .hub import resolve_model_path
-        from .generate import stream_generate
-        from .prompt_cache import ChatSession
+    from . import load
+    from .backend import backend_of
+    from .hub import resolve_model_path
+    from .generate import stream_generate
+    from .prompt_cache import ChatSession
 
-        model, processor = load(resolve_model_path(args.model, flag="--model"), dtype=args.dtype)
-        if args.verbose:
-            print(f"[mlx_qwen3vl] model: {args.model}; backend: {backend_of(model).describe()}", file=sys.stderr)
-        media = dict(min_pixels=args.min_pixels, max_pixels=args.max_pixels)
-        if args.chat:
-            session = ChatSession(model, processor, system=args.system, sampling=sampling,
-                                  prefill_step_size=args.prefill_step_size, **media)
-            return _chat(session, args)
-        if args.verbose:
-            print(f"[mlx_qwen3vl] prompt: {args.prompt!r}, {len(args.image)} image(s), {len(args.video)} video(s)",
-                  file=sys.stderr)
-        last = None
-        for last in stream_generate(model, processor, args.prompt, images=args.image, videos=args.video,
-                                    video_fps=args.fps, system=args.system, sampling=sampling,
-                                    prefill_step_size=args.prefill_step_size, **media):
-            print(last.text, end="", flush=True)
-        print()
-        _print_stats(last)
-        return 0
-    except Qwen3VLError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    path = resolve_model_path(args.model, flag="--model")
+    check_media_flags(path, args.min_pixels, args.max_pixels, args.fps)
+    model, processor = load(path, dtype=args.dtype)
+    if args.verbose:
+        print(f"[mlx_qwen3vl] model: {args.model}; backend: {backend_of(model).describe()}", file=sys.stderr)
+    media = dict(min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+    if args.chat:
+        session = ChatSession(model, processor, system=args.system, sampling=sampling,
+                              prefill_step_size=args.prefill_step_size, **media)
+        return _chat(session, args)
+    if args.verbose:
+        print(f"[mlx_qwen3vl] prompt: {args.prompt!r}, {len(args.image)} image(s), {len(args.video)} video(s)",
+              file=sys.stderr)
+    last = None
+    for last in stream_generate(model, processor, args.prompt, images=args.image, videos=args.video,
+                                video_fps=args.fps, system=args.system, sampling=sampling,
+                                prefill_step_size=args.prefill_step_size, **media):
+        print(last.text, end="", flush=True)
+    print()
+    _print_stats(last)
+    return 0
 
 
 def _chat(session, args):

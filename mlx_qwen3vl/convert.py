@@ -47,7 +47,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from .errors import InputError, Qwen3VLError
+from .cli import Parser, run
+from .errors import InputError
 from .hub import SIDECAR_FILES, resolve_model_path
 from .moe import weight_counts
 from .weights import (AFFINE_BITS, AFFINE_GROUP_SIZES, DTYPES, FIXED_MODES, FORMAT_KEY, FORMAT_VERSION, MLX_VLM,
@@ -449,11 +450,6 @@ def _replace(tmp: Path, out: Path, force: bool):
 # ---------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, like every other error of this tool
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def _int(text: str) -> int:
     try:
         return int(text)
@@ -469,7 +465,7 @@ def _size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="convert.py", description="Convert a Qwen3-VL checkpoint (hub folder or repo id, "
+    p = Parser(prog="convert.py", description="Convert a Qwen3-VL checkpoint (hub folder or repo id, "
                 "or an mlx-vlm folder) into mlx_qwen3vl's MLX layout, optionally quantized.")
     p.add_argument("--hf-path", "--model", required=True, help="local checkpoint folder or Hugging Face repo id")
     p.add_argument("--mlx-path", default="mlx_model", help="output folder (default: mlx_model)")
@@ -491,18 +487,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
+
+    def body():
         convert(args.hf_path, args.mlx_path, dtype=args.dtype, quantize=args.quantize, q_bits=args.q_bits,
                 q_group_size=args.q_group_size, q_mode=args.q_mode, quant_predicate=args.quant_predicate,
                 quantize_vision=args.quantize_vision, force=args.force, max_shard_bytes=args.max_shard_size,
                 allow_float_layers=args.allow_float_layers)
-    except Qwen3VLError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("error: interrupted; nothing was written to --mlx-path", file=sys.stderr)
-        return 130
-    return 0
+        return 0
+
+    return run(body, interrupted="error: interrupted; nothing was written to --mlx-path")
 
 
 if __name__ == "__main__":

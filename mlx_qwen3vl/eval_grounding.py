@@ -14,7 +14,6 @@ Per-sample results go to --output (JSONL, one line per sample as it finishes); r
 same --output resumes where it stopped. The report (JSON) goes to stdout.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -22,6 +21,7 @@ import time
 from typing import Callable, List, Optional
 
 from .agent import GROUNDING_FORMATS, grounding_messages, parse_grounding
+from .cli import FLAGS, Parser, check_max_tokens, check_media_flags, run
 from .errors import InputError, Qwen3VLError
 
 
@@ -223,7 +223,7 @@ def evaluate(records: List[dict], predictor: Callable[[List[dict]], List[str]], 
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m mlx_qwen3vl.eval_grounding",
+    p = Parser(prog="python -m mlx_qwen3vl.eval_grounding",
                                 description="Grounding accuracy on ScreenSpot-style JSONL data.")
     p.add_argument("--model", help="local folder or Hugging Face repo id")
     p.add_argument("--data", required=True, help="JSONL: image, instruction, bbox [x1,y1,x2,y2] px, "
@@ -236,9 +236,9 @@ def build_parser():
     p.add_argument("--no-refusal", action="store_true", help="venus format: no [-1,-1] clause in the prompt")
     p.add_argument("--batch-size", type=int, default=None,
                    help="samples per batch (default: 8 on a GPU, 1 on the CPU, where batching does not pay)")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--min-pixels", type=int, default=None)
-    p.add_argument("--max-pixels", type=int, default=None)
+    p.add_argument(FLAGS["max_tokens"], type=int, default=128)
+    p.add_argument(FLAGS["min_pixels"], type=int, default=None)
+    p.add_argument(FLAGS["max_pixels"], type=int, default=None)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
@@ -248,50 +248,58 @@ def main(argv=None, predictor=None):
     """CLI entry point. `predictor` (samples -> answers) replaces loading --model: tests use it to
     evaluate scripted answers through the same command line."""
     args = build_parser().parse_args(argv)
-    try:
-        if args.limit is not None and args.limit < 1:
-            raise InputError(f"--limit {args.limit}: give a positive number of records")
-        if args.batch_size is not None and args.batch_size < 1:
-            raise InputError(f"--batch-size {args.batch_size}: give a positive number")
-        records = read_records(args.data)
-        settings = None
-        if predictor is None or args.model:
-            settings = {"model": args.model, "format": args.format, "refusal": not args.no_refusal,
-                        "min_pixels": args.min_pixels, "max_pixels": args.max_pixels, "max_tokens": args.max_tokens,
-                        "dtype": args.dtype}
-        stem = os.path.splitext(os.path.basename(args.data))[0]
-        if args.model:
-            stem += "." + (os.path.basename(os.path.normpath(args.model)) or "model").replace("/", "_")
-        output = args.output or stem + ".results.jsonl"
-        batch_size = args.batch_size
-        if predictor is None:
-            if not args.model:
-                raise InputError("give --model: the checkpoint to evaluate")
-            import mlx.core as mx
 
-            from . import load
+    def body():
+        try:
+            report = _main(args, predictor)
+        except Qwen3VLError:  # ModelNotFoundError is an OSError too: its own line
+            raise
+        except OSError as e:
+            raise InputError(f"{e.filename or ''}: {e.strerror or e}; check the path") from None
+        print(json.dumps(report, indent=2))
+        return 0
 
-            model, processor = load(args.model, dtype=args.dtype)
-            predictor = ModelPredictor(model, processor, args.format, not args.no_refusal, args.min_pixels,
-                                       args.max_pixels, args.max_tokens)
-            if batch_size is None:
-                batch_size = 8 if mx.default_device().type == mx.gpu else 1
-        report = evaluate(records, predictor, output, limit=args.limit, batch_size=batch_size or 1,
-                          progress=not args.no_progress, settings=settings)
-        if args.report:
-            with open(args.report, "w", encoding="utf-8") as f:
-                json.dump(report, f, indent=2)
-    except Qwen3VLError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"error: {e.filename or ''}: {e.strerror or e}; check the path", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
-    print(json.dumps(report, indent=2))
-    return 0
+    return run(body, interrupted="interrupted; rerun the same command to resume")
+
+
+def _main(args, predictor):
+    if args.limit is not None and args.limit < 1:
+        raise InputError(f"--limit {args.limit}: give a positive number of records")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise InputError(f"--batch-size {args.batch_size}: give a positive number")
+    records = read_records(args.data)
+    settings = None
+    if predictor is None or args.model:
+        settings = {"model": args.model, "format": args.format, "refusal": not args.no_refusal,
+                    "min_pixels": args.min_pixels, "max_pixels": args.max_pixels, "max_tokens": args.max_tokens,
+                    "dtype": args.dtype}
+    stem = os.path.splitext(os.path.basename(args.data))[0]
+    if args.model:
+        stem += "." + (os.path.basename(os.path.normpath(args.model)) or "model").replace("/", "_")
+    output = args.output or stem + ".results.jsonl"
+    batch_size = args.batch_size
+    if predictor is None:
+        if not args.model:
+            raise InputError("give --model: the checkpoint to evaluate")
+        import mlx.core as mx
+
+        from . import load
+        from .hub import resolve_model_path
+
+        path = resolve_model_path(args.model, flag="--model")
+        check_max_tokens(args.max_tokens)
+        check_media_flags(path, args.min_pixels, args.max_pixels)
+        model, processor = load(path, dtype=args.dtype)
+        predictor = ModelPredictor(model, processor, args.format, not args.no_refusal, args.min_pixels,
+                                   args.max_pixels, args.max_tokens)
+        if batch_size is None:
+            batch_size = 8 if mx.default_device().type == mx.gpu else 1
+    report = evaluate(records, predictor, output, limit=args.limit, batch_size=batch_size or 1,
+                      progress=not args.no_progress, settings=settings)
+    if args.report:
+        with open(args.report, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+    return report
 
 
 if __name__ == "__main__":

@@ -8,18 +8,19 @@ The point (and box, if the answer gave one) is in pixels of the image as given, 
 rounding). `--answer TEXT` skips the model and parses / draws an answer obtained elsewhere.
 """
 
-import argparse
 import json
 import os
 import sys
 import tempfile
 
 from .agent import GROUNDING_FORMATS, GroundingResult, annotate, ground, parse_grounding
-from .errors import InputError, Qwen3VLError
+from . import cli
+from .cli import FLAGS, Parser, check_max_tokens, check_media_flags
+from .errors import InputError
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m mlx_qwen3vl.ground",
+    p = Parser(prog="python -m mlx_qwen3vl.ground",
                                 description="Locate a UI element on a screenshot; prints one JSON object.")
     p.add_argument("--model", help="local folder or Hugging Face repo id (not needed with --answer)")
     p.add_argument("--image", required=True, help="screenshot: path, URL or data: URL")
@@ -31,9 +32,9 @@ def build_parser():
                    help="venus format: leave out the clause that allows [-1,-1] for an absent target")
     p.add_argument("--annotate", metavar="OUT.png", help="write the screenshot with the point / box drawn")
     p.add_argument("--answer", help="parse this answer instead of running a model")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--min-pixels", type=int, default=None)
-    p.add_argument("--max-pixels", type=int, default=None)
+    p.add_argument(FLAGS["max_tokens"], type=int, default=128)
+    p.add_argument(FLAGS["min_pixels"], type=int, default=None)
+    p.add_argument(FLAGS["max_pixels"], type=int, default=None)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
     return p
 
@@ -67,6 +68,12 @@ def run(args) -> dict:
         raise InputError(f"--annotate {args.annotate!r} is the input screenshot; write the drawing elsewhere")
     if args.answer is None and not args.model:
         raise InputError("give --model to run a model, or --answer to parse an answer you already have")
+    if args.answer is None:
+        from .hub import resolve_model_path
+
+        args.model = resolve_model_path(args.model, flag="--model")
+        check_max_tokens(args.max_tokens)
+        check_media_flags(args.model, args.min_pixels, args.max_pixels)
     rgb = _load_image(args.image)
     if args.answer is not None:
         height, width = rgb.shape[:2]
@@ -88,15 +95,12 @@ def run(args) -> dict:
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    try:
-        out = run(args)
-    except Qwen3VLError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    print(json.dumps(out, ensure_ascii=False))
-    return 0
+
+    def body():
+        print(json.dumps(run(args), ensure_ascii=False))
+        return 0
+
+    return cli.run(body)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ pillow backend of transformers' image processor (Qwen2VLImageProcessorPil) bit f
 videos follow Qwen3VLVideoProcessor (see video.py).
 """
 
+import inspect
 import json
 import os
 import re
@@ -61,33 +62,45 @@ def _normalize(levels, cfg):
     return out
 
 
-def _budget(cfg, min_pixels=None, max_pixels=None):
-    """The image pixel budget of a call: its own values over the config's, validated. A call that
-    sets one bound moves the config's other bound to meet it (max_pixels=4096 under a config's
-    min_pixels of 65536 means "small images", not an error); both set by the call must agree."""
+def image_budget(cfg, min_pixels=None, max_pixels=None, names=None):
+    """The image pixel budget of a call: its own values over the config's (whose own precedence
+    PixelConfig.from_dict states), validated. A call that sets one bound moves the config's other
+    bound to meet it (max_pixels=4096 under a config's min_pixels of 65536 means "small images",
+    not an error); both set by the call must agree. `names`: see video.pixel_budget."""
     if min_pixels is not None and max_pixels is None:
-        lo = vid.as_pixels(min_pixels, "min_pixels")
-        return vid.pixel_budget(lo, max(lo, cfg.max_pixels), cfg.factor)
+        lo = vid.as_pixels(min_pixels, (names or {}).get("min_pixels", "min_pixels"))
+        return vid.pixel_budget(lo, max(lo, cfg.max_pixels), cfg.factor, names)
     if max_pixels is not None and min_pixels is None:
-        hi = vid.as_pixels(max_pixels, "max_pixels")
-        return vid.pixel_budget(min(hi, cfg.min_pixels), hi, cfg.factor)
+        hi = vid.as_pixels(max_pixels, (names or {}).get("max_pixels", "max_pixels"))
+        return vid.pixel_budget(min(hi, cfg.min_pixels), hi, cfg.factor, names)
     return vid.pixel_budget(
         cfg.min_pixels if min_pixels is None else min_pixels,
         cfg.max_pixels if max_pixels is None else max_pixels,
         cfg.factor,
+        names,
     )
 
 
 def preprocess_image(rgb, cfg, min_pixels=None, max_pixels=None):
     """RGB uint8 (H, W, 3) → (patches (N, C·T·16·16) float32, (1, grid_h, grid_w))."""
     h, w = rgb.shape[:2]
-    min_pixels, max_pixels = _budget(cfg, min_pixels, max_pixels)
+    min_pixels, max_pixels = image_budget(cfg, min_pixels, max_pixels)
     rh, rw = smart_resize(h, w, cfg.factor, min_pixels, max_pixels)
     resized = np.asarray(Image.fromarray(rgb).resize((rw, rh), Image.BICUBIC))
     # The image fills a whole temporal patch by repetition (a broadcast: copied once, by patchify).
     frames = np.broadcast_to(resized, (cfg.temporal_patch_size, *resized.shape))
     levels, grid = vid.patchify(frames, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
     return _normalize(levels, cfg), grid
+
+
+def read_media_configs(path):
+    """A model folder's (ImageConfig, VideoConfig): processor_config.json's sections, else
+    preprocessor_config.json and video_preprocessor_config.json (the video's falls back to the image's)."""
+    path = Path(path)
+    nested = _read_json(path / "processor_config.json") or {}
+    image = nested.get("image_processor") or _read_json(path / "preprocessor_config.json") or {}
+    video = nested.get("video_processor") or _read_json(path / "video_preprocessor_config.json") or image
+    return ImageConfig.from_dict(image), vid.VideoConfig.from_dict(video)
 
 
 # ---------------------------------------------------------------------------- chat messages
@@ -249,13 +262,10 @@ class Processor:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(str(path))
-        nested = _read_json(path / "processor_config.json") or {}
-        image = nested.get("image_processor") or _read_json(path / "preprocessor_config.json") or {}
-        video = nested.get("video_processor") or _read_json(path / "video_preprocessor_config.json") or image
-        video_config = vid.VideoConfig.from_dict(video)
+        image_config, video_config = read_media_configs(path)
         if cap_pixels_per_frame is not None:
             video_config.cap_pixels_per_frame = bool(cap_pixels_per_frame)
-        return cls(tokenizer, ImageConfig.from_dict(image), video_config, _read_chat_template(path, tokenizer))
+        return cls(tokenizer, image_config, video_config, _read_chat_template(path, tokenizer))
 
     # -- text
 
@@ -265,28 +275,16 @@ class Processor:
     def batch_decode(self, sequences, skip_special_tokens=True, **kw):
         return [self.decode(s, skip_special_tokens=skip_special_tokens, **kw) for s in sequences]
 
-    def apply_chat_template(
-        self,
-        messages,
-        add_generation_prompt=True,
-        tokenize=False,
-        tools=None,
-        chat_template=None,
-        images=None,
-        videos=None,
-        video_fps=None,
-        sample_frames=True,
-        min_pixels=None,
-        max_pixels=None,
-        cap_pixels_per_frame=None,
-        return_tensors="np",
-        **template_kwargs,
-    ):
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, tools=None,
+                            chat_template=None, images=None, videos=None, **kwargs):
         """Render the conversation (or a batch of them) as transformers' processor does.
 
-        With `tokenize=True`, returns the processed inputs (see `__call__`), taking the media from
-        the messages, or from `images` / `videos` when the messages only hold placeholders.
+        With `tokenize=True`, returns the processed inputs (see `__call__`, which takes the media
+        options among `kwargs`: video_fps, min_pixels, ...), taking the media from the messages, or
+        from `images` / `videos` when the messages only hold placeholders. The other `kwargs` go to
+        the chat template.
         """
+        call_options = {k: kwargs.pop(k) for k in list(kwargs) if k in CALL_OPTIONS}
         template = chat_template or self.chat_template
         if template is None:
             raise InputError(
@@ -300,23 +298,13 @@ class Processor:
             tools=tools,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
-            **template_kwargs,
+            **kwargs,
         )
         prompt = rendered if batch else rendered[0]
         if not tokenize:
             return prompt
         found_images, found_videos = extract_media(messages)
-        return self(
-            text=prompt,
-            images=found_images or images,
-            videos=found_videos or videos,
-            video_fps=video_fps,
-            sample_frames=sample_frames,
-            min_pixels=min_pixels,
-            max_pixels=max_pixels,
-            cap_pixels_per_frame=cap_pixels_per_frame,
-            return_tensors=return_tensors,
-        )
+        return self(text=prompt, images=found_images or images, videos=found_videos or videos, **call_options)
 
     # -- media
 
@@ -361,6 +349,8 @@ class Processor:
         fps_list = video_fps if isinstance(video_fps, (list, tuple)) else [video_fps] * len(videos)
         if len(fps_list) != len(videos):
             raise InputError(f"video_fps has {len(fps_list)} entries for {len(videos)} videos; pass one per video")
+        for fps in fps_list:
+            vid.check_fps(fps)
         patches, grids, times = [], [], []
         for i, (video, fps) in enumerate(zip(videos, fps_list), 1):
             clip = self._clip(video, fps, sample_frames, f"video {i}")
@@ -381,19 +371,8 @@ class Processor:
 
     # -- everything
 
-    def __call__(
-        self,
-        text=None,
-        images=None,
-        videos=None,
-        video_fps=None,
-        sample_frames=True,
-        min_pixels=None,
-        max_pixels=None,
-        cap_pixels_per_frame=None,
-        padding=True,
-        return_tensors="np",
-    ):
+    def __call__(self, text=None, images=None, videos=None, video_fps=None, sample_frames=True, min_pixels=None,
+                 max_pixels=None, cap_pixels_per_frame=None, padding=True, return_tensors="np"):
         """Tokenize text with each image / video placeholder expanded, and preprocess the media.
 
         Returns a dict with transformers' names: input_ids, attention_mask, mm_token_type_ids
@@ -407,7 +386,7 @@ class Processor:
         """
         if return_tensors not in ("np", "mlx"):
             raise InputError(f"return_tensors={return_tensors!r} is not supported; use 'np' or 'mlx'")
-        min_pixels, max_pixels = _budget(self.image_config, min_pixels, max_pixels)
+        min_pixels, max_pixels = image_budget(self.image_config, min_pixels, max_pixels)
         texts = [text] if isinstance(text, str) else (list(text) if text is not None else None)
         images = _flatten_images(images)
         videos = _as_video_list(videos)
@@ -453,6 +432,11 @@ class Processor:
 
 
 # ---------------------------------------------------------------------------- input shapes
+
+
+# What apply_chat_template(tokenize=True) hands on to __call__ besides the text and media: the
+# media options are named once, in __call__'s signature.
+CALL_OPTIONS = frozenset(inspect.signature(Processor.__call__).parameters) - {"self", "text", "images", "videos"}
 
 
 def _is_frame(x):

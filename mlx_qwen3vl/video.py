@@ -94,15 +94,26 @@ def as_pixels(value, name):
     return int(value)
 
 
-def pixel_budget(min_pixels, max_pixels, factor):
+def pixel_budget(min_pixels, max_pixels, factor, names=None):
     """Validated (min_pixels, max_pixels): integers, 1 <= min_pixels <= max_pixels, and
-    max_pixels >= factor² (one merged token: the smallest image the model takes)."""
-    lo, hi = as_pixels(min_pixels, "min_pixels"), as_pixels(max_pixels, "max_pixels")
+    max_pixels >= factor² (one merged token: the smallest image the model takes). `names` maps
+    "min_pixels" / "max_pixels" to what the caller calls them (a CLI: its flags)."""
+    lo_name, hi_name = ((names or {}).get(k, k) for k in ("min_pixels", "max_pixels"))
+    lo, hi = as_pixels(min_pixels, lo_name), as_pixels(max_pixels, hi_name)
     if hi < factor * factor:
-        raise InputError(f"max_pixels={hi} is below {factor * factor}; pass max_pixels >= {factor * factor}")
+        raise InputError(f"{hi_name}={hi} is below {factor * factor}; pass {hi_name} >= {factor * factor}")
     if not 1 <= lo <= hi:
-        raise InputError(f"min_pixels={lo} is outside 1..max_pixels ({hi}); pass 1 <= min_pixels <= max_pixels")
+        raise InputError(f"{lo_name}={lo} is outside 1..{hi_name} ({hi}); pass 1 <= {lo_name} <= {hi_name}")
     return lo, hi
+
+
+def check_fps(value, name="video_fps"):
+    """A source frame rate: None (the file's, else DEFAULT_SOURCE_FPS) or a finite number > 0."""
+    ok = value is None or (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+                           and math.isfinite(value) and value > 0)
+    if not ok:
+        raise InputError(f"{name}={value!r} is not a frame rate; pass a number > 0 (frames per second) or leave it out")
+    return value
 
 
 @dataclass

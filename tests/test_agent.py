@@ -358,6 +358,20 @@ def test_ground_cli_errors(argv, needle, capsys):
     assert err.count("\n") == 1 and err.startswith("error: ") and needle in err
 
 
+@pytest.mark.parametrize("flags,needle", [
+    (["--max-pixels", "10"], "--max-pixels=10 is below 1024"),
+    (["--min-pixels", "-1"], "--min-pixels=-1"),
+    (["--max-tokens", "0"], "--max-tokens = 0"),
+])
+def test_grounding_clis_name_their_flags(flags, needle, capsys):
+    """Both grounding CLIs refuse bad values before the model loads, named as the user typed them."""
+    shot = ["--image", str(MEDIA / "img_123x77.png"), "--instruction", "x"]
+    for main, argv in ((ground_cli.main, shot), (eval_grounding.main, ["--data", str(DATA)])):
+        code, out, err = _cli(main, ["--model", str(TINY), *argv, *flags], capsys)
+        assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("error: ") and needle in err, err
+        assert "_pixels" not in err and "max_tokens" not in err
+
+
 def test_ground_cli_never_overwrites_the_screenshot(tmp_path, capsys):
     shot = tmp_path / "shot.png"
     Image.new("RGB", (50, 40), (1, 2, 3)).save(shot)

@@ -63,6 +63,22 @@ def test_bad_values_exit_2_with_one_line(args, needle, capsys):
     assert_one_error_line(in_process(capsys, "--model", TINY, *args), needle)
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["--max-pixels", "0"], "--max-pixels=0 is below 1024"),
+    (["--min-pixels", "0"], "--min-pixels=0"),
+    (["--min-pixels", "5000", "--max-pixels", "4000"], "1 <= --min-pixels <= --max-pixels"),
+    (["--fps", "0"], "--fps=0.0"),
+    (["--fps", "-2"], "--fps=-2.0"),
+    (["--fps", "nan"], "--fps=nan"),
+])
+def test_media_flags_are_named_as_typed(args, needle, capsys):
+    """Checked against the checkpoint's preprocessor config before the model loads, and named by
+    the flag, never by the API argument (max_pixels=, video_fps=)."""
+    p = in_process(capsys, "--model", TINY, *args)
+    assert_one_error_line(p, needle)
+    assert "_pixels" not in p.stderr and "video_fps" not in p.stderr
+
+
 def test_bad_value_in_a_real_process():
     assert_one_error_line(cli("--model", TINY, "--seed", "-1"), "--seed = -1")
 

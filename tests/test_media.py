@@ -260,6 +260,18 @@ def test_errors_count_videos_and_frames_from_1(processor):
     assert message.startswith("video 2 frame 2 'no-such-frame.png'"), message
 
 
+@pytest.mark.parametrize("fps", [0, -1, float("nan"), float("inf"), "24", True])
+def test_video_fps_must_be_a_frame_rate(processor, fps):
+    """0 divided by zero, -1 sampled min_frames silently: each is one line naming video_fps."""
+    clip = np.zeros((4, 40, 40, 3), np.uint8)
+    for call in (lambda: processor.process_videos([clip], video_fps=fps),
+                 lambda: processor.process_videos([clip, clip], video_fps=[24, fps]),
+                 lambda: processor(text="<|vision_start|><|video_pad|><|vision_end|>?", videos=[clip], video_fps=fps)):
+        message = error(call)
+        assert message.startswith(f"video_fps={fps!r} is not a frame rate"), message
+    assert processor.process_videos([clip], video_fps=np.float32(2.5))[1].shape == (1, 3)
+
+
 def test_errors_count_messages_and_items_from_1(processor):
     messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "audio", "audio": "x"}]}]
     assert "message 1 content item 2" in error(lambda: processor.apply_chat_template(messages))
@@ -372,11 +384,11 @@ def test_other_special_looking_text_is_plain_text(processor):
 def test_one_sided_pixel_budget_moves_the_configs_other_bound():
     """max_pixels below the config's min_pixels (or min_pixels above its max) is a request for
     smaller (larger) images, not a contradiction: the config's other bound follows it."""
-    from mlx_qwen3vl.processor import ImageConfig, _budget
+    from mlx_qwen3vl.processor import ImageConfig, image_budget
 
     cfg = ImageConfig(min_pixels=65536, max_pixels=1 << 20)
-    assert _budget(cfg, max_pixels=4096) == (4096, 4096)
-    assert _budget(cfg, min_pixels=1 << 21) == (1 << 21, 1 << 21)
-    assert _budget(cfg, max_pixels=1 << 19) == (65536, 1 << 19)
+    assert image_budget(cfg, max_pixels=4096) == (4096, 4096)
+    assert image_budget(cfg, min_pixels=1 << 21) == (1 << 21, 1 << 21)
+    assert image_budget(cfg, max_pixels=1 << 19) == (65536, 1 << 19)
     with pytest.raises(InputError, match="min_pixels=8192 is outside"):
-        _budget(cfg, min_pixels=8192, max_pixels=4096)
+        image_budget(cfg, min_pixels=8192, max_pixels=4096)
