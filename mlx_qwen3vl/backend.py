@@ -40,7 +40,11 @@ class MLXBackend:
         return [KVCache() for _ in model.language_model.layers]
 
     def describe(self) -> str:
-        return f"mlx graph on {mx.default_device()}"
+        if mx.default_device().type != mx.DeviceType.cpu:
+            return f"mlx graph on {mx.default_device()}"
+        from .cpu import blas  # on the CPU, MLX's matmuls run on the BLAS cpu/blas.py loaded (or not)
+
+        return f"mlx graph on {mx.default_device()}; BLAS for MLX: {blas.describe()}"
 
 
 MLX = MLXBackend()

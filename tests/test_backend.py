@@ -36,7 +36,9 @@ def test_float32_on_cpu_gets_the_cpu_path(monkeypatch, on_cpu):
     monkeypatch.delenv("MLX_QWEN3VL_CPU_KERNELS", raising=False)
     model = load_model(FIXTURES / "tiny-a")
     assert isinstance(model.backend, cpu.CPUBackend) and backend_of(model) is model.backend
-    assert model.backend.eager and "cpu path" in model.backend.describe() and "BLAS" in model.backend.describe()
+    assert model.backend.eager and "cpu path" in model.backend.describe()
+    assert f"numpy's BLAS: {cpu.blas.numpy_blas()}" in model.backend.describe()  # the CPU path's GEMMs
+    assert f"BLAS for MLX: {cpu.blas.describe()}" in model.backend.describe()  # what MLX's matmuls call
     assert type(model.language_model) is cpu.layers.TextModel
     assert all(type(layer.self_attn) is cpu.layers.Attention for layer in model.language_model.layers)
     assert all(type(block.mlp) is cpu.layers.VisionMLP for block in model.visual.blocks)
@@ -53,6 +55,7 @@ def test_mlx_graph_on_request(how, monkeypatch, on_cpu):
         monkeypatch.setenv("MLX_QWEN3VL_CPU_KERNELS", "mlx")
     model = load_model(FIXTURES / "tiny-a", backend="mlx" if how == "backend" else None)
     assert model.backend is MLX and not model.backend.eager
+    assert model.backend.describe() == f"mlx graph on {mx.default_device()}; BLAS for MLX: {cpu.blas.describe()}"
     kinds = {type(m) for _, m in model.named_modules()}
     assert not any(k.__module__.startswith("mlx_qwen3vl.cpu") for k in kinds)
     assert type(model.make_cache()[0]).__module__ == "mlx_lm.models.cache"

@@ -104,7 +104,7 @@ def test_both_entry_points_and_help_show_defaults():
             assert default in p.stdout, default
     p = cli("--model", TINY, "--prompt", "hi", "--max-tokens", "2", "--verbose")
     assert p.returncode == 0
-    assert "backend:" in p.stderr and "prompt: 'hi'" in p.stderr
+    assert "backend: cpu path" in p.stderr and "BLAS for MLX: " in p.stderr and "prompt: 'hi'" in p.stderr
 
 
 @pytest.mark.parametrize("kwargs, needle", [

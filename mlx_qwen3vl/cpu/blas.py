@@ -67,4 +67,15 @@ def describe() -> str:
     return _state["note"]
 
 
+def numpy_blas() -> str:
+    """The BLAS numpy was built with (the CPU path's GEMMs and GEMVs run on it, not on MLX's)."""
+    import numpy as np
+
+    try:
+        info = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        return f"{info['name']} {info.get('version', '')}".strip()
+    except Exception:  # numpy < 1.26 has no dict form; its config is then only printed
+        return "unknown"
+
+
 load()

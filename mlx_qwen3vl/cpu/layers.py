@@ -93,7 +93,7 @@ class CPUBackend:
 
     def describe(self) -> str:
         ops = "C extension" if self.ops is decode.native else "numpy (no C extension)"
-        return f"cpu path (numpy + {ops}); BLAS for MLX: {blas.describe()}"
+        return f"cpu path (numpy + {ops}; numpy's BLAS: {blas.numpy_blas()}); BLAS for MLX: {blas.describe()}"
 
 
 def choose_ops(ops=None):
