@@ -245,7 +245,9 @@ def _overflowed(shard: dict) -> list:
 def write_weights(out: Path, weights: dict, max_bytes: int = MAX_SHARD_BYTES, log=_stderr):
     """Save `weights` as shards plus index. The dict is emptied as shards are written, so a lazily
     computed (loaded, cast, quantized) model is held in memory about one shard at a time. float16
-    tensors that overflowed to inf are refused (InputError naming them) once every shard is seen."""
+    tensors that overflowed to inf are refused (InputError naming them) once every shard is seen.
+    (mlx-lm's save_model writes a module's own parameter names in whole-GB shards; these are
+    mlx-vlm's names and layout, in shards of any size.)"""
     total = sum(v.nbytes for v in weights.values())
     shards = make_shards(weights, max_bytes)
     weights.clear()

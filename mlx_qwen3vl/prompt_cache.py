@@ -16,7 +16,7 @@ from typing import Iterator, List, Optional
 import numpy as np
 
 from .errors import InputError
-from .positions import IMAGE, VIDEO
+from .positions import IMAGE, TEXT, VIDEO
 from .processor import VISION_TOKENS
 
 _PIXELS = {IMAGE: ("pixel_values", "image_grid_thw"), VIDEO: ("pixel_values_videos", "video_grid_thw")}
@@ -37,7 +37,7 @@ class MediaSpan:
 def _runs(types: np.ndarray):
     """[(kind, start, end)] of each run of image / video placeholder tokens."""
     edges = np.flatnonzero(np.diff(np.concatenate([[0], types, [0]])) != 0)
-    return [(int(types[s]), int(s), int(e)) for s, e in zip(edges[:-1], edges[1:]) if types[s] != 0]
+    return [(int(types[s]), int(s), int(e)) for s, e in zip(edges[:-1], edges[1:]) if types[s] != TEXT]
 
 
 def media_spans(inputs) -> List[MediaSpan]:
