@@ -1,7 +1,7 @@
 """Which backend runs a model's forward: the seam between the model and the token loop.
 
 A backend is installed on the model once, at load (`install`), as `model.backend`. The token loop
-(generate.py) asks it for the two things it does differently per backend: whether the forward is
+(generate/) asks it for the two things it does differently per backend: whether the forward is
 eager (it evaluates as it goes, so the next token is computed after this one is handed out) and
 the log-softmax of the sampler; `model.make_cache()` asks it for the KV caches its forward reads.
 
