@@ -362,3 +362,15 @@ def test_logprobs_per_token(loaded):
         assert abs(float(p.logprobs[p.token]) - lp) < 1e-5
     [batched] = M.batch_generate(model, processor, [dict(prompt="Where is the search box?")], max_tokens=6)
     np.testing.assert_allclose(batched.logprobs, result.logprobs, atol=1e-5)
+
+
+def test_response_fields_are_mlx_lms():
+    """Code written against mlx-lm's stream_generate reads our pieces unchanged (plus cached_tokens)."""
+    import dataclasses
+    import importlib
+
+    from mlx_qwen3vl.generate import GenerationResponse
+
+    theirs = {f.name for f in dataclasses.fields(importlib.import_module("mlx_lm.generate").GenerationResponse)}
+    ours = {f.name for f in dataclasses.fields(GenerationResponse)}
+    assert theirs <= ours and ours - theirs == {"cached_tokens"}, (theirs - ours, ours - theirs)
