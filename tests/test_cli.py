@@ -18,9 +18,9 @@ ROOT = FIXTURES.parents[1]
 TINY = str(FIXTURES / "tiny-b")
 
 
-def cli(*args, module="mlx_qwen3vl"):
+def cli(*args, module="mlx_qwen3vl", **env):
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **env}, timeout=300)
 
 
 def assert_one_error_line(p, needle):
@@ -81,6 +81,11 @@ def test_media_flags_are_named_as_typed(args, needle, capsys):
 
 def test_bad_value_in_a_real_process():
     assert_one_error_line(cli("--model", TINY, "--seed", "-1"), "--seed = -1")
+
+
+def test_unknown_backend_switch_is_one_error_line():
+    p = cli("--model", TINY, "--prompt", "hi", MLX_QWEN3VL_CPU_KERNELS="gpu")
+    assert_one_error_line(p, "MLX_QWEN3VL_CPU_KERNELS='gpu' is not one of auto, c, numpy, mlx")
 
 
 def test_prompt_past_the_context_is_refused_before_prefill(tmp_path):
