@@ -355,6 +355,7 @@ class RankZeroProcessor:
 
     def __init__(self, processor, group):
         self._processor, self._group = processor, group
+        self.local = processor  # for a caller that shares the results itself (the server's rank 0)
 
     def __getattr__(self, name):
         return getattr(self._processor, name)

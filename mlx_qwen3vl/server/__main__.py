@@ -69,22 +69,72 @@ def main(argv=None):
         if not os.path.isdir(d):
             print(f"error: --allowed-local-media-path {d!r} is not a directory", file=sys.stderr)
             return 2
+    from .. import distributed
+
+    group = distributed.world()  # under `mlx.launch -n N`: rank 0 serves, every rank computes
     try:
         model, processor = load(args.model, dtype=args.dtype)
     except Qwen3VLError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    engine_kwargs = dict(max_batch=args.max_batch, max_queue=args.max_queue, default_max_tokens=args.max_tokens,
+                         prefix_cache_bytes=int(args.prefix_cache_gb * GB),
+                         feature_cache_bytes=int(args.vision_cache_gb * GB), prefill_step_size=args.prefill_step_size)
+    where = ""
+    if group is not None:
+        import signal
+
+        from .replica import Leader
+
+        if group.rank() != 0:
+            return _follow(model, processor, group, engine_kwargs)
+        processor = processor.local  # the HTTP side reads media here, for every rank
+        engine_kwargs["replicas"] = Leader(group)
+        where = f" (rank 0 of {group.size()}, pid {os.getpid()})"
     policy = MediaPolicy(allow_http=not args.no_http_media, http_timeout_s=args.media_timeout,
                          max_media_bytes=args.max_media_bytes, allowed_local_paths=args.allowed_local_media_path)
-    app, _ = build_server(
+    app, engine = build_server(
         model, processor, model_id=args.served_model_name or args.model, api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, cors_origins=args.cors_allow_origin, media_policy=policy,
-        max_batch=args.max_batch, max_queue=args.max_queue, default_max_tokens=args.max_tokens,
-        prefix_cache_bytes=int(args.prefix_cache_gb * GB), feature_cache_bytes=int(args.vision_cache_gb * GB),
-        prefill_step_size=args.prefill_step_size)
-    print(f"[mlx_qwen3vl] serving {args.model} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        **engine_kwargs)
+    print(f"[mlx_qwen3vl] serving {args.model} on http://{args.host}:{args.port}/v1{where}", file=sys.stderr,
+          flush=True)
+    try:
+        if group is not None:
+            # Stopped on request (Ctrl-C, SIGTERM) is a success: uvicorn re-raises the signal after
+            # its graceful shutdown, and a rank dying of it would make mlx.launch report a failure
+            # and kill the other ranks while they end on their own.
+            def stopped(sig, frame):
+                raise SystemExit(0)
+
+            signal.signal(signal.SIGINT, stopped)
+            signal.signal(signal.SIGTERM, stopped)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        engine.close()  # on several ranks this tells the others to stop too (even if the port was taken)
     return 0
+
+
+def _follow(model, processor, group, engine_kwargs):
+    """A rank other than 0: no HTTP; run the iterations rank 0 sends until it stops."""
+    import signal
+
+    from .engine import Engine
+    from .grammar import GrammarFactory
+    from .replica import Follower
+
+    # Ctrl-C reaches every rank: this one ends when rank 0, shutting down, says so.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    tok = processor.tokenizer
+    grammars = GrammarFactory(tok, model.config.text_config.vocab_size, tok.eos_token_id)
+    engine = Engine(model, processor, replicas=Follower(group, grammars), **engine_kwargs)
+    print(f"[mlx_qwen3vl] rank {group.rank()} of {group.size()} (pid {os.getpid()}): running rank 0's requests",
+          file=sys.stderr, flush=True)
+    engine.join()
+    print(f"[mlx_qwen3vl] rank {group.rank()} of {group.size()}: rank 0 stopped serving; exiting", file=sys.stderr,
+          flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # at once: the distributed runtime's teardown can wait on rank 0, which is leaving too
 
 
 if __name__ == "__main__":

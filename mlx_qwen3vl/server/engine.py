@@ -10,10 +10,15 @@ seed: a seeded answer equals generate(seed=...)'s, alone or batched).
 A row leaves when it stops, hits its limit or its client goes away; its cache then goes to the
 prefix cache. With a single row and no padding the step is exactly `generate()`'s decode step
 (the CPU fast path included).
+
+Under `mlx.launch` every rank runs this loop on its shard of the model (replica.py): rank 0 takes
+requests from HTTP and broadcasts each iteration's inputs; the others replay them. With one
+process nothing is exchanged.
 """
 
 import asyncio
 import collections
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,6 +37,7 @@ from ..model import VisualFeatures
 from ..positions import IMAGE, VIDEO
 from .cache import FeatureCache, PrefixCache
 from .protocol import APIError, SamplingParams
+from .replica import Plan, digest
 
 PIXELS = {IMAGE: ("pixel_values", "image_grid_thw"), VIDEO: ("pixel_values_videos", "video_grid_thw")}
 
@@ -45,6 +51,7 @@ class Prepared:
     media: list  # prompt_cache.media_keys: (kind, start, end, content hash) per image / video
     sampling: SamplingParams
     max_tokens: int
+    grammar: Optional[list] = None  # the grammar's description (grammar.GrammarFactory.build)
     processors: list = field(default_factory=list)  # extra mlx-lm-style logits processors (grammar)
 
     @property
@@ -55,8 +62,11 @@ class Prepared:
 class Handle:
     """A submitted request as the HTTP side sees it: events arrive on an asyncio queue."""
 
+    listening = True
+
     def __init__(self, prepared: Prepared, loop: asyncio.AbstractEventLoop):
         self.prepared = prepared
+        self.id = None  # set when admitted: the row's name in messages to other ranks
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
@@ -85,7 +95,7 @@ def _holdback(text: str, stops: List[str]) -> int:
 class _Row:
     def __init__(self, handle: Handle, engine: "Engine", cached: int):
         p = handle.prepared
-        self.handle, self.prepared, self.cached = handle, p, cached
+        self.handle, self.prepared, self.cached, self.id = handle, p, cached, handle.id
         self.tokens: List[int] = []
         self.position = 0
         self.detok = engine.tokenizer_wrapper.detokenizer
@@ -98,7 +108,7 @@ class _Row:
 
 class Engine:
     def __init__(self, model, processor, *, max_batch=8, max_queue=64, prefill_step_size=2048,
-                 prefix_cache_bytes=2 << 30, feature_cache_bytes=512 << 20, default_max_tokens=512):
+                 prefix_cache_bytes=2 << 30, feature_cache_bytes=512 << 20, default_max_tokens=512, replicas=None):
         from mlx_lm.tokenizer_utils import TokenizerWrapper
 
         self.model, self.processor = model, processor
@@ -118,6 +128,9 @@ class Engine:
         self._cache = None  # per layer, all rows left-padded to one length
         self._pads: List[int] = []
         self._stopping = False
+        self.replicas = replicas  # replica.Leader / Follower on several ranks, else None
+        self._ids = itertools.count()
+        self._iteration = 0
         self.metrics = collections.Counter()
         self.batch_sizes = collections.Counter()  # decode steps by number of rows decoded together
         _settle(model)
@@ -141,6 +154,10 @@ class Engine:
             self._stopping = True
             self._cv.notify()
         self._thread.join(timeout=30)
+
+    def join(self):
+        """Wait until the model thread ends (on ranks other than 0: when rank 0 stops)."""
+        self._thread.join()
 
     def stats(self) -> dict:
         with self._cv:
@@ -179,34 +196,87 @@ class Engine:
     def _run(self):
         # MLX streams belong to the thread that made them: the model thread makes its own.
         mx.set_default_stream(mx.new_stream(mx.default_device()))
-        while True:
-            with self._cv:
-                while not self._pending and not self._rows and not self._stopping:
-                    self._cv.wait()
-                if self._stopping:
+        try:
+            while True:
+                plan = self._plan()
+                if self.replicas is not None:
+                    plan = self.replicas.exchange(plan, self._state())
+                if plan.stop:
                     return
-                admit = []
-                while self._pending and len(self._rows) + len(admit) < self.max_batch:
-                    admit.append(self._pending.popleft())
-            for handle in admit:
-                if handle.cancelled:
-                    self.metrics["cancelled"] += 1
-                    continue
-                tic = time.perf_counter()
-                try:
-                    self._start(handle)
-                except Exception as e:  # noqa: BLE001 — the request fails, the server keeps serving
-                    handle.emit({"type": "error", "error": _as_api_error(e)})
-                self.metrics["prefill_s"] += time.perf_counter() - tic
-            if self._rows:
-                tic = time.perf_counter()
-                try:
-                    self._step()
-                except Exception as e:  # noqa: BLE001
-                    for row in self._rows:
-                        row.handle.emit({"type": "error", "error": _as_api_error(e)})
-                    self._rows, self._cache, self._pads = [], None, []
-                self.metrics["decode_s"] += time.perf_counter() - tic
+                self._apply(plan)
+                if self._rows:
+                    tic = time.perf_counter()
+                    try:
+                        self._step()
+                    except Exception as e:  # noqa: BLE001
+                        self._failed(e)
+                        for row in self._rows:
+                            row.handle.emit({"type": "error", "error": _as_api_error(e)})
+                        self._rows, self._cache, self._pads = [], None, []
+                    self.metrics["decode_s"] += time.perf_counter() - tic
+                self._iteration += 1
+        except BaseException as e:
+            if self.replicas is None:
+                raise
+            self.replicas.fail(e)  # ends this rank; mlx.launch stops the others
+
+    def _plan(self):
+        """This iteration's inputs from the HTTP side (rank 0 / one process): the requests to admit,
+        running rows whose clients went away, or stop. Waits while there is nothing to do."""
+        if self.replicas is not None and self.replicas.rank != 0:
+            return None  # the others receive rank 0's plan
+        with self._cv:
+            while not self._pending and not self._rows and not self._stopping:
+                self._cv.wait()
+            if self._stopping:
+                return Plan(stop=True)
+            admit = []
+            while self._pending and len(self._rows) + len(admit) < self.max_batch:
+                admit.append(self._pending.popleft())
+        plan = Plan()
+        if self.replicas is not None:
+            # Several ranks: what the clients did is read once, here, and sent with the plan.
+            plan.cancel = [row.id for row in self._rows if row.handle.cancelled]
+            self.metrics["cancelled"] += sum(h.cancelled for h in admit)
+            admit = [h for h in admit if not h.cancelled]
+        for handle in admit:
+            handle.id = next(self._ids)
+        plan.admit = admit
+        return plan
+
+    def _apply(self, plan):
+        if plan.cancel:
+            gone = set(plan.cancel)
+            done = [i for i, row in enumerate(self._rows) if row.id in gone]
+            for i in done:
+                self._rows[i].finish = "cancelled"
+            self.metrics["cancelled"] += len(done)
+            self._remove(done)
+        for handle in plan.admit:
+            if self.replicas is None and handle.cancelled:
+                self.metrics["cancelled"] += 1
+                continue
+            tic = time.perf_counter()
+            try:
+                self._start(handle)
+            except Exception as e:  # noqa: BLE001 — the request fails, the server keeps serving
+                self._failed(e)
+                handle.emit({"type": "error", "error": _as_api_error(e)})
+            self.metrics["prefill_s"] += time.perf_counter() - tic
+
+    def _failed(self, e):
+        """On several ranks only the errors every rank raises alike (the inputs' and the grammar's,
+        before or after the model's collectives) leave the ranks in step; any other ends the rank."""
+        if self.replicas is not None and not isinstance(e, (APIError, Qwen3VLError)):
+            raise e
+        self.metrics["errors"] += 1
+
+    def _state(self) -> int:
+        """A digest of what every rank must agree on before the next iteration."""
+        return digest(self._iteration, self.max_batch, self.prefill_step_size, self.prefix.max_bytes,
+                      self.features.max_bytes, self.default_max_tokens, self.metrics["errors"],
+                      [(r.id, len(r.tokens), r.tokens[-1]) for r in self._rows], self._pads,
+                      self._cache[0].offset if self._cache else 0)
 
     # ------------------------------------------------------------------ prefill
     def _features(self, kind, inputs, start):
@@ -315,7 +385,7 @@ class Engine:
             sampled.append(self._sample(row, logits[b: b + 1]))
         mx.eval(sampled)
         for row, (token, logprobs) in zip(rows, sampled):
-            if row.handle.cancelled:
+            if self.replicas is None and row.handle.cancelled:  # several ranks: cancelled by the plan
                 row.finish = "cancelled"
                 self.metrics["cancelled"] += 1
             else:
@@ -365,7 +435,7 @@ class Engine:
         end = len(row.text) if finish or not stops else len(row.text) - _holdback(row.text, stops)
         event = {"type": "token", "text": row.text[row.sent:end], "token": token}
         row.sent = max(row.sent, end)
-        if p.sampling.logprobs:
+        if p.sampling.logprobs and row.handle.listening:
             event["logprobs"] = self._logprob_entry(token, logprobs, p.sampling.top_logprobs)
         row.handle.emit(event)
         if finish:

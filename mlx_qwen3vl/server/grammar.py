@@ -43,6 +43,16 @@ class GrammarFactory:
                            code="invalid_schema")
         return GrammarProcessor(matcher, self.vocab_size)
 
+    def build(self, spec) -> list:
+        """The logits processors of a grammar description (Prepared.grammar): None, ["json_schema",
+        schema] or ["tool_call", tools, name]. A description, unlike a compiled matcher, can be sent
+        to other ranks, which compile their own."""
+        if spec is None:
+            return []
+        if spec[0] == "json_schema":
+            return [self.json_schema(spec[1])]
+        return [self.tool_call(spec[1], spec[2])]
+
     def json_schema(self, schema: dict, param="response_format"):
         import llguidance
 

@@ -90,13 +90,13 @@ class PromptBuilder:
                            code="context_length_exceeded")
         s = req.sampling
         max_tokens = min(s.max_tokens or self.engine.default_max_tokens, context - n_prompt)
-        processors = []
+        grammar = None
         if req.response_format is not None:
             rf = req.response_format
             schema = {"type": "object"} if rf["type"] == "json_object" else rf["json_schema"].get("schema", {})
-            processors.append(self.grammars.json_schema(schema))
+            grammar = ["json_schema", schema]
         elif req.tools and (req.tool_choice == "required" or isinstance(req.tool_choice, dict)):
             name = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
-            processors.append(self.grammars.tool_call(req.tools, name))
+            grammar = ["tool_call", req.tools, name]
         return Prepared(inputs=inputs, tokens=tokens, media=media, sampling=s, max_tokens=max_tokens,
-                        processors=processors)
+                        grammar=grammar, processors=self.grammars.build(grammar))

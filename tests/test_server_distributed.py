@@ -1,0 +1,359 @@
+"""The server under `mlx.launch -n 2 --backend ring` on 127.0.0.1: rank 0 serves HTTP, both ranks
+run the model split in two. Answers (real `openai` client) are compared token for token with
+generate() in one process (which test_server.py shows the one-process server equals): greedy
+text and image, streamed, a concurrent batch, a seeded sampled request, and a request after a
+client went away mid-stream. Every launch is bounded (START_TIMEOUT / END_TIMEOUT) and killed by
+its own process group if it overstays.
+"""
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_qwen3vl as M
+from conftest import FIXTURES, load_fixture_model
+from mlx_qwen3vl import distributed
+from mlx_qwen3vl.server import replica
+from mlx_qwen3vl.server.__main__ import BLAS_ENV
+from mlx_qwen3vl.server.engine import Prepared
+from mlx_qwen3vl.server.protocol import SamplingParams
+from test_server import KEY, SEEDED, _check_seeded, _free_port, png_bytes, user
+
+openai = pytest.importorskip("openai")
+
+ROOT = FIXTURES.parents[1]
+START_TIMEOUT = 300  # two ranks loading on a shared, busy machine
+END_TIMEOUT = 60
+needs_launch = pytest.mark.skipif(shutil.which("mlx.launch") is None, reason="mlx.launch is not on PATH")
+
+
+class Launch:
+    """`python -m mlx_qwen3vl.server` on two ranks; ready once rank 0 answers /health."""
+
+    def __init__(self, checkpoint, *args):
+        self.port = _free_port()
+        command = distributed.local_launch_command(2, [
+            sys.executable, "-m", "mlx_qwen3vl.server", "--model", str(FIXTURES / checkpoint), "--port",
+            str(self.port), "--api-key", KEY, *args])
+        ring = int(command[command.index("--starting-port") + 1])
+        self.ring_ports = {ring, ring + 1}
+        assert self.port not in self.ring_ports
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **dict.fromkeys(BLAS_ENV, "1")}
+        self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True, start_new_session=True)
+        self.log = []
+        self.drained = threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True)
+        self.drained.start()
+        deadline = time.monotonic() + START_TIMEOUT
+        while not self._healthy():
+            try:
+                self.proc.wait(timeout=0.5)  # paces the polls; returns early only if the launch ended
+            except subprocess.TimeoutExpired:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError("the 2-rank server did not start:\n" + self.text())
+
+    def _healthy(self):
+        import http.client
+
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+            conn.request("GET", "/health")
+            ok = conn.getresponse().status == 200
+            conn.close()
+            return ok
+        except OSError:
+            return False
+
+    def text(self):
+        return "".join(self.log)
+
+    def pids(self):
+        """{rank: pid} from the ranks' start lines."""
+        text = self.text()
+        found = {0: re.search(r"rank 0 of 2, pid (\d+)", text), 1: re.search(r"rank 1 of 2 \(pid (\d+)\)", text)}
+        assert all(found.values()), text
+        return {r: int(m.group(1)) for r, m in found.items()}
+
+    def client(self):
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+    def metrics(self):
+        import http.client
+
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        body = json.loads(conn.getresponse().read())
+        conn.close()
+        return body
+
+    def wait_end(self):
+        """The launcher's end (True), or False after END_TIMEOUT."""
+        try:
+            self.proc.wait(timeout=END_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            return False
+        self.drained.join(10)
+        return True
+
+    def kill(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the launcher's own session: it and its ranks
+            self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def local():
+    from test_server import _blas_threads
+
+    before = _blas_threads(1)
+    cache = {}
+
+    def get(checkpoint):
+        if checkpoint not in cache:
+            cache[checkpoint] = load_fixture_model(checkpoint), M.Processor.from_pretrained(FIXTURES / checkpoint)
+        return cache[checkpoint]
+
+    yield get
+    _blas_threads(before)
+
+
+def generate(local, checkpoint, messages, max_tokens, **kw):
+    from test_server import expected
+
+    return expected(local(checkpoint), messages, max_tokens, **kw)
+
+
+@pytest.fixture(scope="module")
+def dense():
+    if shutil.which("mlx.launch") is None:
+        pytest.skip("mlx.launch is not on PATH")
+    launch = Launch("tiny-a", "--max-batch", "4")
+    yield launch
+    launch.kill()
+
+
+def listening_ports(pid):
+    """TCP ports the process `pid` listens on (Linux /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if os.path.exists(table):
+            for line in open(table).read().splitlines()[1:]:
+                f = line.split()
+                if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
+                    ports.add(int(f[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+IMAGE_MESSAGES = [user("Describe the picture.", png_bytes("img_123x77.png"))]
+TEXT_MESSAGES = [user("Say something.")]
+
+
+@needs_launch
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_only_rank0_listens_for_http(dense):
+    pids = dense.pids()
+    assert dense.port in listening_ports(pids[0])
+    assert listening_ports(pids[1]) <= dense.ring_ports  # the ring's own socket at most, never HTTP
+
+
+@needs_launch
+def test_text_image_and_stream_equal_one_process(dense, local):
+    client = dense.client()
+    for messages in (TEXT_MESSAGES, IMAGE_MESSAGES, [user("Same, no subtype.", png_bytes("img_90x260.png"),
+                                                          subtype=False)]):
+        want = generate(local, "tiny-a", messages, 12)
+        r = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0,
+                                           logprobs=True)
+        assert r.choices[0].message.content == want.text
+        assert [t.token for t in r.choices[0].logprobs.content] == [local("tiny-a")[1].tokenizer.decode([t])
+                                                                    for t in want.token_ids]
+        assert r.usage.completion_tokens == len(want.token_ids) and r.usage.prompt_tokens == want.prompt_tokens
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="m", messages=IMAGE_MESSAGES, max_tokens=12, temperature=0, stream=True) if c.choices]
+    assert "".join(pieces) == generate(local, "tiny-a", IMAGE_MESSAGES, 12).text
+
+
+def _concurrent(launch, local, checkpoint, n=6):
+    """n different requests at once (text and images, different lengths): each answer is its own
+    one-process answer, and some decode steps ran several rows."""
+    images = [png_bytes(x) for x in ("img_123x77.png", "img_300x200.png", "img_90x260.png")]
+    jobs = [[user(f"Request {k}: what is shown?" + " more" * k, images[k % 3])] if k % 2 else
+            [user(f"Request {k}, text only" + " please" * k)] for k in range(n)]
+    wants = [generate(local, checkpoint, m, 10).text for m in jobs]
+    before = launch.metrics()["decode_steps_by_batch_size"]
+    with ThreadPoolExecutor(n) as pool:
+        answers = list(pool.map(lambda m: launch.client().chat.completions.create(
+            model="m", messages=m, max_tokens=10, temperature=0).choices[0].message.content, jobs))
+    assert answers == wants
+    after = launch.metrics()["decode_steps_by_batch_size"]
+    assert sum(v - before.get(k, 0) for k, v in after.items() if int(k) >= 2) > 0, after
+
+
+@needs_launch
+def test_concurrent_requests_batch_and_equal_one_process(dense, local):
+    _concurrent(dense, local, "tiny-a")
+
+
+@needs_launch
+def test_seeded_sampling_equals_generate(dense, local):
+    messages = [user("Pick a word at random.", png_bytes("img_123x77.png"))]
+    want = generate(local, "tiny-a", messages, **SEEDED)
+    assert want.token_ids != generate(local, "tiny-a", messages, SEEDED["max_tokens"]).token_ids
+    pieces = [local("tiny-a")[1].tokenizer.decode([t]) for t in want.token_ids]
+    r = dense.client().chat.completions.create(model="m", messages=messages, logprobs=True, **SEEDED)
+    _check_seeded(r, want, pieces)
+
+
+@needs_launch
+def test_client_gone_mid_stream_keeps_ranks_in_step(dense, local):
+    """An unseeded sampled stream (its seed drawn on rank 0 and sent) is dropped after a few
+    tokens while a greedy request decodes beside it; both ranks drop its row at the same step,
+    so the greedy answer and the next request are still one process's."""
+    cancelled = dense.metrics().get("cancelled", 0)
+    greedy = [user("Tell me a long story." + " please" * 3, png_bytes("img_300x200.png"))]
+    want = generate(local, "tiny-a", greedy, 40)
+    stream = dense.client().chat.completions.create(model="m", messages=[user("Ramble on.")], max_tokens=1000,
+                                                    temperature=1.0, stream=True)
+    with ThreadPoolExecutor(1) as pool:
+        got = 0
+        for chunk in stream:
+            got += bool(chunk.choices and chunk.choices[0].delta.content)
+            if got == 1:
+                future = pool.submit(lambda: dense.client().chat.completions.create(
+                    model="m", messages=greedy, max_tokens=40, temperature=0).choices[0].message.content)
+            if got == 4:
+                break
+        stream.close()
+        assert future.result() == want.text
+    after = [user("And now?", png_bytes("img_123x77.png"))]
+    r = dense.client().chat.completions.create(model="m", messages=after, max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == generate(local, "tiny-a", after, 12).text
+    assert dense.metrics()["cancelled"] > cancelled
+
+
+@needs_launch
+def test_a_rank_that_dies_ends_the_launch(dense):
+    """Last on this launch: rank 1 killed outright; mlx.launch then stops rank 0 (no hang)."""
+    os.kill(dense.pids()[1], signal.SIGKILL)
+    assert dense.wait_end(), dense.text()
+    assert "Node with rank 1" in dense.text()
+
+
+@needs_launch
+def test_moe_server_on_two_ranks_and_clean_shutdown(local):
+    """tiny-moe (experts split over the ranks): text, image and a batch equal one process; then
+    rank 0 stopped like Ctrl-C / SIGTERM stops a server: the other rank ends too, cleanly."""
+    launch = Launch("tiny-moe")
+    try:
+        client = launch.client()
+        for messages in (TEXT_MESSAGES, IMAGE_MESSAGES):
+            r = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
+            assert r.choices[0].message.content == generate(local, "tiny-moe", messages, 12).text
+        _concurrent(launch, local, "tiny-moe", n=4)
+        os.kill(launch.pids()[0], signal.SIGTERM)
+        assert launch.wait_end(), launch.text()
+        assert "rank 1 of 2: rank 0 stopped serving; exiting" in launch.text(), launch.text()
+        assert "Node with rank" not in launch.text(), launch.text()  # no rank exited with an error
+        assert "Traceback" not in launch.text(), launch.text()
+    finally:
+        launch.kill()
+
+
+# ------------------------------------------------------------------ the wire format, in process
+def test_plan_round_trip_rebuilds_inputs_sampling_and_grammar(local):
+    from mlx_qwen3vl.server.grammar import GrammarFactory
+    from mlx_qwen3vl.server.prompts import PromptBuilder
+    from mlx_qwen3vl.server.protocol import parse_chat_request
+    from mlx_qwen3vl.server.fetch import MediaPolicy
+
+    model, processor = local("tiny-a")
+
+    class Engine:  # what PromptBuilder reads
+        context, default_max_tokens = 4096, 16
+
+    Engine.processor = processor
+    tok = processor.tokenizer
+    grammars = GrammarFactory(tok, model.config.text_config.vocab_size, tok.eos_token_id)
+    builder = PromptBuilder(Engine(), MediaPolicy(), grammars)
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    req = parse_chat_request({"messages": [user("Where?", png_bytes("img_123x77.png"))], "max_tokens": 5,
+                              "temperature": 0.7, "top_k": 3, "stop": ["ab"],
+                              "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}})
+    handle = replica._Ghost(builder.build(req), 7)
+    plan = replica.decode(replica.encode(replica.Plan(admit=[handle], cancel=[3, 5])), grammars)
+    assert plan.cancel == [3, 5] and not plan.stop
+    got, sent = plan.admit[0].prepared, handle.prepared
+    assert plan.admit[0].id == 7 and got.tokens == sent.tokens and got.media == sent.media
+    assert got.sampling == sent.sampling and got.max_tokens == sent.max_tokens and got.grammar == sent.grammar
+    assert set(got.inputs) == set(sent.inputs)
+    for k, v in sent.inputs.items():
+        if isinstance(v, (np.ndarray, mx.array)):
+            assert type(got.inputs[k]) is type(v) and np.array_equal(np.array(got.inputs[k]), np.array(v)), k
+            assert np.array(got.inputs[k]).dtype == np.array(v).dtype, k
+        else:
+            assert got.inputs[k] == v, k
+    # The grammar is compiled again on the receiving side: it forbids what the sender's forbids.
+    logits = mx.zeros((1, model.config.text_config.vocab_size))
+    history = mx.array(sent.tokens)
+    assert np.array_equal(np.array(got.processors[0](history, logits)), np.array(sent.processors[0](history, logits)))
+    assert got.processors[0] is not sent.processors[0]
+
+
+def test_ranks_out_of_step_stop_with_a_clear_error(monkeypatch):
+    class Group:
+        def rank(self):
+            return 0
+
+        def size(self):
+            return 2
+
+    sums = {"digest": 11}
+    monkeypatch.setattr(replica, "_all_sum", lambda v, g: v + np.array([0, 0, 0, sums["digest"]]))
+    leader = replica.Leader(Group())
+    plan = replica.Plan()
+    sums["digest"] = 11  # rank 1 agrees
+    assert leader.exchange(plan, 11) is plan
+    sums["digest"] = 12
+    with pytest.raises(replica.OutOfStep, match=r"rank\(s\) \[1\] are out of step"):
+        leader.exchange(plan, 11)
+
+
+def test_leader_draws_the_seed_of_an_unseeded_request(monkeypatch):
+    class Group:
+        def rank(self):
+            return 0
+
+        def size(self):
+            return 2
+
+    # Rank 1's digest equals rank 0's; the payload comes back as sent.
+    monkeypatch.setattr(replica, "_all_sum", lambda v, g: np.where(np.arange(len(v)) == 3, v[2], v)
+                        if v.dtype == np.int64 else v)
+    p = Prepared(inputs={"input_ids": np.zeros((1, 3), np.int32)}, tokens=[0, 0, 0], media=[],
+                 sampling=SamplingParams(temperature=1.0), max_tokens=4)
+    h = replica._Ghost(p, 0)
+    replica.Leader(Group()).exchange(replica.Plan(admit=[h]), 5)
+    assert isinstance(h.prepared.sampling.seed, int)
+    assert dataclasses.replace(h.prepared.sampling, seed=None) == SamplingParams(temperature=1.0)
