@@ -1,9 +1,11 @@
 """Agent traffic against an OpenAI-compatible server: N concurrent conversations of T turns, each
 turn resending the whole history plus a new screenshot, greedy. Reports total throughput and
 per-turn latency (and cached prompt tokens where the server reports them), for our server and
-mlx-vlm's on the same checkpoint.
+mlx-vlm's on the same checkpoint. "ours-2ranks" is our server under `mlx.launch -n 2 --backend
+ring` over 127.0.0.1 (rank 0 serving HTTP, the model split over both ranks).
 
     python benchmarks/bench_server.py --model tests/fixtures/mlxvlm-float --servers ours,mlx-vlm
+    python benchmarks/bench_server.py --servers ours,ours-2ranks
 """
 
 import argparse
@@ -12,6 +14,7 @@ import io
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
 import subprocess
@@ -34,13 +37,20 @@ def free_port():
 
 
 def start(server, model, port, max_batch):
-    if server == "ours":
+    if server.startswith("ours"):
         cmd = [sys.executable, "-m", "mlx_qwen3vl.server", "--model", model, "--port", str(port),
                "--max-batch", str(max_batch)]
+        if server == "ours-2ranks":
+            sys.path.insert(0, str(ROOT))
+            from mlx_qwen3vl.distributed import local_launch_command
+
+            cmd = local_launch_command(2, cmd)
     else:
         cmd = [sys.executable, "-m", "mlx_vlm.server", "--model", model, "--port", str(port)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # Its own session: stopping it stops mlx.launch's ranks too.
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     ready, log = threading.Event(), []
 
     def drain():
@@ -105,13 +115,17 @@ def run(server, args):
                                                         args.seed), range(args.conversations)), [])
         wall = time.perf_counter() - tic
         metrics = None
-        if server == "ours":
+        if server.startswith("ours"):
             import urllib.request
 
             metrics = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read())
     finally:
-        proc.terminate()
-        proc.wait(30)
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
     by_turn = [[r["latency_s"] for r in turns if r["turn"] == t] for t in range(args.turns)]
     return {
         "server": server, "wall_s": wall, "requests": len(turns),
@@ -152,6 +166,10 @@ def main():
             print(f"{server:8s} wall {r['wall_s']:.1f}s  {r['requests_per_s']:.2f} req/s  "
                   f"{r['completion_tok_per_s']:.1f} tok/s  prompt {r['prompt_tokens']} (cached {r['cached_tokens']})  "
                   f"median latency per turn [{lat}] s")
+    answers = {r["server"]: [t["answer"] for t in r["turns"]] for r in results if "turns" in r}
+    if "ours" in answers and "ours-2ranks" in answers:
+        same = answers["ours"] == answers["ours-2ranks"]
+        print(f"ours-2ranks answers {'equal' if same else 'DIFFER FROM'} ours")
     meta = {"argv": sys.argv[1:], "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"), "machine": platform.platform(), "cpus": os.cpu_count(),
             "load_avg": os.getloadavg(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))

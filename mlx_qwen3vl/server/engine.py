@@ -200,7 +200,9 @@ class Engine:
             while True:
                 plan = self._plan()
                 if self.replicas is not None:
+                    tic = time.perf_counter()
                     plan = self.replicas.exchange(plan, self._state())
+                    self.metrics["exchange_s"] += time.perf_counter() - tic  # includes waiting for the others
                 if plan.stop:
                     return
                 self._apply(plan)
