@@ -321,17 +321,18 @@ def test_plan_round_trip_rebuilds_inputs_sampling_and_grammar(local):
     assert got.processors[0] is not sent.processors[0]
 
 
+class Rank0Of2:
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 2
+
+
 def test_ranks_out_of_step_stop_with_a_clear_error(monkeypatch):
-    class Group:
-        def rank(self):
-            return 0
-
-        def size(self):
-            return 2
-
     sums = {"digest": 11}
     monkeypatch.setattr(replica, "_all_sum", lambda v, g: v + np.array([0, 0, 0, sums["digest"]]))
-    leader = replica.Leader(Group())
+    leader = replica.Leader(Rank0Of2())
     plan = replica.Plan()
     sums["digest"] = 11  # rank 1 agrees
     assert leader.exchange(plan, 11) is plan
@@ -341,19 +342,12 @@ def test_ranks_out_of_step_stop_with_a_clear_error(monkeypatch):
 
 
 def test_leader_draws_the_seed_of_an_unseeded_request(monkeypatch):
-    class Group:
-        def rank(self):
-            return 0
-
-        def size(self):
-            return 2
-
     # Rank 1's digest equals rank 0's; the payload comes back as sent.
     monkeypatch.setattr(replica, "_all_sum", lambda v, g: np.where(np.arange(len(v)) == 3, v[2], v)
                         if v.dtype == np.int64 else v)
     p = Prepared(inputs={"input_ids": np.zeros((1, 3), np.int32)}, tokens=[0, 0, 0], media=[],
                  sampling=SamplingParams(temperature=1.0), max_tokens=4)
     h = replica._Ghost(p, 0)
-    replica.Leader(Group()).exchange(replica.Plan(admit=[h]), 5)
+    replica.Leader(Rank0Of2()).exchange(replica.Plan(admit=[h]), 5)
     assert isinstance(h.prepared.sampling.seed, int)
     assert dataclasses.replace(h.prepared.sampling, seed=None) == SamplingParams(temperature=1.0)
