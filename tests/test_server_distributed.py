@@ -254,6 +254,27 @@ def test_client_gone_mid_stream_keeps_ranks_in_step(dense, local):
 
 
 @needs_launch
+def test_json_schema_and_a_bad_request_keep_ranks_in_step(dense, local):
+    """The grammar is compiled again on rank 1 from its description: its masks must be rank 0's
+    (a different token on either rank would stop both with "out of step"), so the seeded answer
+    parses and repeats exactly; a refused request changes nothing on either rank."""
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+              "required": ["color", "ok"], "additionalProperties": False}
+    ask = dict(model="m", messages=[user("Which color?")], max_tokens=40, temperature=1.0, seed=1,
+               response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    client = dense.client()
+    first = client.chat.completions.create(**ask).choices[0].message.content
+    value = json.loads(first)
+    assert value["color"] in ("red", "green", "blue") and isinstance(value["ok"], bool)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(**{**ask, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}})
+    assert client.chat.completions.create(**ask).choices[0].message.content == first
+    r = client.chat.completions.create(model="m", messages=IMAGE_MESSAGES, max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == generate(local, "tiny-a", IMAGE_MESSAGES, 12).text
+
+
+@needs_launch
 def test_a_rank_that_dies_ends_the_launch(dense):
     """Last on this launch: rank 1 killed outright; mlx.launch then stops rank 0 (no hang)."""
     os.kill(dense.pids()[1], signal.SIGKILL)
