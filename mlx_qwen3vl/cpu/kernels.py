@@ -15,6 +15,8 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from . import threads
+
 # Thresholds (elements) below which MLX's op is cheaper than leaving the graph. A linear's is
 # applied once, when `install` picks which modules to swap; the 2B decoder's smallest weight
 # (k_proj) has 2M elements.
@@ -27,7 +29,9 @@ CHUNK_SCORES = 1 << 25  # score elements per query chunk of the attention (128 M
 def matmul_t(a, w, out=None):
     """a @ w.T for a (M, K) in numpy, into `out` (M, N) when given. OpenBLAS's GEMM streams the
     weight far slower for a few rows than its GEMV does, so up to 4 rows (batched decode) are
-    separate GEMVs."""
+    separate GEMVs. Every BLAS call of the CPU path comes through here, so the thread count is
+    set here (threads.apply)."""
+    threads.apply()
     if a.shape[0] > 4:
         if out is None:
             return np.matmul(a, w.T)

@@ -12,7 +12,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .. import language, moe, vision
-from . import blas, decode, experts, kernels
+from . import blas, decode, experts, kernels, threads
 
 
 class Linear(nn.Linear):
@@ -93,7 +93,8 @@ class CPUBackend:
 
     def describe(self) -> str:
         ops = "C extension" if self.ops is decode.native else "numpy (no C extension)"
-        return f"cpu path (numpy + {ops}; numpy's BLAS: {blas.numpy_blas()}); BLAS for MLX: {blas.describe()}"
+        return (f"cpu path (numpy + {ops}; numpy's BLAS: {blas.numpy_blas()}); BLAS for MLX: {blas.describe()}; "
+                f"{threads.describe()}")
 
 
 def choose_ops(ops=None):
@@ -113,6 +114,7 @@ def install(model, ops=None):
     """Swap a float32 model's modules for their CPU versions, in place, once; returns the model.
     Linears (and the tied embedding's LM head) only from kernels.LINEAR_MIN_WEIGHT elements."""
     ops = choose_ops(ops)
+    threads.policy()  # a bad MLX_QWEN3VL_BLAS_THREADS is an error at load, not mid-generation
     big = lambda m: m.weight.size >= kernels.LINEAR_MIN_WEIGHT and m.weight.dtype == mx.float32
     for _, module in model.named_modules():
         kind = type(module)

@@ -1,0 +1,166 @@
+"""How many BLAS threads the CPU path's matmuls use: all cores on a quiet machine, fewer when
+other processes want them.
+
+A decode step makes ~200 GEMVs through numpy's OpenBLAS. With two threads each GEMV is split in
+halves and returns only when both are done, so on an oversubscribed machine every GEMV waits for
+its second thread to be scheduled: 2B decode fell from 6.5 to 0.8-1.0 tok/s at load 4-7, while
+one thread keeps its fair share of a core (measured in benchmarks/README.md, "BLAS threads under
+contention"). On a quiet machine the second thread is worth having, so the count is chosen per
+forward from what the scheduler reports: the runnable tasks that are not ours.
+
+MLX_QWEN3VL_BLAS_THREADS=auto (default) or N fixes the count (the CLI's --blas-threads).
+"""
+
+import os
+import time
+from pathlib import Path
+
+from ..errors import ConfigError
+
+ENV = "MLX_QWEN3VL_BLAS_THREADS"
+
+
+def cores() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def parse(value) -> "int | None":
+    """None for automatic ('auto', unset, empty), else a positive thread count; anything else is an
+    error naming the variable."""
+    text = str(value).strip().lower() if value is not None else ""
+    if text in ("", "auto"):
+        return None
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise ConfigError(f"{ENV}={value!r} is not 'auto' or a positive thread count: unset it (auto) or set e.g. 1")
+
+
+def choose(cores: int, others: float) -> int:
+    """Threads for `cores` CPUs while `others` runnable tasks that are not ours (Policy's smoothed
+    count) compete for them: the cores they leave free, at least one. A thread that shares its core
+    makes every split GEMV wait for it, so a core counts as taken from 3/4 of a task on: two
+    readings in a row with one more task, not a single reading that caught a short-lived one."""
+    return max(1, min(cores, cores - int(others + 0.25)))
+
+
+def runnable_others(loadavg="/proc/loadavg", tasks="/proc/self/task") -> "int | None":
+    """Runnable tasks on the machine right now that are not threads of this process (None where
+    /proc does not say): /proc/loadavg's running count less our own threads in state R (the
+    reading thread, and a BLAS worker spinning between calls)."""
+    try:
+        running = int(Path(loadavg).read_text().split()[3].split("/")[0])
+        ours = 0
+        for task in os.scandir(tasks):
+            try:
+                with open(os.path.join(task.path, "stat"), "rb") as f:
+                    ours += f.read().rsplit(b")", 1)[1].split()[0] == b"R"
+            except OSError:
+                continue  # the thread ended while we looked
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0, running - ours)
+
+
+def cpu_pressure(path="/proc/pressure/cpu") -> "float | None":
+    """The kernel's share of the last 10 s in which some task waited for a CPU, in percent."""
+    try:
+        first = Path(path).read_text().splitlines()[0].split()
+        return float(dict(kv.split("=") for kv in first[1:])["avg10"])
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+
+
+def signals() -> dict:
+    return dict(runnable_others=runnable_others(), cpu_pressure=cpu_pressure(), load_average=os.getloadavg()[0])
+
+
+class Policy:
+    """The thread count for the next forward: `fixed` if set, else `choose` over the runnable
+    others, smoothed over recent samples (a single reading catches short-lived tasks) and re-read
+    at most every `interval` seconds."""
+
+    def __init__(self, fixed=None, interval=0.25, smoothing=0.5, clock=time.monotonic, read=runnable_others,
+                 ncores=None):
+        self.fixed, self.interval, self.smoothing = fixed, interval, smoothing
+        self.clock, self.read = clock, read
+        self.ncores = ncores or cores()
+        self.others, self.last, self.count = 0.0, None, fixed or self.ncores
+
+    def threads(self) -> int:
+        if self.fixed:
+            return self.fixed
+        now = self.clock()
+        if self.last is None or now - self.last >= self.interval:
+            seen = self.read()
+            if seen is not None:
+                self.others = seen if self.last is None else self.smoothing * self.others + (1 - self.smoothing) * seen
+                self.count = choose(self.ncores, self.others)
+            self.last = now
+        return self.count
+
+
+class BlasPool:
+    """Sets the thread count of every BLAS library loaded in the process (numpy's OpenBLAS, the MKL
+    of cpu/blas.py) through threadpoolctl, only when it changes."""
+
+    def __init__(self):
+        try:
+            from threadpoolctl import ThreadpoolController
+        except ImportError:
+            self.libraries, self.note = [], "threadpoolctl not installed: BLAS threads as loaded"
+        else:
+            self.libraries = [c for c in ThreadpoolController().lib_controllers if c.user_api == "blas"]
+            self.note = "set in " + (", ".join(f"{c.internal_api} ({os.path.basename(c.filepath)})" for c in self.libraries)
+                                     or "no BLAS found")
+        self.current = None
+
+    def set(self, n: int):
+        if n != self.current and self.libraries:
+            for lib in self.libraries:
+                lib.set_num_threads(n)
+        self.current = n
+
+
+_pool = None
+_policy = None
+
+
+def blas_pool() -> BlasPool:
+    global _pool
+    if _pool is None:
+        _pool = BlasPool()
+    return _pool
+
+
+def policy() -> Policy:
+    """The process's policy, fixed by MLX_QWEN3VL_BLAS_THREADS on first use (checked: a bad value is
+    an error) unless `configure` set it first."""
+    global _policy
+    if _policy is None:
+        _policy = Policy(fixed=parse(os.environ.get(ENV)))
+    return _policy
+
+
+def configure(value):
+    """Fix the thread count (a positive integer) or make it automatic ('auto' or None), overriding
+    the environment: the CLI's --blas-threads. Takes effect at once."""
+    policy().fixed = parse(value)
+    apply()
+
+
+def apply() -> int:
+    """Set the BLAS threads for the work about to run (cheap: the policy re-reads the machine at
+    most every `interval`, and the libraries are called only when the count changes)."""
+    n = policy().threads()
+    blas_pool().set(n)
+    return n
+
+
+def describe() -> str:
+    p = policy()
+    mode = f"{p.fixed} (fixed)" if p.fixed else f"auto: {p.count} now, of up to {p.ncores} (fewer while other processes run)"
+    return f"BLAS threads {mode}; {blas_pool().note}"
