@@ -43,6 +43,9 @@ def build_parser():
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="compute dtype; none = float32 on the CPU, the checkpoint's on a GPU")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk")
+    p.add_argument("--blas-threads", default=None, metavar="auto|N",
+                   help="BLAS threads of the CPU path: auto (every core while no other process wants them, fewer "
+                        "while others run) or a fixed N; none = $MLX_QWEN3VL_BLAS_THREADS, else auto")
     p.add_argument("--chat", action="store_true", help="interactive multi-turn chat with prefix reuse")
     p.add_argument("--verbose", action="store_true", help="print the backend (and BLAS) in use and the prompt")
     return p
@@ -74,6 +77,10 @@ def _main(args):
     if args.prefill_step_size < 1:
         raise InputError(f"--prefill-step-size = {args.prefill_step_size} is not allowed; use an integer >= 1")
     sampling = SamplingParams(**values)
+    if args.blas_threads is not None:
+        from .cpu import threads
+
+        threads.configure(args.blas_threads, "--blas-threads")
 
     from . import load
     from .backend import backend_of

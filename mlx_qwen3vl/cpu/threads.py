@@ -28,15 +28,15 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def parse(value) -> "int | None":
+def parse(value, name=ENV) -> "int | None":
     """None for automatic ('auto', unset, empty), else a positive thread count; anything else is an
-    error naming the variable."""
+    error naming where the value came from (`name`)."""
     text = str(value).strip().lower() if value is not None else ""
     if text in ("", "auto"):
         return None
     if text.isdigit() and int(text) > 0:
         return int(text)
-    raise ConfigError(f"{ENV}={value!r} is not 'auto' or a positive thread count: unset it (auto) or set e.g. 1")
+    raise ConfigError(f"{name} = {value!r} is not 'auto' or a positive thread count; use auto or e.g. 1")
 
 
 def choose(cores: int, others: float) -> int:
@@ -145,10 +145,14 @@ def policy() -> Policy:
     return _policy
 
 
-def configure(value):
+def configure(value, name="blas_threads"):
     """Fix the thread count (a positive integer) or make it automatic ('auto' or None), overriding
     the environment: the CLI's --blas-threads. Takes effect at once."""
-    policy().fixed = parse(value)
+    global _policy
+    fixed = parse(value, name)
+    if _policy is None:
+        _policy = Policy(fixed=fixed)
+    _policy.fixed = fixed
     apply()
 
 

@@ -31,29 +31,19 @@ def build_parser():
     p.add_argument("--vision-cache-gb", type=float, default=0.5, help="memory for cached vision features")
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
-    p.add_argument("--blas-threads", type=int, default=1,
-                   help="BLAS (MKL / OpenBLAS / OpenMP) threads; 1 by default: with the HTTP and model threads "
-                        "beside it, spinning BLAS threads slowed decode up to 100x on a busy 2-core machine")
+    p.add_argument("--blas-threads", default="1", metavar="auto|N",
+                   help="BLAS (MKL / OpenBLAS) threads; 1 by default: with the HTTP and model threads "
+                        "beside it, spinning BLAS threads slowed decode up to 100x on a busy 2-core machine; "
+                        "auto: the CPU path's policy (every core while no other process wants them)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
 
-BLAS_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-
-
-def _restart_with_blas_threads(n: int):
-    """BLAS libraries read their thread count once, when they load, and the package loads them on
-    import: so the server restarts itself once with the count in the environment."""
-    if all(os.environ.get(k) == str(n) for k in BLAS_ENV):
-        return
-    env = {**os.environ, **{k: str(n) for k in BLAS_ENV}}
-    os.execve(sys.executable, [sys.executable, "-m", "mlx_qwen3vl.server", *sys.argv[1:]], env)
+BLAS_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")  # what tests set for in-process references
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    if argv is None and args.blas_threads > 0:
-        _restart_with_blas_threads(args.blas_threads)
     try:
         import uvicorn
 
@@ -73,6 +63,9 @@ def main(argv=None):
 
     group = distributed.world()  # under `mlx.launch -n N`: rank 0 serves, every rank computes
     try:
+        from ..cpu import threads
+
+        threads.configure(args.blas_threads, "--blas-threads")  # set at run time: no restart needed
         model, processor = load(args.model, dtype=args.dtype)
     except Qwen3VLError as e:
         print(f"error: {e}", file=sys.stderr)
