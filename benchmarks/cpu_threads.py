@@ -11,7 +11,6 @@ machine's runnable tasks and CPU pressure) so its thresholds can be checked agai
 """
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -42,7 +41,7 @@ def stop(procs):
 
 
 def main(argv=None):
-    from harness.measure import machine_info
+    from harness.measure import dump, machine_info
     from harness.presets import PRESETS, build_preset
     from profile_cpu import decode_step_at
 
@@ -125,10 +124,7 @@ def main(argv=None):
             stop(procs)
         time.sleep(1.0)
     threads.configure(None)
-    text = json.dumps(out, indent=1, default=float)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    dump(out, args.out)
     return 0
 
 

@@ -10,7 +10,6 @@ same weight arrays (loaded once). Medians of `--reps`; seconds.
 """
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -83,7 +82,7 @@ def decode_step_at(model, ctx):
 
 
 def main(argv=None):
-    from harness.measure import decode_bytes_per_token, machine_info
+    from harness.measure import decode_bytes_per_token, dump, machine_info
     from harness.presets import PRESETS, build_preset
     from mlx_qwen3vl.cpu import blas as _blas
 
@@ -182,10 +181,7 @@ def main(argv=None):
 
     out["prefill_layer_L256_s"] = interleaved({name: (lambda: None, prefill_layer(models[name]))
                                                for name in ("mlx", "numpy")}, args.reps)
-    text_out = json.dumps(out, indent=1, default=float)
-    print(text_out)
-    if args.out:
-        Path(args.out).write_text(text_out)
+    dump(out, args.out)
     return 0
 
 

@@ -2,6 +2,7 @@
 denominator), CPU time, the machine; and the per-workload summary every engine reports."""
 
 import gc
+import json
 import os
 import platform
 import statistics
@@ -22,6 +23,14 @@ def repeat_times(fn, reps):
         fn()
         times.append(time.perf_counter() - tic)
     return times
+
+
+def dump(result, path=None):
+    """Print a result as JSON, and write it to `path` when given."""
+    text = json.dumps(result, indent=1, default=float)
+    print(text)
+    if path:
+        Path(path).write_text(text)
 
 
 def log(msg):
