@@ -5,6 +5,8 @@
     decode   one decode token through the whole decoder stack (numpy GEMVs + _decode.c or its
              numpy twin), and the KV cache it writes
     layers   the model's modules in their CPU versions, and `install`, which swaps them in
+    threads  how many BLAS threads the matmuls use: every core while the machine is quiet, fewer
+             while other processes run (MLX_QWEN3VL_BLAS_THREADS / --blas-threads fix it)
 
 backend.install puts this path on a float32 model at load on the CPU; nothing in the model files
 refers to it.
