@@ -8,6 +8,7 @@ here (learned grid, rotary) is laid out in that same order.
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -125,9 +126,19 @@ class VisionAttention(nn.Module):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)
 
 
+@partial(mx.compile, shapeless=True)
+def gelu_tanh(x):
+    """gelu_pytorch_tanh: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), as the equal
+    x / (1 + exp(-2u)): one fused kernel in float32 inside (as torch), x^3 as products and exp
+    instead of tanh, which MLX's CPU backend computes 2.3x faster than nn.gelu_approx
+    (benchmarks/README); within 5e-7 of torch's float32 result."""
+    y = x.astype(mx.float32)
+    return (y / (1 + mx.exp(-2 * math.sqrt(2 / math.pi) * (y + 0.044715 * y * y * y)))).astype(x.dtype)
+
+
 # The blocks' activation, by config name (transformers' ACT2FN names); every published Qwen3-VL,
 # dense or MoE, says gelu_pytorch_tanh. The mergers always use the exact GELU (torch nn.GELU()).
-ACTIVATIONS = {"gelu_pytorch_tanh": nn.gelu_approx, "gelu_new": nn.gelu_approx, "gelu": nn.gelu}
+ACTIVATIONS = {"gelu_pytorch_tanh": gelu_tanh, "gelu_new": gelu_tanh, "gelu": nn.gelu}
 
 
 class VisionMLP(nn.Module):

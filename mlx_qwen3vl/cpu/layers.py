@@ -51,7 +51,7 @@ class VisionAttention(vision.VisionAttention):
 
 class VisionMLP(vision.VisionMLP):
     def __call__(self, x):
-        if vision.ACTIVATIONS[self.hidden_act] is not nn.gelu_approx:  # a config's exact GELU: MLX's
+        if vision.ACTIVATIONS[self.hidden_act] is not vision.gelu_tanh:  # a config's exact GELU: MLX's
             return super().__call__(x)
         return self.linear_fc2(kernels.gelu_approx(self.linear_fc1(x)))
 
