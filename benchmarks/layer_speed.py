@@ -1,6 +1,6 @@
 """The plain MLX graph against mlx-vlm's, layer for layer, at the 2B preset's shapes: one decoder
 layer over a 273-token prompt (prefill) and for one token over that cache (decode), one vision
-block over a 448x448 image's 1024 patches, and each layer's matmuls alone (what bounds it). Both
+block over 1024 patches (a 512x512 image), and each layer's matmuls alone (what bounds it). Both
 engines' modules get the same random float32 weights; MKL serves MLX's matmuls in both (our BLAS
 loader runs first). Variants alternate rep by rep; medians per round, best of `--rounds`.
 
