@@ -42,6 +42,8 @@ def build_parser():
     p.add_argument(FLAGS["video_fps"], type=float, default=None, help="source fps for videos given as frames")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="compute dtype; none = float32 on the CPU, the checkpoint's on a GPU")
+    p.add_argument("--parallel", choices=["tensor", "pipeline"], default="tensor",
+                   help="under mlx.launch: split every layer over the ranks (tensor) or the layers (pipeline)")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk")
     p.add_argument("--blas-threads", default=None, metavar="auto|N",
                    help="BLAS threads of the CPU path: auto (every core while no other process wants them, fewer "
@@ -90,7 +92,7 @@ def _main(args):
 
     path = resolve_model_path(args.model, flag="--model")
     check_media_flags(path, args.min_pixels, args.max_pixels, args.fps)
-    model, processor = load(path, dtype=args.dtype)
+    model, processor = load(path, dtype=args.dtype, parallel=args.parallel)
     if args.verbose:
         print(f"[mlx_qwen3vl] model: {args.model}; backend: {backend_of(model).describe()}", file=sys.stderr)
     media = dict(min_pixels=args.min_pixels, max_pixels=args.max_pixels)

@@ -30,7 +30,9 @@
 - MoE layers (moe.py): the router replicated, every expert's intermediate dimension split (as
   mlx-lm's Qwen3-MoE `shard`), one `all_sum` per layer.
 
-A pipeline (layers split across ranks) is not built yet.
+- `parallel="pipeline"` (CLI `--parallel pipeline`) splits the decoder's layers across the ranks
+  instead (pipeline.py): for models whose ranks cannot each hold 1/N of every layer's shapes
+  (heads or experts that do not divide), or links too slow for two all_sums per layer.
 """
 
 import hashlib
@@ -52,6 +54,7 @@ from .backend import MLXBackend
 from .errors import ConfigError, Qwen3VLError, WeightsError
 
 VISION_MODES = ("replicate", "heads")
+PARALLEL_MODES = ("tensor", "pipeline")
 VISION_DEFAULT = "replicate"  # see benchmarks/README.md ("Several ranks")
 
 
@@ -324,25 +327,43 @@ def _eval_by_module(model):
     """Evaluate parameters a block at a time, so at most one whole checkpoint tensor (read, then
     sliced) is alive beside the slices already kept."""
     lm = model.language_model
-    for module in (lm.embed_tokens, *lm.layers, *model.visual.blocks):
+    for module in (lm.embed_tokens, *lm.layers, *getattr(model.visual, "blocks", ())):
         mx.eval(module.parameters())
         mx.clear_cache()
     mx.eval(model.parameters())
 
 
-def sharded_load(path, group, dtype=None, vision: str = VISION_DEFAULT, backend=None):
-    """The model of a checkpoint folder, split over `group`: each rank keeps (and evaluates) only
-    its slices of the lazily loaded weights. backend: None or "mlx" (the only one that shards)."""
+def check_parallel(parallel: str, vision: str = VISION_DEFAULT):
+    if parallel not in PARALLEL_MODES:
+        raise ConfigError(f"parallel={parallel!r} is not one of {', '.join(PARALLEL_MODES)}")
+    if parallel == "pipeline" and vision != VISION_DEFAULT:
+        raise ConfigError(f"vision={vision!r} splits the vision tower by heads, which only tensor parallel does; "
+                          "a pipeline keeps the tower whole on the stages that use it")
+
+
+def sharded_load(path, group, dtype=None, vision: str = VISION_DEFAULT, backend=None, parallel: str = "tensor"):
+    """The model of a checkpoint folder, split over `group` (parallel "tensor": every layer split,
+    "pipeline": the layers split, see pipeline.py): each rank keeps (and evaluates) only its part
+    of the lazily loaded weights. backend: None or "mlx" (the only one that shards)."""
     from .config import ModelConfig
+    from .pipeline import check_pipelinable, pipeline
     from .weights import build_model
 
+    check_parallel(parallel, vision)
     if backend not in (None, "mlx"):
         raise ConfigError(f"backend {backend!r} cannot run a model split over {group.size()} ranks: "
                           "sharded models run the plain MLX graph (backend='mlx' or None)")
     check_same_checkpoint(path, group)
-    check_shardable(ModelConfig.from_pretrained(Path(path)), group.size(), vision)
+    config = ModelConfig.from_pretrained(Path(path))
+    if parallel == "pipeline":
+        check_pipelinable(config, group.size())
+    else:
+        check_shardable(config, group.size(), vision)
     model, _ = build_model(path, dtype, lazy=True)
-    shard(model, group, vision)
+    if parallel == "pipeline":
+        pipeline(model, group)
+    else:
+        shard(model, group, vision)
     _eval_by_module(model)
     mx.clear_cache()
     sync_random_seed(group)
@@ -398,11 +419,11 @@ def _from_payload(data: bytes):
         return {k: mx.array(arrays[k]) if k in as_mlx else arrays[k] for k in arrays.files}
 
 
-def load_sharded(path, group, dtype=None, backend=None, vision: str = VISION_DEFAULT):
+def load_sharded(path, group, dtype=None, backend=None, vision: str = VISION_DEFAULT, parallel: str = "tensor"):
     """(sharded model, rank-0-reading processor) for `load` under `mlx.launch`."""
     from .processor import Processor
 
-    model = sharded_load(path, group, dtype, vision, backend)
+    model = sharded_load(path, group, dtype, vision, backend, parallel)
     return model, RankZeroProcessor(Processor.from_pretrained(Path(path)), group)
 
 

@@ -43,18 +43,22 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--heads-too", action="store_true", help="also run the cases with the vision tower split by heads")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--parallel", default="tensor", help="load(..., parallel=): tensor or pipeline")
+    p.add_argument("--logits", action="store_true", help="also write the image case's logits to OUT/rank<r>.npy")
     args = p.parse_args()
 
     import mlx.core as mx
+    from mlx.utils import tree_flatten
 
     import mlx_qwen3vl as M
     from mlx_qwen3vl import distributed
 
     group = mx.distributed.init()
     rank = group.rank()
-    model, processor = M.load(args.model)
+    model, processor = M.load(args.model, parallel=args.parallel)
     out = {"rank": rank, "size": group.size(), "sharded": distributed.is_sharded(model),
-           "backend": model.backend.name, "describe": model.backend.describe()}
+           "backend": model.backend.name, "describe": model.backend.describe(),
+           "parameters": {k: v.size for k, v in tree_flatten(model.parameters())}}
 
     def run_cases(model, processor):
         cases = {}
@@ -65,6 +69,15 @@ def main():
         return cases
 
     out["cases"] = run_cases(model, processor)
+    # Prefill in 16-token chunks: the caches are evaluated between chunks, which must run every
+    # collective of the chunk on every rank (a pipeline stage's send among them).
+    out["chunked"] = M.generate(model, processor, messages=case_messages("image", rank)[0], max_tokens=8,
+                                prefill_step_size=16).token_ids
+    if args.logits:  # every position's logits of the image case, for a bitwise comparison
+        from mlx_qwen3vl.generate import encode_prompt
+
+        inputs = encode_prompt(processor, messages=case_messages("image", rank)[0])
+        np.save(Path(args.out, f"rank{rank}.npy"), np.array(model(**inputs)))
     if args.heads_too:
         out["cases_heads"] = run_cases(*distributed.load_sharded(args.model, group, vision="heads"))
 
