@@ -6,7 +6,8 @@
 
 Configurations (`--configs`, comma separated): `1:cpu` (one process, the CPU fast path as `load`
 installs it), `1:mlx` (one process, the plain MLX graph: what the ranks run), `2:replicate` (two
-ranks, vision tower replicated), `2:heads` (two ranks, vision tower split by heads). Every rank is
+ranks, vision tower replicated), `2:heads` (two ranks, vision tower split by heads), `2:pipeline`
+(two ranks, the layers split: pipeline.py; no collective timing). Every rank is
 one process on this machine, talking over 127.0.0.1. Each worker reports, per rank:
 
   load_s, load_peak_gb    loading time; MLX's peak allocation and the process's peak RSS after load
@@ -39,12 +40,12 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-CONFIGS = ["1:cpu", "1:mlx", "2:replicate", "2:heads"]
+CONFIGS = ["1:cpu", "1:mlx", "2:replicate", "2:heads", "2:pipeline"]
 
 
 # ------------------------------------------------------------------------------------- worker
 def _rss_peak_gb():
-    from bench import _rss_peak_gb as peak
+    from harness.measure import rss_peak_gb as peak
 
     return peak()
 
@@ -74,7 +75,7 @@ def _comm_per_token(model, group, reps=20):
 
 def _messages(name, processor):
     """bench.py's workloads, plus textN: a text prompt of N tokens (short runs on a busy machine)."""
-    from bench import ALL_WORKLOADS, _text_prompt, workload_messages
+    from harness.workloads import ALL_WORKLOADS, _text_prompt, workload_messages
 
     if name.startswith("text") and name not in ALL_WORKLOADS:
         return [{"role": "user", "content": [{"type": "text", "text": _text_prompt(processor, int(name[4:]))}]}], {}
@@ -125,13 +126,14 @@ def worker(spec_path):
     import mlx_qwen3vl as M
     from mlx_qwen3vl import distributed
     from mlx_qwen3vl.generate import encode_prompt, generate_tokens
-    from bench import WARMUP
+    from harness.workloads import WARMUP
 
     group = mx.distributed.init()
     rank = group.rank()
     tic = time.perf_counter()
     if group.size() > 1:
-        model, processor = distributed.load_sharded(spec["model"], group, vision=spec["vision"])
+        model, processor = distributed.load_sharded(spec["model"], group, vision=spec["vision"],
+                                                    parallel=spec.get("parallel", "tensor"))
     else:
         model, processor = M.load(spec["model"])
     load_s = time.perf_counter() - tic
@@ -164,7 +166,7 @@ def worker(spec_path):
             load_average=os.getloadavg()[0])
     out["peak_rss_gb"] = _rss_peak_gb()
     out["peak_mlx_gb"] = mx.get_peak_memory() / 1e9
-    if group.size() > 1:
+    if group.size() > 1 and spec.get("parallel", "tensor") == "tensor":
         out["comm_ms_per_token"], out["comm_bytes_per_token"] = _comm_per_token(model, group)
     Path(spec["out"], f"rank{rank}.json").write_text(json.dumps(out))
 
@@ -182,6 +184,7 @@ def run_config(config, model, args):
     out = tempfile.mkdtemp(prefix="bench-dist-")
     spec = dict(config=config, model=str(model), workloads=args.workloads.split(","),
                 decode_tokens=args.decode_tokens, vision=mode if mode in ("replicate", "heads") else "replicate",
+                parallel="pipeline" if mode == "pipeline" else "tensor",
                 out=out, vision_only=args.vision_only, image_side=args.image_side, reps=args.reps)
     spec_path = Path(out, "spec.json")
     spec_path.write_text(json.dumps(spec))
@@ -242,7 +245,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.worker:
         return worker(args.worker)
-    from bench import build_preset
+    from harness.presets import build_preset
 
     model = Path(args.model) if args.model else build_preset(args.preset)
     report = dict(model=str(model), preset=None if args.model else args.preset, runs={},
