@@ -23,9 +23,10 @@
   are broadcast, so other ranks need the checkpoint but not the media. Ranks then compute the
   same logits (collectives give every rank identical sums), and the random seed is made equal at
   load, so sampled tokens agree without a per-token exchange.
-- Loading: each rank evaluates only its slices of the lazily loaded safetensors (mlx-lm's
-  `sharded_load` does the same), and the ranks first compare a fingerprint of config.json and the
-  safetensors headers, so different checkpoints on different machines fail at once.
+- Loading: each rank reads only its slices from the safetensors files (slices.py: the surgery runs
+  on placeholders, then each kept parameter's byte ranges are read), and the ranks first compare a
+  fingerprint of config.json and the safetensors headers, so different checkpoints on different
+  machines fail at once.
 
 - MoE layers (moe.py): the router replicated, every expert's intermediate dimension split (as
   mlx-lm's Qwen3-MoE `shard`), one `all_sum` per layer.
@@ -323,16 +324,6 @@ class ShardedMLX(MLXBackend):
 # ---------------------------------------------------------------------------------------------
 # Loading
 # ---------------------------------------------------------------------------------------------
-def _eval_by_module(model):
-    """Evaluate parameters a block at a time, so at most one whole checkpoint tensor (read, then
-    sliced) is alive beside the slices already kept."""
-    lm = model.language_model
-    for module in (lm.embed_tokens, *lm.layers, *getattr(model.visual, "blocks", ())):
-        mx.eval(module.parameters())
-        mx.clear_cache()
-    mx.eval(model.parameters())
-
-
 def check_parallel(parallel: str, vision: str = VISION_DEFAULT):
     if parallel not in PARALLEL_MODES:
         raise ConfigError(f"parallel={parallel!r} is not one of {', '.join(PARALLEL_MODES)}")
@@ -343,11 +334,11 @@ def check_parallel(parallel: str, vision: str = VISION_DEFAULT):
 
 def sharded_load(path, group, dtype=None, vision: str = VISION_DEFAULT, backend=None, parallel: str = "tensor"):
     """The model of a checkpoint folder, split over `group` (parallel "tensor": every layer split,
-    "pipeline": the layers split, see pipeline.py): each rank keeps (and evaluates) only its part
-    of the lazily loaded weights. backend: None or "mlx" (the only one that shards)."""
+    "pipeline": the layers split, see pipeline.py): each rank reads only its slices of the
+    safetensors files (slices.load_kept). backend: None or "mlx" (the only one that shards)."""
     from .config import ModelConfig
     from .pipeline import check_pipelinable, pipeline
-    from .weights import build_model
+    from .slices import load_kept
 
     check_parallel(parallel, vision)
     if backend not in (None, "mlx"):
@@ -357,15 +348,11 @@ def sharded_load(path, group, dtype=None, vision: str = VISION_DEFAULT, backend=
     config = ModelConfig.from_pretrained(Path(path))
     if parallel == "pipeline":
         check_pipelinable(config, group.size())
+        surgery = lambda model: pipeline(model, group)  # noqa: E731
     else:
         check_shardable(config, group.size(), vision)
-    model, _ = build_model(path, dtype, lazy=True)
-    if parallel == "pipeline":
-        pipeline(model, group)
-    else:
-        shard(model, group, vision)
-    _eval_by_module(model)
-    mx.clear_cache()
+        surgery = lambda model: shard(model, group, vision)  # noqa: E731
+    model = load_kept(path, dtype, surgery)
     sync_random_seed(group)
     return model
 

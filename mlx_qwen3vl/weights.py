@@ -101,15 +101,18 @@ def _load_file(f: Path) -> dict:
         raise WeightsError(f"{f} could not be read ({str(e).splitlines()[0]}); re-download or re-convert it") from None
 
 
-def read_weights(path: Path, with_files: bool = False):
-    """All tensors of a folder (lazily loaded); with_files=True also returns name → file name.
+def read_weights(path: Path, with_files: bool = False, views: bool = False):
+    """All tensors of a folder (lazily loaded; views=True: slices.TensorView's, read by parts
+    later); with_files=True also returns name → file name.
 
     With an index each name is read from the shard the index places it in (a stray copy in another
     shard is ignored); without one, a name in two files is an error rather than "the last file wins"."""
     files, weight_map = weight_files(path)
     weights, origin = {}, {}
+    if views:
+        from .slices import open_views
     for f in files:
-        for key, value in _load_file(f).items():
+        for key, value in (open_views(f) if views else _load_file(f)).items():
             if weight_map is not None:
                 if weight_map.get(key, f.name) != f.name:
                     continue  # the index places this tensor in another shard
@@ -309,8 +312,9 @@ def resolve_tied_head(weights: dict, config: ModelConfig, where: str):
         return
     embed = {k.replace("language_model.embed_tokens.", "lm_head."): v for k, v in weights.items()
              if k.startswith("language_model.embed_tokens.")}
+    whole = lambda v: v.read() if hasattr(v, "read_raw") else v  # noqa: E731  (a slices.TensorView: read it)
     same = set(head) == set(embed) and all(
-        head[k].shape == embed[k].shape and bool(mx.array_equal(head[k], embed[k])) for k in head)
+        head[k].shape == embed[k].shape and bool(mx.array_equal(whole(head[k]), whole(embed[k]))) for k in head)
     if same:
         for k in head:
             del weights[k]
@@ -415,7 +419,8 @@ def describe_quantization(model: nn.Module):
     return section
 
 
-def check_and_load(model: nn.Module, weights: dict, where: str):
+def check_weights(model: nn.Module, weights: dict, where: str):
+    """One WeightsError naming every missing, unexpected and mis-shaped weight."""
     expected = dict(tree_flatten(model.parameters()))
     missing = set(expected) - set(weights)
     unexpected = set(weights) - set(expected)
@@ -433,6 +438,10 @@ def check_and_load(model: nn.Module, weights: dict, where: str):
         problems.append(f"wrong shape {len(mismatched)}: {_short_list(mismatched, 3)}")
     if problems:
         raise WeightsError(f"{where} does not match the Qwen3-VL architecture in its config.json — " + "; ".join(problems))
+
+
+def check_and_load(model: nn.Module, weights: dict, where: str):
+    check_weights(model, weights, where)
     model.update(tree_unflatten(list(weights.items())))
 
 
@@ -452,29 +461,45 @@ def _as_dtype(dtype):
     return dtype
 
 
-def build_model(path, dtype=None, lazy=False):
-    """(model, kind) for a checkpoint folder of any kind; floating weights cast to `dtype`.
-    With lazy=True the weights are left unevaluated (the converter streams them to disk)."""
-    path = Path(path)
+def assemble(path: Path, dtype=None, views=False):
+    """(config, module name → weight, dtype, layout) of a checkpoint folder: every rename, expert
+    split and tied-head choice made, floating weights cast to `dtype` (lazily). views=True gives
+    slices.TensorView's (read by parts later) instead of lazily loaded arrays."""
     config = ModelConfig.from_pretrained(path)
     dtype = _as_dtype(dtype) or default_dtype(config)
-    raw, origin = read_weights(path, with_files=True)
+    raw, origin = read_weights(path, with_files=True, views=views)
     kind = detect_kind(read_raw_config(path), raw)
     if kind != MLX_VLM:  # mlx-vlm drops torch_dtype but can leave a stale "dtype" after --dtype
         check_dtypes(raw, origin, config, path)
-    weights = split_fused_experts(sanitize(raw, config, detect_layout(raw)), config, str(path))
+    layout = detect_layout(raw)
+    weights = split_fused_experts(sanitize(raw, config, layout), config, str(path))
     resolve_tied_head(weights, config, str(path))
+    weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    return config, weights, dtype, layout, kind
+
+
+def empty_model(config: ModelConfig, weights: dict, layout: str, path: Path, dtype):
+    """The model of `config` with the layers `weights` holds quantized swapped for quantized ones,
+    its parameters not yet loaded."""
     model = Qwen3VLForConditionalGeneration(config)
     if config.quantization is not None:
-        apply_quantization(model, config.quantization, weights, detect_layout(raw), str(path / "config.json"))
+        apply_quantization(model, config.quantization, weights, layout, str(path / "config.json"))
         set_embedding_dtype(model, dtype)
     elif any(k.endswith(".scales") for k in weights):
         example = next(k for k in sorted(weights) if k.endswith(".scales"))
         raise WeightsError(f"{path} holds quantized weights ({example}) but its config.json has no quantization "
                            "section: restore the config.json that came with these weights")
-    weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
-    check_and_load(model, weights, str(path))
     model.eval()
+    return model
+
+
+def build_model(path, dtype=None, lazy=False):
+    """(model, kind) for a checkpoint folder of any kind; floating weights cast to `dtype`.
+    With lazy=True the weights are left unevaluated (the converter streams them to disk)."""
+    path = Path(path)
+    config, weights, dtype, layout, kind = assemble(path, dtype)
+    model = empty_model(config, weights, layout, path, dtype)
+    check_and_load(model, weights, str(path))
     if not lazy:
         mx.eval(model.parameters())
     return model, kind
