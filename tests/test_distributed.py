@@ -9,6 +9,7 @@ output reached it.
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 
@@ -278,3 +279,117 @@ def test_one_process_is_not_sharded():
     model, _ = M.load(FIXTURES / "tiny-a")
     assert not distributed.is_sharded(model)
     np.testing.assert_array_equal(np.array(model.language_model.embed_tokens.weight.shape), [448, 64])
+
+
+# --- sharded loading: each rank reads only its slices ----------------------------------------------
+LOAD_RUNS = ["tiny-a:replicate", "tiny-a:heads", "tiny-b:replicate", "tiny-b:heads", "tiny-moe:replicate",
+             "tiny-moe-hub:heads", "mlxvlm-mixed_3_6:replicate", "mlxvlm-untied-mixed_3_6:replicate"]
+
+
+@pytest.fixture(scope="module")
+def sharded_loads(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharded-load")
+    p = launch(str(ROOT / "tests" / "sharded_load_worker.py"), "--out", str(out), *LOAD_RUNS)
+    ranks = [out / f"rank{r}.json" for r in range(2)]
+    assert all(f.is_file() for f in ranks), p.stdout + p.stderr
+    return [json.loads(f.read_text()) for f in ranks]
+
+
+def _header(f):
+    with open(f, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        return {k: v for k, v in json.loads(fh.read(n)).items() if k != "__metadata__"}
+
+
+def expected_bytes(name, vision, rank, n=2):
+    """The tensor bytes rank `rank` of n should read, from the checkpoint's headers and config alone:
+    1/n of every tensor the decoder splits (vocabulary rows for the embedding and head, one KV head
+    when there are fewer KV heads than ranks, the vision blocks' too with vision="heads"), the whole
+    of every other tensor."""
+    folder = FIXTURES / name
+    t = ModelConfig.from_pretrained(folder).text_config
+    files, weight_map = M.weights.weight_files(folder)
+    total = 0
+    for f in files:
+        for key, info in _header(f).items():
+            if weight_map is not None and weight_map[key] != f.name:
+                continue
+            size = info["data_offsets"][1] - info["data_offsets"][0]
+            rows = -(-t.vocab_size // n)
+            if "embed_tokens." in key or "lm_head." in key:
+                part = size * len(range(rank * rows, min(t.vocab_size, (rank + 1) * rows))) // t.vocab_size
+            elif ("self_attn.k_proj." in key or "self_attn.v_proj." in key) and t.num_key_value_heads < n:
+                part = size // t.num_key_value_heads
+            elif any(s in key for s in ("_proj.", "experts.", "switch_mlp.")) and ".layers." in key:
+                part = size // n  # q/k/v/o, gate/up/down and the experts (not the router, `mlp.gate.`)
+            elif vision == "heads" and ".blocks." in key and any(s in key for s in ("attn.", "mlp.")):
+                split_bias = key.endswith("bias") and ("attn.proj." in key or "linear_fc2." in key)
+                part = size if split_bias else size // n  # a sharded-to-all bias is not split
+            else:
+                part = size
+            total += part
+    return total
+
+
+@pytest.mark.parametrize("run", LOAD_RUNS)
+def test_sharded_load_equals_loading_whole_then_sharding(sharded_loads, run):
+    """Every parameter each rank reads by parts is, bit for bit, what the whole-tensor load sliced
+    gives: dense bf16 (tied, 5 shards) and float32 (untied, 1 KV head for 2 ranks), MoE experts in
+    transformers 5's and the hub's transposed layout, mixed 3/6-bit quantized (tied and untied)."""
+    for out in sharded_loads:
+        assert out[run]["params"] > 50 and out[run]["differ"] == []
+
+
+@pytest.mark.parametrize("run", LOAD_RUNS)
+def test_sharded_load_reads_only_its_part(sharded_loads, run):
+    """The bytes each rank read are exactly its share of the split tensors plus the replicated ones
+    (only the 5-D patch kernel, replicated anyway, is read whole to be reshaped)."""
+    name, vision = run.split(":")
+    for rank, out in enumerate(sharded_loads):
+        assert out[run]["bytes"] == expected_bytes(name, vision, rank)
+        assert all("patch_embed.proj.weight" in key for key in out[run]["whole"])
+    whole = expected_bytes(name, vision, 0, n=1)
+    assert sharded_loads[0][run]["bytes"] < whole  # and it is a real saving
+
+
+def _load_with(surgery, name="tiny-a"):
+    from mlx.utils import tree_flatten
+
+    from mlx_qwen3vl import slices
+
+    new = slices.load_kept(FIXTURES / name, None, surgery)
+    old, _ = M.weights.build_model(FIXTURES / name, lazy=True)
+    surgery(old)
+    return dict(tree_flatten(new.parameters())), dict(tree_flatten(old.parameters()))
+
+
+def test_load_kept_follows_any_slicing_surgery():
+    """A pipeline-like surgery (layers dropped, the rest renumbered) and one that reverses rows and
+    takes every other column: each parameter is read by parts and equals the whole load's."""
+    import mlx.core as mx
+
+    def surgery(model):
+        lm = model.language_model
+        lm.layers = lm.layers[1:]  # moved: read whole, under new names
+        mlp = lm.layers[0].mlp
+        mlp.gate_proj.weight = mlp.gate_proj.weight[::-1]
+        mlp.up_proj.weight = mlp.up_proj.weight[:, ::2]
+        model.visual.blocks = []
+
+    new, old = _load_with(surgery)
+    assert set(new) == set(old) and not any(k.startswith("visual.blocks") for k in new)
+    for k in new:
+        assert new[k].shape == old[k].shape and bool(mx.array_equal(new[k], old[k])), k
+
+
+def test_load_kept_refuses_a_surgery_it_cannot_read_by_parts():
+    """A transposed square weight is not a block of indices along each axis: one clear error."""
+    from mlx_qwen3vl import slices
+    from mlx_qwen3vl.errors import WeightsError
+
+    def surgery(model):
+        attn = model.language_model.layers[0].self_attn
+        attn.k_proj.weight = attn.k_proj.weight.T  # (64, 64)
+
+    with pytest.raises(WeightsError, match="k_proj.weight: the model surgery rearranged"):
+        slices.load_kept(FIXTURES / "tiny-a", None, surgery)
