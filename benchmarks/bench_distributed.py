@@ -12,14 +12,19 @@ one process on this machine, talking over 127.0.0.1. Each worker reports, per ra
 
   load_s, load_peak_gb    loading time; MLX's peak allocation and the process's peak RSS after load
   weights_gb              bytes of the parameters this rank holds
+  bytes_read_gb           tensor bytes this rank read from the safetensors files (slices.read_stats;
+                          one process reads them all: the files' tensor bytes)
   ttft_s, vision_s        ready inputs → first token; the vision tower alone (timed apart)
   decode_tps              greedy decode, EOS ignored, (N - 1) / (time of token N - time of token 1)
   peak_rss_gb             the process's peak resident set over everything it did
-  comm_ms_per_token       the collectives of one decode step alone (2 all_sums per layer, the
-                          embedding's all_sum, the logits' all_gather), timed on this ring
-  comm_bytes_per_token    what those collectives carry per rank
+  comm                    measured on one decode step: the collectives it calls (counted by wrapping
+                          mx.distributed.all_sum / all_gather while the step's graph is built: number
+                          and bytes per rank), the step's time with them and with each replaced by a
+                          local stand-in of the same shape, and those collectives alone, chained as
+                          in the step, on this ring
 
-Workloads are bench.py's (text256, image448, ...) and textN (a text prompt of N tokens).
+Workloads are bench.py's (text256, image448, ...) and textN (a text prompt of N tokens);
+`--load-only` loads and reports memory and bytes read, nothing else.
 The preset's folder is bench.py's (benchmarks/models/, built once). 2B in float32 needs ~10 GB for
 one process and ~6 GB per rank: the driver refuses to start when less than --min-free-gb is free.
 """
@@ -45,32 +50,82 @@ CONFIGS = ["1:cpu", "1:mlx", "2:replicate", "2:heads", "2:pipeline"]
 
 # ------------------------------------------------------------------------------------- worker
 def _rss_peak_gb():
-    from harness.measure import rss_peak_gb as peak
+    from harness.measure import rss_peak_gb
 
-    return peak()
+    return rss_peak_gb()
 
 
-def _comm_per_token(model, group, reps=20):
-    """Time one decode step's collectives, with the shapes the step uses."""
+def _file_tensor_bytes(path):
+    from mlx_qwen3vl.slices import open_views
+    from mlx_qwen3vl.weights import weight_files
+
+    files, _ = weight_files(Path(path))
+    return sum(v.size * v.stored_itemsize for f in files for v in open_views(f).values())
+
+
+def _comm_measured(model, processor, group, steps=6):
+    """One decode step's collectives, measured: which ones it calls (and their bytes), the step's
+    time with them and with local stand-ins, and the collectives alone (chained, as in the step)."""
     import mlx.core as mx
 
-    t = model.config.text_config
-    vocab_rows = model.language_model.embed_tokens.rows
-    dtype = model.language_model.norm.weight.dtype
-    hidden = mx.zeros((1, 1, t.hidden_size), dtype)
-    logits = mx.zeros((vocab_rows, 1), dtype)
-    n_sums = 2 * t.num_hidden_layers + 1
-
-    def step():
-        outs = [mx.distributed.all_sum(hidden + i, group=group) for i in range(n_sums)]
-        outs.append(mx.distributed.all_gather(logits, group=group))
-        mx.eval(outs)
-
     from harness.measure import repeat_times
+    from mlx_qwen3vl.generate import decode_step, encode_prompt, prefill
 
-    times = repeat_times(step, reps)
-    sent = (n_sums * t.hidden_size + vocab_rows) * hidden.itemsize
-    return 1e3 * float(np.median(times)), sent
+    inputs = encode_prompt(processor, "Hello, how are you today?")
+    cache = model.make_cache()
+    logits, positions = prefill(model, inputs, cache)
+    y = mx.argmax(logits, axis=-1)
+    mx.eval(y)
+    real = {name: getattr(mx.distributed, name) for name in ("all_sum", "all_gather")}
+    calls = []
+
+    def recording(name):
+        def call(x, *args, **kwargs):
+            calls.append((name, tuple(x.shape), x.dtype, x.nbytes))
+            return real[name](x, *args, **kwargs)
+        return call
+
+    local = {"all_sum": lambda x, **kw: x,
+             "all_gather": lambda x, **kw: mx.concatenate([x] * group.size())}
+
+    def step_times(fns):
+        nonlocal positions
+        for name, fn in fns.items():
+            setattr(mx.distributed, name, fn)
+        try:
+            times = []
+            for _ in range(steps):
+                tic = time.perf_counter()
+                mx.eval(decode_step(model, y, cache, positions))
+                times.append(time.perf_counter() - tic)
+                positions = positions + 1
+        finally:
+            for name, fn in real.items():
+                setattr(mx.distributed, name, fn)
+        return times[1:]
+
+    step_times({name: recording(name) for name in real})
+    per_step = calls[: len(calls) // steps]
+    with_comm = step_times(real)
+    without = step_times(local)
+
+    def collectives():
+        x = None
+        for name, shape, dtype, _ in per_step:
+            z = mx.zeros(shape, dtype) if x is None else mx.zeros(shape, dtype) + x.reshape(-1)[0].astype(dtype)
+            x = real[name](z, group=group)
+        mx.eval(x)
+
+    alone = repeat_times(collectives, 10)
+    kinds = {}
+    for name, shape, dtype, nbytes in per_step:
+        k = kinds.setdefault(f"{name} {shape} {str(dtype).split('.')[-1]}", dict(count=0, bytes=0))
+        k["count"] += 1
+        k["bytes"] += nbytes
+    return dict(collectives_per_token=len(per_step), bytes_per_token=sum(c[3] for c in per_step), kinds=kinds,
+                step_ms=1e3 * float(np.median(with_comm)), step_without_ms=1e3 * float(np.median(without)),
+                alone_ms=1e3 * float(np.median(alone)), alone_min_ms=1e3 * float(np.min(alone)),
+                step_all_ms=[1e3 * t for t in with_comm], step_without_all_ms=[1e3 * t for t in without])
 
 
 def _messages(name, processor):
@@ -110,7 +165,7 @@ def vision_worker(spec):
             merged, deepstack = model(pixels, grid)
             mx.eval(merged, *deepstack)
             times.append(time.perf_counter() - tic)
-        out["results"][mode] = dict(vision_s=float(np.median(times[1:])), all_s=times,
+        out["results"][mode] = dict(vision_s=float(np.min(times[1:])), all_s=times,
                                     load_average=os.getloadavg()[0])
         del model
     Path(spec["out"], f"rank{group.rank()}.json").write_text(json.dumps(out))
@@ -124,12 +179,13 @@ def worker(spec_path):
     from mlx.utils import tree_flatten
 
     import mlx_qwen3vl as M
-    from mlx_qwen3vl import distributed
+    from mlx_qwen3vl import distributed, slices
     from mlx_qwen3vl.generate import encode_prompt, generate_tokens
     from harness.workloads import WARMUP
 
     group = mx.distributed.init()
     rank = group.rank()
+    slices.reset_read_stats()
     tic = time.perf_counter()
     if group.size() > 1:
         model, processor = distributed.load_sharded(spec["model"], group, vision=spec["vision"],
@@ -140,9 +196,12 @@ def worker(spec_path):
     out = dict(config=spec["config"], rank=rank, load_s=load_s, load_peak_mlx_gb=mx.get_peak_memory() / 1e9,
                load_peak_rss_gb=_rss_peak_gb(),
                weights_gb=sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9,
+               bytes_read_gb=(slices.read_stats()["bytes"] if group.size() > 1
+                              else _file_tensor_bytes(spec["model"])) / 1e9,
+               file_tensor_gb=_file_tensor_bytes(spec["model"]) / 1e9,
                backend=getattr(model, "backend", None) and model.backend.name, results={})
     sampler = lambda logprobs: mx.argmax(logprobs, axis=-1)
-    for name in [WARMUP] + spec["workloads"]:
+    for name in [] if spec.get("load_only") else [WARMUP] + spec["workloads"]:
         messages, kw = _messages(name, processor)
         inputs = encode_prompt(processor, messages=messages, **kw)
         n_tokens = 4 if name == WARMUP else spec["decode_tokens"]
@@ -166,8 +225,8 @@ def worker(spec_path):
             load_average=os.getloadavg()[0])
     out["peak_rss_gb"] = _rss_peak_gb()
     out["peak_mlx_gb"] = mx.get_peak_memory() / 1e9
-    if group.size() > 1 and spec.get("parallel", "tensor") == "tensor":
-        out["comm_ms_per_token"], out["comm_bytes_per_token"] = _comm_per_token(model, group)
+    if group.size() > 1 and not spec.get("load_only"):
+        out["comm"] = _comm_measured(model, processor, group)
     Path(spec["out"], f"rank{rank}.json").write_text(json.dumps(out))
 
 
@@ -185,7 +244,8 @@ def run_config(config, model, args):
     spec = dict(config=config, model=str(model), workloads=args.workloads.split(","),
                 decode_tokens=args.decode_tokens, vision=mode if mode in ("replicate", "heads") else "replicate",
                 parallel="pipeline" if mode == "pipeline" else "tensor",
-                out=out, vision_only=args.vision_only, image_side=args.image_side, reps=args.reps)
+                out=out, vision_only=args.vision_only, image_side=args.image_side, reps=args.reps,
+                load_only=args.load_only)
     spec_path = Path(out, "spec.json")
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -210,21 +270,29 @@ def run_config(config, model, args):
 
 
 def print_table(report):
-    rows = []
+    print("| config | rank | load s | weights GB | bytes read GB (of the files') | load peak MLX / RSS GB "
+          "| peak RSS GB |")
+    print("|---|---|---|---|---|---|---|")
+    for config, ranks in report["runs"].items():
+        for r in ranks:
+            print(f"| {config} | {r['rank']} | {r['load_s']:.1f} | {r['weights_gb']:.2f} | {r['bytes_read_gb']:.2f} "
+                  f"({r['file_tensor_gb']:.2f}) | {r['load_peak_mlx_gb']:.2f} / {r['load_peak_rss_gb']:.2f} "
+                  f"| {r.get('peak_rss_gb', 0):.2f} |")
+    print("\n| config | rank | workload | prompt | TTFT s | vision s | decode tok/s |")
+    print("|---|---|---|---|---|---|---|")
     for config, ranks in report["runs"].items():
         for r in ranks:
             for name, w in r["results"].items():
-                rows.append((config, r["rank"], name, w["ttft_s"], w["vision_s"], w["decode_tps"], r["weights_gb"],
-                             r["load_peak_rss_gb"], r["peak_rss_gb"], r.get("comm_ms_per_token"),
-                             r.get("comm_bytes_per_token")))
-    print("| config | rank | workload | TTFT s | vision s | decode tok/s | weights GB | load peak RSS GB "
-          "| peak RSS GB | comm ms/token | comm KB/token |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for c, rank, name, ttft, vis, dec, wgb, lrss, rss, cms, cb in rows:
-        comm = f"{cms:.2f}" if cms is not None else "-"
-        kb = f"{cb / 1e3:.0f}" if cb is not None else "-"
-        print(f"| {c} | {rank} | {name} | {ttft:.2f} | {vis:.2f} | {dec:.2f} | {wgb:.2f} | {lrss:.2f} | {rss:.2f} "
-              f"| {comm} | {kb} |")
+                print(f"| {config} | {r['rank']} | {name} | {w['prompt_tokens']} | {w['ttft_s']:.2f} | "
+                      f"{w['vision_s']:.2f} | {w['decode_tps']:.2f} |")
+    comm = [(c, r) for c, ranks in report["runs"].items() for r in ranks if "comm" in r]
+    if comm:
+        print("\n| config | rank | collectives/token | KB/token | step ms | step without ms | alone ms (min) |")
+        print("|---|---|---|---|---|---|---|")
+        for config, r in comm:
+            m = r["comm"]
+            print(f"| {config} | {r['rank']} | {m['collectives_per_token']} | {m['bytes_per_token'] / 1e3:.0f} | "
+                  f"{m['step_ms']:.1f} | {m['step_without_ms']:.1f} | {m['alone_ms']:.1f} ({m['alone_min_ms']:.1f}) |")
 
 
 def main(argv=None):
@@ -241,7 +309,8 @@ def main(argv=None):
     p.add_argument("--vision-only", action="store_true",
                    help="time the vision tower alone, replicated and split by heads (random weights, no checkpoint read)")
     p.add_argument("--image-side", type=int, default=448, help="--vision-only: one square image of this side")
-    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--reps", type=int, default=2, help="--vision-only: timed forwards per mode (the best is kept)")
+    p.add_argument("--load-only", action="store_true", help="load, report memory and bytes read, stop")
     args = p.parse_args(argv)
     if args.worker:
         return worker(args.worker)

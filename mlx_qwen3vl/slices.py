@@ -84,6 +84,10 @@ class TensorView:
         return len(self.shape)
 
     @property
+    def stored_itemsize(self):
+        return np.dtype(DTYPES[self.code][0]).itemsize
+
+    @property
     def size(self):
         return int(np.prod(self.shape, dtype=np.int64))
 
@@ -247,10 +251,13 @@ def _decode(name, probes, bits):
     its probes; raises WeightsError when an element is not where that reading puts it."""
     mask = (1 << bits) - 1
     ndim = probes[0].ndim
-    profiles = []
+    profiles, lows = [], []
     for k, p in enumerate(probes):
         others = tuple(a for a in range(ndim) if a != k)
-        profiles.append(np.array(p.max(axis=others) if others else p).astype(np.uint64))
+        high, low = (p.max(axis=others), p.min(axis=others)) if others else (p, p)
+        mx.eval(high, low)
+        profiles.append(np.array(high).astype(np.uint64))
+        lows.append(np.array(low).astype(np.uint64))
     ids = {int(v) >> bits for prof in profiles for v in np.unique(prof) if v}
     if not ids:
         return None, None  # made by the surgery itself, not read from the checkpoint
@@ -259,7 +266,13 @@ def _decode(name, probes, bits):
                            "which sharded loading cannot read by parts")
     tensor_id = ids.pop()
     index = [(prof & mask).astype(np.int64) for prof in profiles]
-    # Check every element: along axis k it is (id << bits) | index_k[i_k] where no axis is padding, else 0.
+    unsupported = (f"{name}: the model surgery rearranged a checkpoint tensor in a way sharded loading cannot read "
+                   "by parts (not a block of indices along each axis)")
+    if all(i.all() for i in index):  # no padding: each slice across axis k must be constant (min == max)
+        if not all(np.array_equal(high, low) for high, low in zip(profiles, lows)):
+            raise WeightsError(unsupported)
+        return tensor_id, index
+    # Padding: check every element, along axis k (id << bits) | index_k[i_k] where no axis is padding, else 0.
     dtype, rows = probes[0].dtype, probes[0].shape[0]
     shaped = lambda x, k: x.reshape([-1 if a == k else 1 for a in range(ndim)])  # noqa: E731
     valid = [shaped(mx.array(i > 0), k) for k, i in enumerate(index)]
@@ -271,8 +284,7 @@ def _decode(name, probes, bits):
             for v in valid[1:]:
                 ok = ok & v
             if not bool(mx.array_equal(cut(p), mx.where(ok, cut(value), mx.zeros((), dtype)))):
-                raise WeightsError(f"{name}: the model surgery rearranged a checkpoint tensor in a way sharded "
-                                   "loading cannot read by parts (not a block of indices along each axis)")
+                raise WeightsError(unsupported)
     return tensor_id, index
 
 

@@ -364,8 +364,9 @@ def _load_with(surgery, name="tiny-a"):
 
 
 def test_load_kept_follows_any_slicing_surgery():
-    """A pipeline-like surgery (layers dropped, the rest renumbered) and one that reverses rows and
-    takes every other column: each parameter is read by parts and equals the whole load's."""
+    """A pipeline-like surgery (layers dropped, the rest renumbered), rows reversed, every other
+    column, an embedding's last 8 rows padded with zeros to 16: each parameter is read by parts and
+    equals the whole load's."""
     import mlx.core as mx
 
     def surgery(model):
@@ -374,6 +375,7 @@ def test_load_kept_follows_any_slicing_surgery():
         mlp = lm.layers[0].mlp
         mlp.gate_proj.weight = mlp.gate_proj.weight[::-1]
         mlp.up_proj.weight = mlp.up_proj.weight[:, ::2]
+        distributed._take_rows(lm.embed_tokens, 440, 448, 16)  # the last rank of an uneven split: zero rows
         model.visual.blocks = []
 
     new, old = _load_with(surgery)
