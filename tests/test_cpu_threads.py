@@ -134,12 +134,26 @@ class FakeLibrary:
 
 
 def test_pool_calls_the_libraries_only_on_change():
-    pool = threads.BlasPool()
     a, b = FakeLibrary(), FakeLibrary()
-    pool.libraries, pool.current = [a, b], None
+    pool = threads.BlasPool(find=lambda: [a, b])
     for n in (2, 2, 1, 1, 1, 2):
         pool.set(n)
     assert a.calls == b.calls == [2, 1, 2]
+
+
+def test_pool_sets_a_library_loaded_after_it():
+    """As scipy's own OpenBLAS, imported after the first forward: it gets the next count, and
+    `configure` sets every library at once even when the count is the one last set."""
+    a, b, loaded = FakeLibrary(), FakeLibrary(), []
+    pool = threads.BlasPool(find=lambda: list(loaded))
+    loaded.append(a)
+    pool.set(1)
+    loaded.append(b)
+    pool.set(1)
+    assert a.calls == [1] and b.calls == []
+    pool.set(2)
+    pool.set(2, force=True)
+    assert a.calls == [1, 2, 2] and b.calls == [2, 2]
 
 
 def test_environment_fixes_the_count_and_a_bad_value_fails_the_load(monkeypatch):

@@ -103,23 +103,37 @@ class Policy:
         return self.count
 
 
+def blas_libraries():
+    """threadpoolctl's controllers of the BLAS libraries loaded now (None without threadpoolctl)."""
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:
+        return None
+    return [c for c in ThreadpoolController().lib_controllers if c.user_api == "blas"]
+
+
 class BlasPool:
     """Sets the thread count of every BLAS library loaded in the process (numpy's OpenBLAS, the MKL
-    of cpu/blas.py) through threadpoolctl, only when it changes."""
+    of cpu/blas.py, and any loaded later: scipy brings its own OpenBLAS) through threadpoolctl, only
+    when it changes. The libraries are looked up again at each change (~2 ms, at most once per
+    Policy interval), so one loaded after the first forward is not left at its default count."""
 
-    def __init__(self):
-        try:
-            from threadpoolctl import ThreadpoolController
-        except ImportError:
-            self.libraries, self.note = [], "threadpoolctl not installed: BLAS threads as loaded"
-        else:
-            self.libraries = [c for c in ThreadpoolController().lib_controllers if c.user_api == "blas"]
-            self.note = "set in " + (", ".join(f"{c.internal_api} ({os.path.basename(c.filepath)})" for c in self.libraries)
-                                     or "no BLAS found")
-        self.current = None
+    def __init__(self, find=blas_libraries):
+        self.find, self.current = find, None
+        self.libraries = find()
 
-    def set(self, n: int):
-        if n != self.current and self.libraries:
+    @property
+    def note(self) -> str:
+        if self.libraries is None:
+            return "threadpoolctl not installed: BLAS threads as loaded"
+        return "set in " + (", ".join(f"{c.internal_api} ({os.path.basename(c.filepath)})" for c in self.libraries)
+                            or "no BLAS found")
+
+    def set(self, n: int, force=False):
+        """`force`: set it even if it is the count last set (a library may have been changed or
+        loaded since)."""
+        if (n != self.current or force) and self.libraries is not None:
+            self.libraries = self.find()
             for lib in self.libraries:
                 lib.set_num_threads(n)
         self.current = n
@@ -153,7 +167,7 @@ def configure(value, name="blas_threads"):
     if _policy is None:
         _policy = Policy(fixed=fixed)
     _policy.fixed = fixed
-    apply()
+    blas_pool().set(_policy.threads(), force=True)  # at once, even where the count is the one last set
 
 
 def apply() -> int:

@@ -3,6 +3,7 @@
 import argparse
 import os
 import sys
+import traceback
 
 GB = 1 << 30
 
@@ -92,20 +93,42 @@ def main(argv=None):
         **engine_kwargs)
     print(f"[mlx_qwen3vl] serving {args.model} on http://{args.host}:{args.port}/v1{where}", file=sys.stderr,
           flush=True)
-    try:
-        if group is not None:
-            # Stopped on request (Ctrl-C, SIGTERM) is a success: uvicorn re-raises the signal after
-            # its graceful shutdown, and a rank dying of it would make mlx.launch report a failure
-            # and kill the other ranks while they end on their own.
-            def stopped(sig, frame):
-                raise SystemExit(0)
+    if group is None:
+        try:
+            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        finally:
+            engine.close()
+        return 0
 
-            signal.signal(signal.SIGINT, stopped)
-            signal.signal(signal.SIGTERM, stopped)
+    # Stopped on request (Ctrl-C, SIGTERM) is a success: uvicorn re-raises the signal after its
+    # graceful shutdown, and a rank dying of it would make mlx.launch report a failure and kill the
+    # other ranks while they end on their own.
+    def stopped(sig, frame):
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGINT, stopped)
+    signal.signal(signal.SIGTERM, stopped)
+    status = 1
+    try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        status = 0
+    except SystemExit as e:  # the signal above (0), or uvicorn's own exit (1: the port was taken)
+        status = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
     finally:
-        engine.close()  # on several ranks this tells the others to stop too (even if the port was taken)
-    return 0
+        engine.close()  # tells the other ranks to stop (even if the port was taken) and joins the model thread
+    _leave(status)
+
+
+def _leave(status):
+    """End a rank of several at once, once its model thread has ended (no collective is then in
+    flight): the interpreter's own teardown destroys MLX's distributed runtime with its threads
+    still joinable on some runs ("terminate called without an active exception", status -6),
+    and can wait on ranks that are leaving too."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _follow(model, processor, group, engine_kwargs):
@@ -126,8 +149,7 @@ def _follow(model, processor, group, engine_kwargs):
     engine.join()
     print(f"[mlx_qwen3vl] rank {group.rank()} of {group.size()}: rank 0 stopped serving; exiting", file=sys.stderr,
           flush=True)
-    sys.stdout.flush()
-    os._exit(0)  # at once: the distributed runtime's teardown can wait on rank 0, which is leaving too
+    _leave(0)
 
 
 if __name__ == "__main__":
