@@ -72,8 +72,19 @@ def is_sharded(model) -> bool:
 # ---------------------------------------------------------------------------------------------
 # Collectives for host data
 # ---------------------------------------------------------------------------------------------
+def _drain():
+    """Finish what other streams still have queued before a host collective: a decode step queued
+    ahead by the token loop (async_eval) holds collectives too, and collectives queued on two streams
+    can pair up in a different order on each rank (seen once: a broadcast size read from logits)."""
+    gen = sys.modules.get("mlx_lm.generate")
+    if gen is not None:
+        mx.synchronize(gen.generation_stream)
+    mx.synchronize()
+
+
 def _broadcast_bytes(data: Optional[bytes], group) -> bytes:
     """Rank 0's bytes on every rank (all_sum with zeros elsewhere: exact for any byte value)."""
+    _drain()
     rank0 = group.rank() == 0
     size = mx.distributed.all_sum(mx.array([len(data) if rank0 else 0], dtype=mx.int64), group=group, stream=mx.cpu)
     n = int(size.item())
@@ -82,6 +93,7 @@ def _broadcast_bytes(data: Optional[bytes], group) -> bytes:
 
 
 def _broadcast_int(value: int, group) -> int:
+    _drain()
     mine = value if group.rank() == 0 else 0
     return int(mx.distributed.all_sum(mx.array([mine], dtype=mx.int64), group=group, stream=mx.cpu).item())
 
