@@ -101,6 +101,22 @@ def main():
     out["seeded"] = M.generate(model, processor, "Tell me a story.", max_tokens=12, temperature=1.0,
                                seed=7).token_ids
 
+    # Stopping early leaves a decode step queued ahead, holding collectives: a host broadcast or a
+    # direct model call right after must still pair with the other ranks' (once, it did not).
+    from mlx_qwen3vl.generate import encode_prompt
+
+    early = []
+    for i in range(10):
+        for k, _ in enumerate(M.stream_generate(model, processor, "Tell me a story.", max_tokens=20, temperature=1.0)):
+            if k == 1:
+                break
+        early.append(distributed._broadcast_int(100 + i if rank == 0 else -1, group))
+    for k, _ in enumerate(M.stream_generate(model, processor, "Tell me a story.", max_tokens=20)):
+        if k == 1:
+            break
+    out["early_stops"] = early
+    out["direct_logits"] = np.array(model(**encode_prompt(processor, "Hello"))[0, -1]).tolist()
+
     try:  # a bad image on rank 0 must raise the same clear error everywhere, not hang the others
         M.generate(model, processor, "hi", images=[str(media / "missing.png") if rank == 0 else "x.png"],
                    max_tokens=2)

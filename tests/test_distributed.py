@@ -118,6 +118,25 @@ def test_sampling_agrees_across_ranks(sharded_run, single):
     assert ranks[0]["seeded"] == ranks[1]["seeded"] == single(checkpoint)["seeded"]
 
 
+def check_early_stops(checkpoint, ranks):
+    """After a stream stopped early (a decode step still queued, holding collectives), rank 0's
+    broadcasts arrive intact and a direct model call gives one process's logits on every rank."""
+    for out in ranks:
+        assert out["early_stops"] == list(range(100, 110))
+    from mlx_qwen3vl.generate import encode_prompt
+
+    model = load_fixture_model(checkpoint, backend="mlx")
+    processor = M.Processor.from_pretrained(FIXTURES / checkpoint)
+    expected = np.array(model(**encode_prompt(processor, "Hello"))[0, -1])
+    for out in ranks:
+        got = np.array(out["direct_logits"])
+        assert np.abs(got - expected).max() <= 1e-4 * np.abs(expected).max()
+
+
+def test_stopping_early_leaves_the_ranks_in_step(sharded_run):
+    check_early_stops(*sharded_run)
+
+
 def test_bad_image_on_rank0_is_one_clear_error_on_every_rank(sharded_run):
     _, ranks = sharded_run
     assert "missing.png" in ranks[0]["bad_image"] and "check the path" in ranks[0]["bad_image"]

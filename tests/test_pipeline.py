@@ -19,7 +19,7 @@ from distributed_worker import case_messages
 from mlx_qwen3vl import distributed
 from mlx_qwen3vl.errors import ConfigError
 from mlx_qwen3vl.pipeline import balanced_bounds, check_pipelinable, pipeline
-from test_distributed import IMAGE, ROOT, FakeGroup, launch, pytestmark, single  # noqa: F401 (fixture, mark)
+from test_distributed import IMAGE, ROOT, FakeGroup, check_early_stops, launch, pytestmark, single  # noqa: F401 (fixture, mark)
 
 # The balanced split of each fixture over 2 ranks (test_split_is_the_most_even asserts it is).
 BOUNDS = {"tiny-a": [0, 2, 3], "tiny-b": [0, 2, 4], "tiny-moe": [0, 2, 4]}
@@ -137,6 +137,11 @@ def test_sampling_and_errors_agree_across_ranks(piped, single):
     assert ranks[0]["seeded"] == ranks[1]["seeded"] == single(checkpoint)["seeded"]
     assert "missing.png" in ranks[0]["bad_image"]
     assert ranks[1]["bad_image"] == ranks[0]["bad_image"] + " (reported by rank 0)"
+
+
+def test_stopping_early_leaves_the_ranks_in_step(piped):
+    checkpoint, ranks, _ = piped
+    check_early_stops(checkpoint, ranks)
 
 
 @pytest.mark.parametrize("checkpoint", ["tiny-a", "tiny-moe"])

@@ -261,14 +261,21 @@ def generate_step(model, inputs, cache, *, sampler, max_tokens=256, start=0, pre
             mx.async_eval(*step)
         return step
 
-    for n in range(max_tokens):
-        last = n + 1 == max_tokens
-        ahead = None if eager or last else advance(y)
-        yield y, logprobs
-        if not last:
-            y, logprobs = advance(y) if ahead is None else ahead
-        if n % 256 == 255:
-            mx.clear_cache()
+    try:
+        for n in range(max_tokens):
+            last = n + 1 == max_tokens
+            ahead = None if eager or last else advance(y)
+            yield y, logprobs
+            if not last:
+                y, logprobs = advance(y) if ahead is None else ahead
+            if n % 256 == 255:
+                mx.clear_cache()
+    finally:
+        if getattr(model, "group", None) is not None:
+            # A caller that stops early (EOS, stop string, break) leaves a step queued ahead, and on a
+            # sharded model that step holds collectives: finish it here, so whatever the caller runs
+            # next (on any stream) pairs its collectives with the other ranks' in the same order.
+            mx.synchronize(stream)
 
 
 def generate_tokens(model, inputs, cache, **kwargs) -> Iterator[mx.array]:

@@ -58,6 +58,8 @@ def digest(*parts) -> int:
 
 
 def _all_sum(values: np.ndarray, group) -> np.ndarray:
+    # No model collective is in flight here: every engine step ends with mx.eval of its sampled tokens,
+    # which every collective of the step feeds (the token loop's queued-ahead step is not used here).
     return np.array(mx.distributed.all_sum(mx.array(values), group=group, stream=mx.cpu))
 
 
