@@ -1,7 +1,7 @@
 """One Qwen3-VL across several processes or machines, on MLX's own distributed runtime.
 
-    mlx.launch -n 2 --backend ring python -m mlx_qwen3vl --model ... --image shot.png
-    mlx.launch --hostfile hosts.json --backend ring python -m mlx_qwen3vl --model ...
+    mlx.launch -n 2 --backend ring -- python -m mlx_qwen3vl --model ... --image shot.png
+    mlx.launch --hostfile hosts.json --backend ring -- python -m mlx_qwen3vl --model ...
 
 `load` calls `load_sharded` when the process belongs to a group of more than one rank
 (`mx.distributed.init()`, set up by `mlx.launch`), so the CLI, `generate`, `stream_generate`,
@@ -441,8 +441,9 @@ def local_launch_command(n: int, command) -> list:
                     s.bind(("127.0.0.1", port + k))
         except OSError:
             continue
+        # "--": everything after it is the program's own (mlx.launch would take --verbose, -p, --env...)
         return ["mlx.launch", "-n", str(n), "--backend", "ring", "--hosts", "127.0.0.1",
-                "--starting-port", str(port), *command]
+                "--starting-port", str(port), "--", *command]
     raise RuntimeError(f"no {n} consecutive free ports on 127.0.0.1")
 
 

@@ -1,6 +1,6 @@
 """Pipeline parallel: the decoder's layers split across ranks, each rank one stage.
 
-    mlx.launch -n 2 --backend ring python -m mlx_qwen3vl --parallel pipeline --model ...
+    mlx.launch -n 2 --backend ring -- python -m mlx_qwen3vl --parallel pipeline --model ...
     model, processor = mlx_qwen3vl.load(path, parallel="pipeline")      # under mlx.launch
 
 `pipeline(model, group)` is module surgery on a loaded, still lazy model (applied where tensor

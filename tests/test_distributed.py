@@ -152,11 +152,14 @@ def test_vision_sharded_by_heads_gives_the_same_answers(sharded_run, single):
 def test_cli_under_mlx_launch_prints_once():
     image = str(FIXTURES / "media" / "img_123x77.png")
     p = launch("-m", "mlx_qwen3vl.generate", "--model", str(FIXTURES / "tiny-a"), "--image", image,
-               "--prompt", "Describe the image.", "--max-tokens", "16")
+               "--prompt", "Describe the image.", "--max-tokens", "16", "--verbose")
     processor = M.Processor.from_pretrained(FIXTURES / "tiny-a")
     answer = processor.tokenizer.decode(reference("tiny-a", "image")["greedy"][0].tolist())
     assert p.stdout.strip("\n") == answer.strip("\n"), p.stderr
     assert p.stderr.count("Generation: 16 tokens") == 1 and "WARN" not in p.stderr
+    # --verbose reaches the program (the launch puts "--" before it) and only rank 0 prints
+    assert p.stderr.count("tensor parallel over 2 ranks (this is rank 0;") == 1, p.stderr
+    assert "this is rank 1" not in p.stderr
 
 
 def test_cli_error_under_mlx_launch_is_one_line_from_rank0():

@@ -1,4 +1,4 @@
-"""The engine on several ranks (`mlx.launch -n N python -m mlx_qwen3vl.server`): a replicated
+"""The engine on several ranks (`mlx.launch -n N -- python -m mlx_qwen3vl.server`): a replicated
 state machine. Rank 0 serves HTTP; before each engine iteration it broadcasts the iteration's
 inputs (the requests it admits, with their token ids, pixel arrays, sampling settings and a seed
 drawn here; the rows whose clients went away; or the order to stop), and every rank then runs the
