@@ -3,6 +3,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import mlx_qwen3vl  # noqa: F401  (first: it loads the optimized BLAS before any test module imports mlx.core)
+
 FIXTURES = Path(__file__).parent / "fixtures"
 CHECKPOINTS = ["tiny-a", "tiny-b"]
 CASES = ["text", "image", "two_images", "video", "batch"]

@@ -47,11 +47,11 @@ def main():
     p.add_argument("--logits", action="store_true", help="also write the image case's logits to OUT/rank<r>.npy")
     args = p.parse_args()
 
+    import mlx_qwen3vl as M  # before mlx.core: it loads the optimized BLAS MLX's matmuls then use
+    from mlx_qwen3vl import distributed
+
     import mlx.core as mx
     from mlx.utils import tree_flatten
-
-    import mlx_qwen3vl as M
-    from mlx_qwen3vl import distributed
 
     group = mx.distributed.init()
     rank = group.rank()

@@ -28,11 +28,12 @@ def main():
     p.add_argument("runs", nargs="+", help="FIXTURE:VISION")
     args = p.parse_args()
 
+    from mlx_qwen3vl import distributed, slices  # before mlx.core: it loads the optimized BLAS
+
     import mlx.core as mx
     import numpy as np
     from mlx.utils import tree_flatten
 
-    from mlx_qwen3vl import distributed, slices
     from mlx_qwen3vl.weights import build_model
 
     group = mx.distributed.init()

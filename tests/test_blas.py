@@ -101,3 +101,19 @@ def test_default_loads_an_optimized_blas_that_serves_mlx():
 @pytest.mark.skipif(LINUX, reason="macOS: MLX uses Accelerate")
 def test_nothing_is_loaded_elsewhere():
     assert "nothing to load" in blas.describe()
+
+
+@pytest.mark.skipif(not LINUX, reason="the loader only acts on Linux")
+def test_mlx_imported_first_is_one_warning_with_the_fix():
+    """Too late to load a BLAS once mlx.core is loaded (its cblas calls resolve to the reference
+    one): the user is told once, with the fix; the right order, or the loader off, stays silent."""
+    def stderr(code, **env):
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "MLX_QWEN3VL_BLAS": "", **env})
+        assert p.returncode == 0, p.stderr
+        return p.stderr
+
+    late = stderr("import mlx.core, mlx_qwen3vl, mlx_qwen3vl.cpu.blas as b; print(b.describe())")
+    assert late.count("RuntimeWarning") == 1 and "import mlx_qwen3vl first" in late, late
+    assert "import mlx_qwen3vl first" not in stderr("import mlx_qwen3vl, mlx.core")
+    assert "RuntimeWarning" not in stderr("import mlx.core, mlx_qwen3vl", MLX_QWEN3VL_BLAS="off")

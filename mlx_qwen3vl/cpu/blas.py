@@ -46,6 +46,7 @@ def load():
         return None
     if "mlx.core" in sys.modules:
         _state["note"] = "reference BLAS (mlx.core was imported before mlx_qwen3vl)"
+        _warn_late()
         return None
     for path in _candidates():
         if "mkl" in os.path.basename(path):
@@ -61,6 +62,19 @@ def load():
         return path
     _state["note"] = 'reference BLAS (install the `cpu` extra: pip install "mlx-qwen3vl[cpu]")'
     return None
+
+
+def _warn_late():
+    """Too late to load a BLAS: libmlx's cblas calls already resolve to the wheel's reference BLAS,
+    which loaded first. Say so once where it costs (MLX computing on the CPU): 20x slower matmuls."""
+    import warnings
+
+    mx = sys.modules["mlx.core"]
+    if mx.default_device() != mx.cpu:
+        return
+    warnings.warn("mlx.core was imported before mlx_qwen3vl, so MLX's own matmuls run on its wheel's reference "
+                  "BLAS (about 20x slower on the CPU): import mlx_qwen3vl first (MLX_QWEN3VL_BLAS=off silences "
+                  "this)", RuntimeWarning, stacklevel=2)
 
 
 def describe() -> str:
