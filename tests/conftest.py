@@ -86,12 +86,15 @@ def backend(request, monkeypatch, on_cpu):
     return request.param
 
 
-def write_fixture_video(folder):
+def write_fixture_video(folder, reverse=False):
     """The fixture clip (8 fps, cropped to even sizes for the encoder) as a lossless FFV1 file in
-    `folder` → (its frames, its path). Skips the test without PyAV."""
+    `folder` → (its frames, its path). Skips the test without PyAV. `reverse`: the frames in
+    reverse order (a different clip of the same size), as clip-reversed.mkv."""
     av = pytest.importorskip("av")
     frames = np.load(FIXTURES / "media" / "video_16x72x100.npy")[:, :64, :96]
-    path = Path(folder) / "clip.mkv"
+    if reverse:
+        frames = frames[::-1]
+    path = Path(folder) / ("clip-reversed.mkv" if reverse else "clip.mkv")
     with av.open(str(path), "w") as container:
         stream = container.add_stream("ffv1", rate=8)
         stream.width, stream.height, stream.pix_fmt = 96, 64, "bgr0"

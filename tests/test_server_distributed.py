@@ -1,11 +1,16 @@
 """The server under `mlx.launch -n 2 --backend ring` on 127.0.0.1: rank 0 serves HTTP, both ranks
 run the model split in two. Answers (real `openai` client) are compared token for token with
 generate() in one process (which test_server.py shows the one-process server equals): greedy
-text and image, streamed, a concurrent batch, a seeded sampled request, and a request after a
-client went away mid-stream. Every launch is bounded (START_TIMEOUT / END_TIMEOUT) and killed by
-its own process group if it overstays.
+text and image, streamed, a concurrent batch, a seeded sampled request, a request after a
+client went away mid-stream, videos and file:// media read on rank 0 only, and tool calls (against
+the one-process engine, grammar included). Tensor parallel on tiny-a and tiny-moe; pipeline
+(`--parallel pipeline`) on tiny-a (uneven stages: 2 layers and 1), tiny-b (DeepStack tap 2 on
+the second stage) and tiny-moe, with a conversation that must reuse its prefix on every rank.
+Every launch is bounded (START_TIMEOUT / END_TIMEOUT) and killed by its own process group if it
+overstays.
 """
 
+import base64
 import dataclasses
 import json
 import os
@@ -21,15 +26,16 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import numpy as np
 import pytest
+from PIL import Image
 
 import mlx_qwen3vl as M
-from conftest import FIXTURES, load_fixture_model
+from conftest import FIXTURES, load_fixture_model, write_fixture_video
 from mlx_qwen3vl import distributed
 from mlx_qwen3vl.server import replica
 from mlx_qwen3vl.server.__main__ import BLAS_ENV
 from mlx_qwen3vl.server.engine import Prepared
 from mlx_qwen3vl.server.protocol import SamplingParams
-from test_server import KEY, SEEDED, _check_seeded, _free_port, png_bytes, user
+from test_server import KEY, MEDIA, SEEDED, TOOLS, _check_seeded, _free_port, data_url, png_bytes, user
 
 openai = pytest.importorskip("openai")
 
@@ -53,8 +59,8 @@ class Launch:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **dict.fromkeys(BLAS_ENV, "1")}
         self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, start_new_session=True)
-        self.log = []
-        self.drained = threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True)
+        self.log, self.logged = [], threading.Condition()
+        self.drained = threading.Thread(target=self._drain, daemon=True)
         self.drained.start()
         deadline = time.monotonic() + START_TIMEOUT
         while not self._healthy():
@@ -78,15 +84,32 @@ class Launch:
         except OSError:
             return False
 
+    def _drain(self):
+        for line in self.proc.stderr:
+            with self.logged:
+                self.log.append(line)
+                self.logged.notify_all()
+        with self.logged:
+            self.log.append("")  # the launch ended: wake any waiter
+            self.logged.notify_all()
+
     def text(self):
         return "".join(self.log)
 
+    def wait_for(self, *patterns, timeout=30):
+        """The first match of each regex in the ranks' output, waiting up to `timeout` seconds for
+        them (mlx.launch may relay a rank's lines after rank 0 already answers /health)."""
+        with self.logged:
+            self.logged.wait_for(lambda: all(re.search(p, self.text()) for p in patterns)
+                                 or self.proc.poll() is not None, timeout=timeout)
+        found = [re.search(p, self.text()) for p in patterns]
+        assert all(found), self.text()
+        return found
+
     def pids(self):
         """{rank: pid} from the ranks' start lines."""
-        text = self.text()
-        found = {0: re.search(r"rank 0 of 2, pid (\d+)", text), 1: re.search(r"rank 1 of 2 \(pid (\d+)\)", text)}
-        assert all(found.values()), text
-        return {r: int(m.group(1)) for r, m in found.items()}
+        found = self.wait_for(r"rank 0 of 2, pid (\d+)", r"rank 1 of 2 \(pid (\d+)\)")
+        return {r: int(m.group(1)) for r, m in enumerate(found)}
 
     def client(self):
         return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=KEY, max_retries=0, timeout=120)
@@ -138,10 +161,13 @@ def generate(local, checkpoint, messages, max_tokens, **kw):
 
 
 @pytest.fixture(scope="module")
-def dense():
+def dense(tmp_path_factory):
     if shutil.which("mlx.launch") is None:
         pytest.skip("mlx.launch is not on PATH")
-    launch = Launch("tiny-a", "--max-batch", "4")
+    videos = tmp_path_factory.mktemp("videos")
+    launch = Launch("tiny-a", "--max-batch", "4", "--allowed-local-media-path", str(MEDIA),
+                    "--allowed-local-media-path", str(videos))
+    launch.videos = videos
     yield launch
     launch.kill()
 
@@ -178,21 +204,25 @@ def test_only_rank0_listens_for_http(dense):
     assert listening_ports(pids[1]) <= dense.ring_ports  # the ring's own socket at most, never HTTP
 
 
-@needs_launch
-def test_text_image_and_stream_equal_one_process(dense, local):
-    client = dense.client()
+def _text_image_and_stream(launch, local, checkpoint):
+    client = launch.client()
     for messages in (TEXT_MESSAGES, IMAGE_MESSAGES, [user("Same, no subtype.", png_bytes("img_90x260.png"),
                                                           subtype=False)]):
-        want = generate(local, "tiny-a", messages, 12)
+        want = generate(local, checkpoint, messages, 12)
         r = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0,
                                            logprobs=True)
         assert r.choices[0].message.content == want.text
-        assert [t.token for t in r.choices[0].logprobs.content] == [local("tiny-a")[1].tokenizer.decode([t])
+        assert [t.token for t in r.choices[0].logprobs.content] == [local(checkpoint)[1].tokenizer.decode([t])
                                                                     for t in want.token_ids]
         assert r.usage.completion_tokens == len(want.token_ids) and r.usage.prompt_tokens == want.prompt_tokens
     pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model="m", messages=IMAGE_MESSAGES, max_tokens=12, temperature=0, stream=True) if c.choices]
-    assert "".join(pieces) == generate(local, "tiny-a", IMAGE_MESSAGES, 12).text
+    assert "".join(pieces) == generate(local, checkpoint, IMAGE_MESSAGES, 12).text
+
+
+@needs_launch
+def test_text_image_and_stream_equal_one_process(dense, local):
+    _text_image_and_stream(dense, local, "tiny-a")
 
 
 def _concurrent(launch, local, checkpoint, n=6):
@@ -274,6 +304,117 @@ def test_json_schema_and_a_bad_request_keep_ranks_in_step(dense, local):
     assert r.choices[0].message.content == generate(local, "tiny-a", IMAGE_MESSAGES, 12).text
 
 
+def _media_message(kind, source, text):
+    """A user message, text first: a request differing only in its text then reuses no cached KV
+    past the text, so its media come from the vision-feature cache."""
+    return [{"role": "user", "content": [{"type": "text", "text": text}, {"type": kind, kind: source}]}]
+
+
+@needs_launch
+def test_videos_and_file_urls_equal_one_process(dense, local):
+    """Videos (decoded into frames on rank 0, their pixels sent) and file:// images and videos
+    (read on rank 0 only): two same-size clips, then two same-size images, in turn, then the first
+    of each again under another question (a vision-feature cache hit on every rank), each equal to
+    one process's answer. A rank reusing the other clip's or image's features would change it."""
+    model, processor = local("tiny-a")
+    _, clip = write_fixture_video(dense.videos)
+    _, reversed_clip = write_fixture_video(dense.videos, reverse=True)
+    image = (MEDIA / "img_300x200.png").read_bytes()
+    inverted = png_bytes(array=255 - np.asarray(Image.open(MEDIA / "img_300x200.png").convert("RGB")))
+    inline_clip = "data:video/x-matroska;base64," + base64.b64encode(clip.read_bytes()).decode()
+    asks = [("video", inline_clip, str(clip), "What happens?"),
+            ("video", reversed_clip.as_uri(), str(reversed_clip), "What happens?"),
+            ("video", clip.as_uri(), str(clip), "What happens next?"),
+            ("image", (MEDIA / "img_300x200.png").as_uri(), image, "Where is it?"),
+            ("image", data_url(inverted), inverted, "Where is it?"),
+            ("image", (MEDIA / "img_300x200.png").as_uri(), image, "Where is it now?")]
+    wants = [M.generate(model, processor, messages=_media_message(kind, source, text), max_tokens=8)
+             for kind, _, source, text in asks]
+    for same_size in (slice(0, 2), slice(3, 5)):  # the two clips', the two images' answers tell them apart
+        first, second = wants[same_size]
+        assert first.token_ids != second.token_ids
+    client = dense.client()
+    hits = dense.metrics()["vision_feature_cache"]["hits"]
+    for (kind, url, _, text), want in zip(asks, wants):
+        r = client.chat.completions.create(model="m", max_tokens=8, temperature=0, messages=[{"role": "user", "content": [
+            {"type": "text", "text": text}, {"type": f"{kind}_url", f"{kind}_url": {"url": url}}]}])
+        assert r.usage.prompt_tokens == want.prompt_tokens, (kind, url[:40])
+        assert r.choices[0].message.content == want.text, (kind, url[:40])
+    assert dense.metrics()["vision_feature_cache"]["hits"] >= hits + 2  # the repeats (and earlier requests' image)
+
+
+def one_process_server(local, checkpoint, body):
+    """The one-process server's answer to `body`: its request handling and engine (grammar, seed,
+    batching) in this process, without HTTP → (text, finish_reason)."""
+    import asyncio
+
+    from mlx_qwen3vl.server.engine import Engine
+    from mlx_qwen3vl.server.fetch import MediaPolicy
+    from mlx_qwen3vl.server.grammar import GrammarFactory
+    from mlx_qwen3vl.server.prompts import PromptBuilder
+    from mlx_qwen3vl.server.protocol import parse_chat_request
+
+    model, processor = local(checkpoint)
+    tok = processor.tokenizer
+    engine = Engine(model, processor)
+    loop = asyncio.new_event_loop()
+    try:
+        builder = PromptBuilder(engine, MediaPolicy(), GrammarFactory(tok, model.config.text_config.vocab_size,
+                                                                      tok.eos_token_id))
+        handle = engine.submit(builder.build(parse_chat_request(body)), loop)
+
+        async def answer():
+            text = ""
+            while True:
+                ev = await asyncio.wait_for(handle.queue.get(), 120)
+                assert ev["type"] != "error", ev
+                if ev["type"] == "done":
+                    return text, ev["finish_reason"]
+                text += ev["text"]
+
+        return loop.run_until_complete(answer())
+    finally:
+        engine.close()
+        loop.close()
+
+
+@needs_launch
+def test_tool_calls_equal_one_process_server(dense, local):
+    """Tools rendered by the template, and the forced call's grammar compiled again on rank 1:
+    a required call (greedy), a named call (seeded sampling, streamed) and tools left to the model,
+    each the one-process server's answer: same calls, arguments and content."""
+    from mlx_qwen3vl.server.tools import split_tool_calls
+
+    messages = [user("Press OK.", png_bytes("img_123x77.png"))]
+    client = dense.client()
+    asks = [dict(tool_choice="required", max_tokens=60, temperature=0),
+            dict(tool_choice={"type": "function", "function": {"name": "click"}}, max_tokens=60, temperature=0.8,
+                 seed=3, stream=True),
+            dict(max_tokens=30, temperature=0)]
+    for ask in asks:
+        text, finish = one_process_server(local, "tiny-a", dict(messages=messages, tools=TOOLS, **ask))
+        content, calls = split_tool_calls(text)
+        want = [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+        if "tool_choice" in ask:
+            assert want, text  # the grammar forced a call
+        r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, **ask)
+        if ask.get("stream"):
+            got, pieces = {}, []
+            for chunk in r:
+                for c in chunk.choices:
+                    pieces.append(c.delta.content or "")
+                    for tc in c.delta.tool_calls or []:
+                        name, args = got.get(tc.index, ("", ""))
+                        got[tc.index] = (name + (tc.function.name or ""), args + (tc.function.arguments or ""))
+            assert [got[i] for i in sorted(got)] == want
+            assert "".join(pieces).strip() == (content or "").strip()
+        else:
+            m = r.choices[0].message
+            assert [(c.function.name, c.function.arguments) for c in m.tool_calls or []] == want
+            assert m.content == content
+            assert r.choices[0].finish_reason == ("tool_calls" if calls else finish)
+
+
 @needs_launch
 def test_a_rank_that_dies_ends_the_launch(dense):
     """Last on this launch: rank 1 killed outright; mlx.launch then stops rank 0 (no hang)."""
@@ -300,6 +441,78 @@ def test_moe_server_on_two_ranks_and_clean_shutdown(local):
         assert "Traceback" not in launch.text(), launch.text()
     finally:
         launch.kill()
+
+
+# ------------------------------------------------------------------ pipeline: layers split over the ranks
+# A conversation (history resent, a new same-size screenshot each turn) whose turns reuse the
+# previous turn's prefix: on a pipeline every rank must make the same prefix-cache decision
+# (a rank reusing less would prefill more tokens than it receives hidden states for).
+SCREEN = np.asarray(Image.open(MEDIA / "img_300x200.png").convert("RGB").resize((96, 64)))
+TURN_TOKENS = 6
+
+
+def _conversation(local, checkpoint, turns=3):
+    """[(messages, one process's answer)] per turn: a new same-size screenshot each turn, the
+    history (with the earlier answers) resent."""
+    out, messages = [], []
+    for turn in range(turns):
+        messages = messages + [user(f"Step {turn}: click the button.",
+                                    png_bytes(array=np.roll(SCREEN, 29 * turn, axis=1)))]
+        want = generate(local, checkpoint, messages, TURN_TOKENS)
+        out.append((messages, want))
+        messages = messages + [{"role": "assistant", "content": want.text}]
+    return out
+
+
+def _tight_prefix_budget(local, checkpoint):
+    """--prefix-cache-gb that holds the second turn's cache counted as the whole model's per rank
+    (its KV bytes × layers / 2), but not counted as tiny-a's first stage's own bytes (2 of its 3
+    layers): a rank counting its own bytes would drop the entry there, keep it on the other rank,
+    and the third turn would reuse different prefixes on the two ranks."""
+    config = local(checkpoint)[0].config.text_config
+    want = _conversation(local, checkpoint, 2)[1][1]
+    cached = want.prompt_tokens + len(want.token_ids) - 1  # the last answer token is never fed
+    per_layer = cached * 2 * config.num_key_value_heads * config.head_dim * 4  # keys and values, float32
+    return repr(1.75 * per_layer / (1 << 30))
+
+
+@pytest.fixture(scope="module", params=["tiny-a", "tiny-b", "tiny-moe"])
+def piped(request, local):
+    """tiny-a: uneven stages (2 layers and 1, the tied table on both), with a prefix budget that
+    only a rank-independent count keeps the same on both; tiny-b: DeepStack tap 2 on the second
+    stage (the vision tower on both); tiny-moe: sparse and dense layers."""
+    if shutil.which("mlx.launch") is None:
+        pytest.skip("mlx.launch is not on PATH")
+    checkpoint = request.param
+    budget = ["--prefix-cache-gb", _tight_prefix_budget(local, checkpoint)] if checkpoint == "tiny-a" else []
+    launch = Launch(checkpoint, "--parallel", "pipeline", "--max-batch", "4", *budget)
+    launch.checkpoint = checkpoint
+    yield launch
+    launch.kill()
+
+
+@needs_launch
+def test_pipeline_server_equals_one_process(piped, local):
+    piped.wait_for(r"rank 0 of 2, pid \d+, pipeline parallel")
+    _text_image_and_stream(piped, local, piped.checkpoint)
+    _concurrent(piped, local, piped.checkpoint, n=4)
+
+
+@needs_launch
+def test_pipeline_conversation_reuses_its_prefix_on_every_rank(piped, local):
+    """Each turn equals a fresh one-process run of the whole conversation and reuses the previous
+    turn's prompt (counted on rank 0; the other rank's reuse is in the state digest that every
+    step compares: a rank reusing a different prefix stops the launch as "out of step")."""
+    client, previous = piped.client(), 0
+    for turn, (messages, want) in enumerate(_conversation(local, piped.checkpoint)):
+        r = client.chat.completions.create(model="m", messages=messages, max_tokens=TURN_TOKENS, temperature=0)
+        assert r.choices[0].message.content == want.text, turn
+        assert r.usage.prompt_tokens_details.cached_tokens >= previous, turn
+        previous = r.usage.prompt_tokens
+    # One more step after the last turn: the ranks compare their cache states once more.
+    r = client.chat.completions.create(model="m", messages=TEXT_MESSAGES, max_tokens=4, temperature=0)
+    assert r.choices[0].message.content == generate(local, piped.checkpoint, TEXT_MESSAGES, 4).text
+    assert "out of step" not in piped.text() and piped.proc.poll() is None, piped.text()
 
 
 # ------------------------------------------------------------------ the wire format, in process

@@ -32,6 +32,9 @@ def build_parser():
     p.add_argument("--vision-cache-gb", type=float, default=0.5, help="memory for cached vision features")
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
+    p.add_argument("--parallel", choices=["tensor", "pipeline"], default="tensor",
+                   help="under mlx.launch: split every layer over the ranks (tensor, default) or give each rank "
+                        "a range of layers (pipeline); ignored in one process")
     p.add_argument("--blas-threads", default="1", metavar="auto|N",
                    help="BLAS (MKL / OpenBLAS) threads; 1 by default: with the HTTP and model threads "
                         "beside it, spinning BLAS threads slowed decode up to 100x on a busy 2-core machine; "
@@ -67,7 +70,7 @@ def main(argv=None):
         from ..cpu import threads
 
         threads.configure(args.blas_threads, "--blas-threads")  # set at run time: no restart needed
-        model, processor = load(args.model, dtype=args.dtype)
+        model, processor = load(args.model, dtype=args.dtype, parallel=args.parallel)
     except Qwen3VLError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -84,7 +87,7 @@ def main(argv=None):
             return _follow(model, processor, group, engine_kwargs)
         processor = processor.local  # the HTTP side reads media here, for every rank
         engine_kwargs["replicas"] = Leader(group)
-        where = f" (rank 0 of {group.size()}, pid {os.getpid()})"
+        where = f" (rank 0 of {group.size()}, pid {os.getpid()}, {args.parallel} parallel)"
     policy = MediaPolicy(allow_http=not args.no_http_media, http_timeout_s=args.media_timeout,
                          max_media_bytes=args.max_media_bytes, allowed_local_paths=args.allowed_local_media_path)
     app, engine = build_server(

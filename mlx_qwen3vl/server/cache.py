@@ -46,12 +46,28 @@ def _extends(longer: _Entry, shorter_tokens, shorter_media) -> bool:
     return len(longer.tokens) >= n and longer.tokens[:n] == shorter_tokens and set(shorter_media) <= set(longer.media)
 
 
+def pipeline_scale(model):
+    """(num, den) that turns this rank's KV bytes into the same count on every rank (see PrefixCache).
+    A pipeline stage holds only its own layers' caches (all layers' are the same shape), so its
+    bytes × all layers / (its layers × ranks) is the whole model's per rank; (1, 1) otherwise:
+    one process, or tensor parallel (every rank holds the same share of every layer)."""
+    stage = getattr(model.language_model, "stage", None)
+    if stage is None:
+        return 1, 1
+    return stage.layers, (stage.end - stage.start) * stage.size
+
+
 class PrefixCache:
     """KV caches of finished requests (batch 1, trimmed to their key), least recently used first
-    out when over `max_bytes`. `lookup` returns the longest reusable prefix of a request."""
+    out when over `max_bytes`. `lookup` returns the longest reusable prefix of a request.
 
-    def __init__(self, max_bytes: int):
+    On several ranks every rank must keep and evict the same entries (a rank reusing a shorter
+    prefix would prefill more tokens and pair its collectives wrongly), so an entry counts its
+    bytes × `scale` (num, den): pipeline_scale(model), equal on every rank."""
+
+    def __init__(self, max_bytes: int, scale=(1, 1)):
         self.max_bytes = max_bytes
+        self.scale = scale
         self.entries: "OrderedDict[int, _Entry]" = OrderedDict()
         self.nbytes = 0
         self._next = 0
@@ -84,7 +100,8 @@ class PrefixCache:
         for eid in [eid for eid, e in self.entries.items() if _extends(new, e.tokens, e.media)]:
             self._drop(eid)  # entries this one extends are redundant
         mx.eval([(c.keys, c.values) for c in caches])
-        entry = _Entry(tokens, media, caches, _nbytes(caches))
+        num, den = self.scale
+        entry = _Entry(tokens, media, caches, _nbytes(caches) * num // den)
         if entry.nbytes > self.max_bytes:
             return
         self.entries[self._next] = entry

@@ -35,7 +35,7 @@ from ..sampling import Sampler
 from ..sampling import SamplingParams as LibrarySampling
 from ..model import VisualFeatures
 from ..positions import IMAGE, VIDEO
-from .cache import FeatureCache, PrefixCache
+from .cache import FeatureCache, PrefixCache, pipeline_scale
 from .protocol import APIError, SamplingParams
 from .replica import Plan, digest
 
@@ -120,7 +120,7 @@ class Engine:
         self.tokenizer_wrapper = TokenizerWrapper(processor.tokenizer)
         self.eos = eos_token_ids(model, processor)
         self.log_softmax = backend_of(model).log_softmax
-        self.prefix = PrefixCache(prefix_cache_bytes)
+        self.prefix = PrefixCache(prefix_cache_bytes, pipeline_scale(model))
         self.features = FeatureCache(feature_cache_bytes)
         self._pending: collections.deque = collections.deque()
         self._cv = threading.Condition()
@@ -278,7 +278,8 @@ class Engine:
         return digest(self._iteration, self.max_batch, self.prefill_step_size, self.prefix.max_bytes,
                       self.features.max_bytes, self.default_max_tokens, self.metrics["errors"],
                       [(r.id, len(r.tokens), r.tokens[-1]) for r in self._rows], self._pads,
-                      self._cache[0].offset if self._cache else 0)
+                      self._cache[0].offset if self._cache else 0,
+                      (list(self.prefix.entries), self.prefix.nbytes, self.prefix.reused_tokens))
 
     # ------------------------------------------------------------------ prefill
     def _features(self, kind, inputs, start):
