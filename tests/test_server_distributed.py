@@ -485,9 +485,12 @@ def piped(request, local):
         pytest.skip("mlx.launch is not on PATH")
     checkpoint = request.param
     budget = ["--prefix-cache-gb", _tight_prefix_budget(local, checkpoint)] if checkpoint == "tiny-a" else []
-    launch = Launch(checkpoint, "--parallel", "pipeline", "--max-batch", "4", *budget)
+    # Prompts prefilled in chunks of 32: the cache between chunks is evaluated, with each stage's send.
+    launch = Launch(checkpoint, "--parallel", "pipeline", "--max-batch", "4", "--prefill-step-size", "32", *budget)
     launch.checkpoint = checkpoint
     yield launch
+    if launch.proc.poll() is not None:  # ended under a test: its ranks' last words explain the failure
+        print(launch.text()[-4000:])
     launch.kill()
 
 
@@ -513,6 +516,28 @@ def test_pipeline_conversation_reuses_its_prefix_on_every_rank(piped, local):
     r = client.chat.completions.create(model="m", messages=TEXT_MESSAGES, max_tokens=4, temperature=0)
     assert r.choices[0].message.content == generate(local, piped.checkpoint, TEXT_MESSAGES, 4).text
     assert "out of step" not in piped.text() and piped.proc.poll() is None, piped.text()
+
+
+def test_parallel_flag_reaches_load_and_bad_choices_exit_2(monkeypatch, capsys):
+    from mlx_qwen3vl.cpu import threads
+    from mlx_qwen3vl.errors import ConfigError
+    from mlx_qwen3vl.server.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(FIXTURES / "tiny-a"), "--parallel", "rows"])
+    assert e.value.code == 2 and "--parallel: invalid choice: 'rows'" in capsys.readouterr().err
+    seen = []
+
+    def load(path, dtype=None, parallel="tensor"):
+        seen.append(parallel)
+        raise ConfigError("stopped after load's arguments")
+
+    monkeypatch.setattr(M, "load", load)
+    monkeypatch.setattr(threads, "configure", lambda *a: None)  # leave this process's BLAS threads alone
+    for argv, parallel in (([], "tensor"), (["--parallel", "pipeline"], "pipeline")):
+        assert main(["--model", str(FIXTURES / "tiny-a"), *argv]) == 2
+        assert seen[-1] == parallel
+    assert "error: stopped after load's arguments" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ the wire format, in process
