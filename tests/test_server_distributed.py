@@ -35,7 +35,8 @@ from mlx_qwen3vl.server import replica
 from mlx_qwen3vl.server.__main__ import BLAS_ENV
 from mlx_qwen3vl.server.engine import Prepared
 from mlx_qwen3vl.server.protocol import SamplingParams
-from test_server import KEY, MEDIA, SEEDED, TOOLS, _check_seeded, _free_port, data_url, png_bytes, user
+from test_server import (KEY, MEDIA, SEEDED, TOOLS, _check_seeded, _free_port, data_url, local_messages, png_bytes,
+                         user)
 
 openai = pytest.importorskip("openai")
 
@@ -516,6 +517,38 @@ def test_pipeline_conversation_reuses_its_prefix_on_every_rank(piped, local):
     r = client.chat.completions.create(model="m", messages=TEXT_MESSAGES, max_tokens=4, temperature=0)
     assert r.choices[0].message.content == generate(local, piped.checkpoint, TEXT_MESSAGES, 4).text
     assert "out of step" not in piped.text() and piped.proc.poll() is None, piped.text()
+
+
+def test_pipeline_stages_count_prefixes_alike_and_keep_no_placeholder_features(local):
+    """In process, each of tiny-a's two stages (2 layers and 1): the same prefix counts the same
+    bytes on both (so both keep and evict alike), and the stage without the vision tower, whose
+    features are placeholder zeros, keeps none of them (the first stage keeps the real ones)."""
+    from mlx_qwen3vl.pipeline import FeatureCounter, pipeline
+    from mlx_qwen3vl.positions import IMAGE
+    from mlx_qwen3vl.server.engine import Engine
+    from mlx_qwen3vl.weights import load_model
+    from test_distributed import FakeGroup
+
+    processor = local("tiny-a")[1]
+    inputs = processor(text=processor.apply_chat_template(local_messages(IMAGE_MESSAGES)),
+                       images=[png_bytes("img_123x77.png")])
+    counted, kept = [], []
+    for rank in (0, 1):
+        model = pipeline(load_model(FIXTURES / "tiny-a", backend="mlx"), FakeGroup(2, rank))
+        engine = Engine(model, processor)
+        try:
+            caches = model.make_cache()
+            for c in caches:
+                c.update_and_fetch(*[mx.zeros((1, 2, 10, 32))] * 2)
+            engine.prefix.insert(list(range(10)), [], caches)
+            counted.append((len(caches), engine.prefix.nbytes))
+            features = engine._features(IMAGE, inputs, 0)
+            assert features.embeds.shape[0] == int((np.asarray(inputs["input_ids"]) == model.config.image_token_id).sum())
+            kept.append((isinstance(model.visual, FeatureCounter), engine.features.stats()["entries"]))
+        finally:
+            engine.close()
+    assert counted[0][0] == 2 and counted[1][0] == 1 and counted[0][1] == counted[1][1] > 0
+    assert kept == [(False, 1), (True, 0)]
 
 
 def test_parallel_flag_reaches_load_and_bad_choices_exit_2(monkeypatch, capsys):

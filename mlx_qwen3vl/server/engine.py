@@ -34,6 +34,7 @@ from ..prompt_cache import media_hashes, media_spans
 from ..sampling import Sampler
 from ..sampling import SamplingParams as LibrarySampling
 from ..model import VisualFeatures
+from ..pipeline import FeatureCounter
 from ..positions import IMAGE, VIDEO
 from .cache import FeatureCache, PrefixCache, pipeline_scale
 from .protocol import APIError, SamplingParams
@@ -121,7 +122,9 @@ class Engine:
         self.eos = eos_token_ids(model, processor)
         self.log_softmax = backend_of(model).log_softmax
         self.prefix = PrefixCache(prefix_cache_bytes, pipeline_scale(model))
-        self.features = FeatureCache(feature_cache_bytes)
+        # A pipeline stage without the vision tower gets placeholder zeros for features: none are kept.
+        self.feature_cache_bytes = feature_cache_bytes
+        self.features = FeatureCache(0 if isinstance(model.visual, FeatureCounter) else feature_cache_bytes)
         self._pending: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._rows: List[_Row] = []
@@ -276,7 +279,7 @@ class Engine:
     def _state(self) -> int:
         """A digest of what every rank must agree on before the next iteration."""
         return digest(self._iteration, self.max_batch, self.prefill_step_size, self.prefix.max_bytes,
-                      self.features.max_bytes, self.default_max_tokens, self.metrics["errors"],
+                      self.feature_cache_bytes, self.default_max_tokens, self.metrics["errors"],
                       [(r.id, len(r.tokens), r.tokens[-1]) for r in self._rows], self._pads,
                       self._cache[0].offset if self._cache else 0,
                       (list(self.prefix.entries), self.prefix.nbytes, self.prefix.reused_tokens))
