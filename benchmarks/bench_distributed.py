@@ -7,7 +7,7 @@
 Configurations (`--configs`, comma separated): `1:cpu` (one process, the CPU fast path as `load`
 installs it), `1:mlx` (one process, the plain MLX graph: what the ranks run), `2:replicate` (two
 ranks, vision tower replicated), `2:heads` (two ranks, vision tower split by heads), `2:pipeline`
-(two ranks, the layers split: pipeline.py; no collective timing). Every rank is
+(two ranks, the layers split: pipeline.py). Every rank is
 one process on this machine, talking over 127.0.0.1. Each worker reports, per rank:
 
   load_s, load_peak_gb    loading time; MLX's peak allocation and the process's peak RSS after load
@@ -18,10 +18,10 @@ one process on this machine, talking over 127.0.0.1. Each worker reports, per ra
   decode_tps              greedy decode, EOS ignored, (N - 1) / (time of token N - time of token 1)
   peak_rss_gb             the process's peak resident set over everything it did
   comm                    measured on one decode step: the collectives it calls (counted by wrapping
-                          mx.distributed.all_sum / all_gather while the step's graph is built: number
-                          and bytes per rank), the step's time with them and with each replaced by a
-                          local stand-in of the same shape, and those collectives alone, chained as
-                          in the step, on this ring
+                          mx.distributed.all_sum / all_gather / send / recv_like while the step's
+                          graph is built: number and bytes per rank), the step's time with them and
+                          with each replaced by a local stand-in of the same shape, and those
+                          collectives alone, chained as in the step, on this ring
 
 Workloads are bench.py's (text256, image448, ...) and textN (a text prompt of N tokens);
 `--load-only` loads and reports memory and bytes read, nothing else.
@@ -32,6 +32,7 @@ one process and ~6 GB per rank: the driver refuses to start when less than --min
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -76,17 +77,20 @@ def _comm_measured(model, processor, group, steps=6):
     logits, positions = prefill(model, inputs, cache)
     y = mx.argmax(logits, axis=-1)
     mx.eval(y)
-    real = {name: getattr(mx.distributed, name) for name in ("all_sum", "all_gather")}
+    # send / recv_like: the pipeline's hand-off between stages (tensor parallel calls neither).
+    real = {name: getattr(mx.distributed, name) for name in ("all_sum", "all_gather", "send", "recv_like")}
     calls = []
 
     def recording(name):
         def call(x, *args, **kwargs):
-            calls.append((name, tuple(x.shape), x.dtype, x.nbytes))
+            calls.append((name, tuple(x.shape), x.dtype, x.nbytes, args))
             return real[name](x, *args, **kwargs)
         return call
 
-    local = {"all_sum": lambda x, **kw: x,
-             "all_gather": lambda x, **kw: mx.concatenate([x] * group.size())}
+    local = {"all_sum": lambda x, *a, **kw: x,
+             "all_gather": lambda x, *a, **kw: mx.concatenate([x] * group.size()),
+             "send": lambda x, *a, **kw: x,
+             "recv_like": lambda x, *a, **kw: mx.zeros_like(x)}
 
     def step_times(fns):
         nonlocal positions
@@ -111,14 +115,14 @@ def _comm_measured(model, processor, group, steps=6):
 
     def collectives():
         x = None
-        for name, shape, dtype, _ in per_step:
+        for name, shape, dtype, _, args in per_step:
             z = mx.zeros(shape, dtype) if x is None else mx.zeros(shape, dtype) + x.reshape(-1)[0].astype(dtype)
-            x = real[name](z, group=group)
+            x = real[name](z, *args, group=group)
         mx.eval(x)
 
     alone = repeat_times(collectives, 10)
     kinds = {}
-    for name, shape, dtype, nbytes in per_step:
+    for name, shape, dtype, nbytes, _ in per_step:
         k = kinds.setdefault(f"{name} {shape} {str(dtype).split('.')[-1]}", dict(count=0, bytes=0))
         k["count"] += 1
         k["bytes"] += nbytes
@@ -172,13 +176,20 @@ def vision_worker(spec):
 
 
 def worker(spec_path):
+    # mlx_qwen3vl before mlx.core: the package loads MKL for MLX's cblas calls only if it comes
+    # first (cpu/blas.py). The other order left every rank on netlib's reference BLAS (9 against
+    # 210 GFLOP/s for a 1024² float32 matmul here): 2B's 448² image on 2 ranks ran past 460 s.
+    import mlx_qwen3vl as M
+    from mlx_qwen3vl.cpu import blas
+
+    if blas.describe().startswith("reference"):
+        print(f"[bench-dist] warning: MLX runs on {blas.describe()}", file=sys.stderr, flush=True)
     spec = json.loads(Path(spec_path).read_text())
     if spec.get("vision_only"):
         return vision_worker(spec)
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    import mlx_qwen3vl as M
     from mlx_qwen3vl import distributed, slices
     from mlx_qwen3vl.generate import encode_prompt, generate_tokens
     from harness.workloads import WARMUP
@@ -199,7 +210,7 @@ def worker(spec_path):
                bytes_read_gb=(slices.read_stats()["bytes"] if group.size() > 1
                               else _file_tensor_bytes(spec["model"])) / 1e9,
                file_tensor_gb=_file_tensor_bytes(spec["model"]) / 1e9,
-               backend=getattr(model, "backend", None) and model.backend.name, results={})
+               backend=getattr(model, "backend", None) and model.backend.name, blas=blas.describe(), results={})
     sampler = lambda logprobs: mx.argmax(logprobs, axis=-1)
     for name in [] if spec.get("load_only") else [WARMUP] + spec["workloads"]:
         messages, kw = _messages(name, processor)
@@ -238,6 +249,20 @@ def _available_gb():
     return float("inf")
 
 
+def _run_group(cmd, env, timeout):
+    """Run `cmd` in its own process group; past `timeout`, kill the whole group (mlx.launch's ranks
+    too: killing only the launcher left workers running, which took the machine's 2 cores)."""
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        print(f"[bench-dist] timed out after {timeout} s; killed its process group", file=sys.stderr)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def run_config(config, model, args):
     ranks, mode = config.split(":")
     out = tempfile.mkdtemp(prefix="bench-dist-")
@@ -259,7 +284,7 @@ def run_config(config, model, args):
 
         cmd = local_launch_command(int(ranks), cmd)
     print(f"[bench-dist] {config}: {' '.join(cmd[:6])} ...", file=sys.stderr, flush=True)
-    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    p = _run_group(cmd, env, args.timeout)
     results = []
     for r in range(int(ranks)):
         f = Path(out, f"rank{r}.json")
