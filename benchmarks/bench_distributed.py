@@ -93,14 +93,17 @@ def _comm_measured(model, processor, group, steps=6):
              "recv_like": lambda x, *a, **kw: mx.zeros_like(x)}
 
     def step_times(fns):
-        nonlocal positions
+        nonlocal positions, y
         for name, fn in fns.items():
             setattr(mx.distributed, name, fn)
         try:
             times = []
             for _ in range(steps):
                 tic = time.perf_counter()
-                mx.eval(decode_step(model, y, cache, positions))
+                # Each step takes the last one's token, as decoding does: a pipeline's stages
+                # cannot then overlap one step with the next.
+                y = mx.argmax(decode_step(model, y, cache, positions), axis=-1)
+                mx.eval(y)
                 times.append(time.perf_counter() - tic)
                 positions = positions + 1
         finally:
@@ -222,6 +225,8 @@ def worker(spec_path):
             feats = model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
             mx.eval(feats.embeds, *feats.deepstack)
             vision_s = time.perf_counter() - tic
+        if group.size() > 1:  # start together: a rank without the vision tower skipped the timing above
+            mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))
         times = []
         tic = time.perf_counter()
         for y in generate_tokens(model, inputs, model.make_cache(), sampler=sampler, max_tokens=n_tokens):
@@ -278,8 +283,10 @@ def run_config(config, model, args):
         env["MLX_QWEN3VL_CPU_KERNELS"] = "mlx"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)]
     if int(ranks) > 1:
-        # Each rank gets one BLAS thread: the two ranks share this machine's cores.
-        env.update(MKL_NUM_THREADS="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+        # Tensor parallel: one BLAS thread per rank (the ranks compute at once on this machine's
+        # cores). A pipeline's stages run one after another, so --rank-threads 2 may suit it.
+        n = str(args.rank_threads)
+        env.update(MKL_NUM_THREADS=n, OMP_NUM_THREADS=n, OPENBLAS_NUM_THREADS=n)
         from mlx_qwen3vl.distributed import local_launch_command
 
         cmd = local_launch_command(int(ranks), cmd)
@@ -335,6 +342,7 @@ def main(argv=None):
                    help="time the vision tower alone, replicated and split by heads (random weights, no checkpoint read)")
     p.add_argument("--image-side", type=int, default=448, help="--vision-only: one square image of this side")
     p.add_argument("--reps", type=int, default=2, help="--vision-only: timed forwards per mode (the best is kept)")
+    p.add_argument("--rank-threads", type=int, default=1, help="BLAS threads per rank (several ranks)")
     p.add_argument("--load-only", action="store_true", help="load, report memory and bytes read, stop")
     args = p.parse_args(argv)
     if args.worker:
@@ -343,7 +351,7 @@ def main(argv=None):
 
     model = Path(args.model) if args.model else build_preset(args.preset)
     report = dict(model=str(model), preset=None if args.model else args.preset, runs={},
-                  decode_tokens=args.decode_tokens, machine=dict(cpus=os.cpu_count()))
+                  decode_tokens=args.decode_tokens, rank_threads=args.rank_threads, machine=dict(cpus=os.cpu_count()))
     for config in args.configs.split(","):
         if config not in CONFIGS:
             p.error(f"unknown config {config!r}; one of {', '.join(CONFIGS)}")
