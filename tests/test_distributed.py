@@ -183,23 +183,25 @@ def test_ranks_with_different_checkpoints_fail_clearly():
         assert "rank(s) [1] have a different checkpoint" in line and "copy the same folder" in line
 
 
-def _logits_script(path, out_dir):
-    """Each rank: all-position logits of an image prompt to rank<r>.npy, a greedy answer to rank<r>.json."""
+def _logits_script(path, out_dir, parallel="tensor"):
+    """Each rank: all-position logits of an image prompt to rank<r>.npy, a greedy answer to rank<r>.json,
+    how the model is split to rank<r>.txt."""
     return ("import mlx.core as mx, numpy as np, mlx_qwen3vl as M\n"
             "from mlx_qwen3vl.generate import encode_prompt\n"
-            f"model, processor = M.load({str(path)!r})\n"
+            f"model, processor = M.load({str(path)!r}, parallel={parallel!r})\n"
             f"inputs = encode_prompt(processor, 'Describe the image.', images=[{IMAGE!r}])\n"
             "r = mx.distributed.init().rank()\n"
             f"np.save({str(out_dir)!r} + f'/rank{{r}}.npy', np.array(model(**inputs)))\n"
+            f"open({str(out_dir)!r} + f'/rank{{r}}.txt', 'w').write(model.backend.describe())\n"
             f"ids = M.generate(model, processor, 'Describe the image.', images=[{IMAGE!r}], max_tokens=12).token_ids\n"
             f"open({str(out_dir)!r} + f'/rank{{r}}.json', 'w').write(str(ids))\n")
 
 
-def _sharded_logits_equal_one_process(path, tmp_path):
-    """Launch _logits_script on 2 ranks; its logits agree bitwise across ranks and match one
-    process's within 1e-4 (sums split over ranks round differently, as the CPU path does against
+def _sharded_logits_equal_one_process(path, tmp_path, parallel="tensor"):
+    """Launch _logits_script on 2 ranks (split as `parallel` says); its logits agree bitwise across
+    ranks and match one process's within 1e-4 (sums split over ranks round differently, as the CPU path does against
     MLX here: ~1e-5). Returns one process's (model, processor) and the ranks' greedy answers."""
-    p = launch("-c", _logits_script(path, tmp_path))
+    p = launch("-c", _logits_script(path, tmp_path, parallel))
     assert all((tmp_path / f"rank{r}.npy").is_file() for r in range(2)), p.stdout + p.stderr
     got = [np.load(tmp_path / f"rank{r}.npy") for r in range(2)]
     np.testing.assert_array_equal(got[0], got[1])

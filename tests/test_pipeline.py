@@ -19,7 +19,8 @@ from distributed_worker import case_messages
 from mlx_qwen3vl import distributed
 from mlx_qwen3vl.errors import ConfigError
 from mlx_qwen3vl.pipeline import balanced_bounds, check_pipelinable, pipeline
-from test_distributed import IMAGE, ROOT, FakeGroup, check_early_stops, launch, pytestmark, single  # noqa: F401 (fixture, mark)
+from test_distributed import (IMAGE, ROOT, FakeGroup, _sharded_logits_equal_one_process, check_early_stops,  # noqa: F401
+                              launch, pytestmark, single)  # (fixture, mark)
 
 # The balanced split of each fixture over 2 ranks (test_split_is_the_most_even asserts it is).
 BOUNDS = {"tiny-a": [0, 2, 3], "tiny-b": [0, 2, 4], "tiny-moe": [0, 2, 4]}
@@ -142,6 +143,17 @@ def test_sampling_and_errors_agree_across_ranks(piped, single):
 def test_stopping_early_leaves_the_ranks_in_step(piped):
     checkpoint, ranks, _ = piped
     check_early_stops(checkpoint, ranks)
+
+
+def test_quantized_checkpoint_logits_and_greedy_equal_one_process(tmp_path):
+    """mlx-vlm's mixed 3/6-bit folder as a pipeline: its 6-bit tied table is kept by both stages
+    (the lookup on the first, `as_linear` on the last), 3- and 6-bit layers stay whole on theirs."""
+    model, processor, answers = _sharded_logits_equal_one_process(FIXTURES / "mlxvlm-mixed_3_6", tmp_path,
+                                                                  "pipeline")
+    for r in range(2):
+        assert f"pipeline over 2 ranks (this is rank {r}: decoder layers" in (tmp_path / f"rank{r}.txt").read_text()
+    ids = M.generate(model, processor, "Describe the image.", images=[IMAGE], max_tokens=12).token_ids
+    assert answers == [str(ids)] * 2
 
 
 @pytest.mark.parametrize("checkpoint", ["tiny-a", "tiny-moe"])
