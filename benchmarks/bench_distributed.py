@@ -17,7 +17,8 @@ one process on this machine, talking over 127.0.0.1. Each worker reports, per ra
   ttft_s, vision_s        ready inputs → first token; the vision tower alone (timed apart)
   decode_tps              greedy decode, EOS ignored, (N - 1) / (time of token N - time of token 1)
   peak_rss_gb             the process's peak resident set over everything it did
-  comm                    measured on one decode step: the collectives it calls (counted by wrapping
+  comm                    measured on one decode step, and on a 64-token text prefill (comm.prefill):
+                          the collectives it calls (counted by wrapping
                           mx.distributed.all_sum / all_gather / send / recv_like while the step's
                           graph is built: number and bytes per rank), the step's time with them and
                           with each replaced by a local stand-in of the same shape, and those
@@ -64,19 +65,14 @@ def _file_tensor_bytes(path):
     return sum(v.size * v.stored_itemsize for f in files for v in open_views(f).values())
 
 
-def _comm_measured(model, processor, group, steps=6):
-    """One decode step's collectives, measured: which ones it calls (and their bytes), the step's
-    time with them and with local stand-ins, and the collectives alone (chained, as in the step)."""
+def _collectives_measured(step, group, steps):
+    """The collectives `step()` calls (and their bytes), its time with them and with local stand-ins
+    of the same shapes, and those collectives alone, chained as in the step (median of `steps` - 1
+    after a warm one)."""
     import mlx.core as mx
 
     from harness.measure import repeat_times
-    from mlx_qwen3vl.generate import decode_step, encode_prompt, prefill
 
-    inputs = encode_prompt(processor, "Hello, how are you today?")
-    cache = model.make_cache()
-    logits, positions = prefill(model, inputs, cache)
-    y = mx.argmax(logits, axis=-1)
-    mx.eval(y)
     # send / recv_like: the pipeline's hand-off between stages (tensor parallel calls neither).
     real = {name: getattr(mx.distributed, name) for name in ("all_sum", "all_gather", "send", "recv_like")}
     calls = []
@@ -93,19 +89,14 @@ def _comm_measured(model, processor, group, steps=6):
              "recv_like": lambda x, *a, **kw: mx.zeros_like(x)}
 
     def step_times(fns):
-        nonlocal positions, y
         for name, fn in fns.items():
             setattr(mx.distributed, name, fn)
         try:
             times = []
             for _ in range(steps):
                 tic = time.perf_counter()
-                # Each step takes the last one's token, as decoding does: a pipeline's stages
-                # cannot then overlap one step with the next.
-                y = mx.argmax(decode_step(model, y, cache, positions), axis=-1)
-                mx.eval(y)
+                step()
                 times.append(time.perf_counter() - tic)
-                positions = positions + 1
         finally:
             for name, fn in real.items():
                 setattr(mx.distributed, name, fn)
@@ -129,10 +120,40 @@ def _comm_measured(model, processor, group, steps=6):
         k = kinds.setdefault(f"{name} {shape} {str(dtype).split('.')[-1]}", dict(count=0, bytes=0))
         k["count"] += 1
         k["bytes"] += nbytes
-    return dict(collectives_per_token=len(per_step), bytes_per_token=sum(c[3] for c in per_step), kinds=kinds,
+    return dict(collectives=len(per_step), bytes=sum(c[3] for c in per_step), kinds=kinds,
                 step_ms=1e3 * float(np.median(with_comm)), step_without_ms=1e3 * float(np.median(without)),
                 alone_ms=1e3 * float(np.median(alone)), alone_min_ms=1e3 * float(np.min(alone)),
                 step_all_ms=[1e3 * t for t in with_comm], step_without_all_ms=[1e3 * t for t in without])
+
+
+def _comm_measured(model, processor, group, prompt_tokens=64, steps=6):
+    """Communication measured (_collectives_measured) on one decode step, and on the prefill of a
+    text prompt of `prompt_tokens` (what bounds TTFT)."""
+    import mlx.core as mx
+
+    from mlx_qwen3vl.generate import decode_step, encode_prompt, prefill
+
+    inputs = encode_prompt(processor, messages=_messages(f"text{prompt_tokens}", processor)[0])
+    cache = model.make_cache()
+    logits, positions = prefill(model, inputs, cache)
+    state = dict(y=mx.argmax(logits, axis=-1), positions=positions)
+    mx.eval(state["y"])
+
+    def decode():
+        # Each step takes the last one's token, as decoding does: a pipeline's stages cannot then
+        # overlap one step with the next.
+        state["y"] = mx.argmax(decode_step(model, state["y"], cache, state["positions"]), axis=-1)
+        mx.eval(state["y"])
+        state["positions"] = state["positions"] + 1
+
+    def prompt():
+        mx.eval(prefill(model, inputs, model.make_cache())[0])
+
+    per_token = _collectives_measured(decode, group, steps)
+    out = dict(per_token, collectives_per_token=per_token.pop("collectives"),
+               bytes_per_token=per_token.pop("bytes"))
+    out["prefill"] = dict(_collectives_measured(prompt, group, 4), prompt_tokens=prompt_tokens)
+    return out
 
 
 def _messages(name, processor):
@@ -319,12 +340,15 @@ def print_table(report):
                       f"{w['vision_s']:.2f} | {w['decode_tps']:.2f} |")
     comm = [(c, r) for c, ranks in report["runs"].items() for r in ranks if "comm" in r]
     if comm:
-        print("\n| config | rank | collectives/token | KB/token | step ms | step without ms | alone ms (min) |")
-        print("|---|---|---|---|---|---|---|")
+        print("\n| config | rank | step | collectives | KB | step ms | step without ms | alone ms (min) |")
+        print("|---|---|---|---|---|---|---|---|")
         for config, r in comm:
-            m = r["comm"]
-            print(f"| {config} | {r['rank']} | {m['collectives_per_token']} | {m['bytes_per_token'] / 1e3:.0f} | "
-                  f"{m['step_ms']:.1f} | {m['step_without_ms']:.1f} | {m['alone_ms']:.1f} ({m['alone_min_ms']:.1f}) |")
+            m, p = r["comm"], r["comm"].get("prefill")
+            rows = [("decode 1 token", m["collectives_per_token"], m["bytes_per_token"], m)]
+            rows += [(f"prefill {p['prompt_tokens']} tokens", p["collectives"], p["bytes"], p)] if p else []
+            for what, n, nbytes, t in rows:
+                print(f"| {config} | {r['rank']} | {what} | {n} | {nbytes / 1e3:.0f} | {t['step_ms']:.1f} | "
+                      f"{t['step_without_ms']:.1f} | {t['alone_ms']:.1f} ({t['alone_min_ms']:.1f}) |")
 
 
 def main(argv=None):
