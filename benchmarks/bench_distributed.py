@@ -374,7 +374,8 @@ def main(argv=None):
     from harness.presets import build_preset
 
     model = Path(args.model) if args.model else build_preset(args.preset)
-    report = dict(model=str(model), preset=None if args.model else args.preset, runs={},
+    report = dict(argv=sys.argv[1:] if argv is None else list(argv), model=str(model),
+                  preset=None if args.model else args.preset, runs={},
                   decode_tokens=args.decode_tokens, rank_threads=args.rank_threads, machine=dict(cpus=os.cpu_count()))
     for config in args.configs.split(","):
         if config not in CONFIGS:
