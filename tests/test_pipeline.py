@@ -19,8 +19,8 @@ from distributed_worker import case_messages
 from mlx_qwen3vl import distributed
 from mlx_qwen3vl.errors import ConfigError
 from mlx_qwen3vl.pipeline import balanced_bounds, check_pipelinable, pipeline
-from test_distributed import (IMAGE, ROOT, FakeGroup, _sharded_logits_equal_one_process, check_early_stops,  # noqa: F401
-                              launch, pytestmark, single)  # (fixture, mark)
+from test_distributed import IMAGE, ROOT, FakeGroup, check_early_stops, launch, pytestmark, single  # noqa: F401 (fixture, mark)
+from test_distributed import _sharded_logits_equal_one_process
 
 # The balanced split of each fixture over 2 ranks (test_split_is_the_most_even asserts it is).
 BOUNDS = {"tiny-a": [0, 2, 3], "tiny-b": [0, 2, 4], "tiny-moe": [0, 2, 4]}
