@@ -152,6 +152,22 @@ def check_same_checkpoint(path, group):
         )
 
 
+def ranks_on_this_machine(group) -> int:
+    """How many ranks of `group` (this one included) run on this machine, by host name."""
+    import socket
+
+    mine = np.frombuffer(hashlib.sha256(socket.gethostname().encode()).digest()[:8], dtype=np.uint8)
+    rows = np.array(mx.distributed.all_gather(mx.array(mine)[None], group=group, stream=mx.cpu))
+    return int(sum(np.array_equal(row, mine) for row in rows))
+
+
+def share_this_machine(group):
+    """Ranks on one machine share its cores: each one's automatic BLAS thread count is its share."""
+    from .cpu import threads
+
+    threads.share_cores(ranks_on_this_machine(group))
+
+
 # ---------------------------------------------------------------------------------------------
 # Sharding
 # ---------------------------------------------------------------------------------------------
@@ -357,6 +373,7 @@ def sharded_load(path, group, dtype=None, vision: str = VISION_DEFAULT, backend=
         raise ConfigError(f"backend {backend!r} cannot run a model split over {group.size()} ranks: "
                           "sharded models run the plain MLX graph (backend='mlx' or None)")
     check_same_checkpoint(path, group)
+    share_this_machine(group)
     config = ModelConfig.from_pretrained(Path(path))
     if parallel == "pipeline":
         check_pipelinable(config, group.size())

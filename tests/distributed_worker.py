@@ -59,6 +59,13 @@ def main():
     out = {"rank": rank, "size": group.size(), "sharded": distributed.is_sharded(model),
            "backend": model.backend.name, "describe": model.backend.describe(),
            "parameters": {k: v.size for k, v in tree_flatten(model.parameters())}}
+    from threadpoolctl import threadpool_info
+
+    from mlx_qwen3vl.cpu import threads
+
+    out["blas_threads"] = {"cores": threads.cores(), "chosen": threads.blas_pool().current,
+                           "libraries": sorted({i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}),
+                           "mkl_elsewhere": threads.mkl_threads_elsewhere()}
 
     def run_cases(model, processor):
         cases = {}

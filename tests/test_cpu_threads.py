@@ -2,6 +2,7 @@
 and re-reading interval, the readings from /proc, the override (environment, CLI, API) and that
 the count reaches the loaded libraries. No timings here: they are in benchmarks/cpu_threads.py."""
 
+import os
 import sys
 
 import pytest
@@ -191,6 +192,21 @@ def test_count_reaches_numpy_blas(on_cpu):
     threads.policy().fixed = 2  # changed behind the pool's back: the next matmul applies it
     kernels.matmul_t(np.ones((1, 8), np.float32), np.ones((4, 8), np.float32))
     assert set(counts().values()) == {2}
+
+
+@pytest.mark.skipif(threads.cores() < 2, reason="needs 2 cores to tell 1 thread from all")
+def test_count_reaches_mkl_in_other_threads():
+    """threadpoolctl sets MKL's count for the calling thread only; MLX calls MKL from its own
+    threads, so the count must be MKL's global one too (it was not: the plain graph kept every core)."""
+    if threads.mkl_threads_elsewhere() is None:
+        pytest.skip("MKL is not loaded (no `cpu` extra)")
+    try:
+        threads.configure(1)
+        assert threads.mkl_threads_elsewhere() == 1
+        threads.configure(2)
+        assert threads.mkl_threads_elsewhere() == 2
+    finally:
+        threads.configure("auto")
 
 
 def test_verbose_backend_names_the_thread_count(monkeypatch, on_cpu):

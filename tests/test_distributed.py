@@ -18,6 +18,7 @@ import pytest
 
 import mlx_qwen3vl as M
 from conftest import FIXTURES, load_fixture_model, reference
+from mlx_qwen3vl.server.__main__ import BLAS_ENV
 from distributed_worker import CASES, case_messages
 from mlx_qwen3vl import distributed
 from mlx_qwen3vl.config import ModelConfig
@@ -32,7 +33,9 @@ pytestmark = pytest.mark.skipif(shutil.which("mlx.launch") is None, reason="mlx.
 def launch(*command, input=None):
     """Run `command` on 2 ranks over loopback; mlx.launch itself always exits 0, so callers check output."""
     args = distributed.local_launch_command(2, [sys.executable, *command])
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    # No BLAS thread settings: the ranks split this machine's cores themselves (share_this_machine).
+    env = {k: v for k, v in os.environ.items() if k not in (*BLAS_ENV, "MLX_QWEN3VL_BLAS_THREADS")}
+    env.update(PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
     return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env, input=input,
                           timeout=LAUNCH_TIMEOUT)
 
@@ -135,6 +138,16 @@ def check_early_stops(checkpoint, ranks):
 
 def test_stopping_early_leaves_the_ranks_in_step(sharded_run):
     check_early_stops(*sharded_run)
+
+
+def test_ranks_on_one_machine_split_its_cores(sharded_run):
+    """Two ranks here: each one's BLAS libraries (MKL serving MLX's matmuls, numpy's OpenBLAS) use
+    half the cores, not all of them (a waiting rank spins on its core)."""
+    _, ranks = sharded_run
+    for out in ranks:
+        share = max(1, out["blas_threads"]["cores"] // 2)
+        assert out["blas_threads"]["chosen"] == share and out["blas_threads"]["libraries"] == [share], out["blas_threads"]
+        assert out["blas_threads"]["mkl_elsewhere"] in (share, None)  # what MLX's own threads use
 
 
 def test_bad_image_on_rank0_is_one_clear_error_on_every_rank(sharded_run):

@@ -136,7 +136,28 @@ class BlasPool:
             self.libraries = self.find()
             for lib in self.libraries:
                 lib.set_num_threads(n)
+                if getattr(lib, "internal_api", None) == "mkl":
+                    # threadpoolctl sets MKL's count for the calling thread only, and MLX calls MKL
+                    # from its own stream threads: the global count is the one they read.
+                    lib.dynlib.MKL_Set_Num_Threads(n)
         self.current = n
+
+
+def mkl_threads_elsewhere() -> "int | None":
+    """MKL's thread count as a thread that never set its own reads it: what MLX's stream threads use
+    for the plain graph's matmuls (None without MKL)."""
+    import ctypes
+    import threading
+
+    from . import blas
+
+    if "mkl" not in os.path.basename(blas.describe()):
+        return None
+    mkl, seen = ctypes.CDLL(blas.describe()), []
+    reader = threading.Thread(target=lambda: seen.append(mkl.MKL_Get_Max_Threads()))
+    reader.start()
+    reader.join()
+    return seen[0]
 
 
 _pool = None
@@ -168,6 +189,18 @@ def configure(value, name="blas_threads"):
         _policy = Policy(fixed=fixed)
     _policy.fixed = fixed
     blas_pool().set(_policy.threads(), force=True)  # at once, even where the count is the one last set
+
+
+def share_cores(k: int) -> int:
+    """`k` processes of one job run on this machine (ranks of mlx.launch): the automatic count uses
+    this process's share of the cores, set at once (a rank waiting in a collective spins on its core,
+    so ranks that oversubscribe the cores slow each other down). A fixed count is kept as it is."""
+    p = policy()
+    p.ncores = max(1, cores() // max(1, k))
+    if not p.fixed:
+        p.count = min(p.count, p.ncores)
+    blas_pool().set(p.threads(), force=True)
+    return p.threads()
 
 
 def apply() -> int:
