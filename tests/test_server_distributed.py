@@ -247,62 +247,78 @@ def test_concurrent_requests_batch_and_equal_one_process(dense, local):
     _concurrent(dense, local, "tiny-a")
 
 
-@needs_launch
-def test_seeded_sampling_equals_generate(dense, local):
+def _seeded(launch, local, checkpoint):
+    """A seeded sampled request (the seed sent with the plan): generate(seed=...)'s tokens."""
     messages = [user("Pick a word at random.", png_bytes("img_123x77.png"))]
-    want = generate(local, "tiny-a", messages, **SEEDED)
-    assert want.token_ids != generate(local, "tiny-a", messages, SEEDED["max_tokens"]).token_ids
-    pieces = [local("tiny-a")[1].tokenizer.decode([t]) for t in want.token_ids]
-    r = dense.client().chat.completions.create(model="m", messages=messages, logprobs=True, **SEEDED)
+    want = generate(local, checkpoint, messages, **SEEDED)
+    assert want.token_ids != generate(local, checkpoint, messages, SEEDED["max_tokens"]).token_ids
+    pieces = [local(checkpoint)[1].tokenizer.decode([t]) for t in want.token_ids]
+    r = launch.client().chat.completions.create(model="m", messages=messages, logprobs=True, **SEEDED)
     _check_seeded(r, want, pieces)
 
 
 @needs_launch
-def test_client_gone_mid_stream_keeps_ranks_in_step(dense, local):
+def test_seeded_sampling_equals_generate(dense, local):
+    _seeded(dense, local, "tiny-a")
+
+
+def _client_gone(launch, local, checkpoint):
     """An unseeded sampled stream (its seed drawn on rank 0 and sent) is dropped after a few
     tokens while a greedy request decodes beside it; both ranks drop its row at the same step,
     so the greedy answer and the next request are still one process's."""
-    cancelled = dense.metrics().get("cancelled", 0)
+    cancelled = launch.metrics().get("cancelled", 0)
     greedy = [user("Tell me a long story." + " please" * 3, png_bytes("img_300x200.png"))]
-    want = generate(local, "tiny-a", greedy, 40)
-    stream = dense.client().chat.completions.create(model="m", messages=[user("Ramble on.")], max_tokens=1000,
-                                                    temperature=1.0, stream=True)
+    want = generate(local, checkpoint, greedy, 40)
+    stream = launch.client().chat.completions.create(model="m", messages=[user("Ramble on.")], max_tokens=1000,
+                                                     temperature=1.0, stream=True)
     with ThreadPoolExecutor(1) as pool:
         got = 0
         for chunk in stream:
             got += bool(chunk.choices and chunk.choices[0].delta.content)
             if got == 1:
-                future = pool.submit(lambda: dense.client().chat.completions.create(
+                future = pool.submit(lambda: launch.client().chat.completions.create(
                     model="m", messages=greedy, max_tokens=40, temperature=0).choices[0].message.content)
             if got == 4:
                 break
         stream.close()
         assert future.result() == want.text
     after = [user("And now?", png_bytes("img_123x77.png"))]
-    r = dense.client().chat.completions.create(model="m", messages=after, max_tokens=12, temperature=0)
-    assert r.choices[0].message.content == generate(local, "tiny-a", after, 12).text
-    assert dense.metrics()["cancelled"] > cancelled
+    r = launch.client().chat.completions.create(model="m", messages=after, max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == generate(local, checkpoint, after, 12).text
+    assert launch.metrics()["cancelled"] > cancelled
+
+
+@needs_launch
+def test_client_gone_mid_stream_keeps_ranks_in_step(dense, local):
+    _client_gone(dense, local, "tiny-a")
+
+
+def _json_schema(launch, local, checkpoint):
+    """The grammar is compiled again on rank 1 from its description: its masks must be rank 0's
+    (a different token on either rank would stop both with "out of step"), so the seeded answer
+    is the one-process server's, parses, and repeats exactly; a refused request changes nothing
+    on either rank."""
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+              "required": ["color", "ok"], "additionalProperties": False}
+    ask = dict(messages=[user("Which color?")], max_tokens=40, temperature=1.0, seed=1,
+               response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    want, finish = one_process_server(local, checkpoint, ask)
+    client = launch.client()
+    first = client.chat.completions.create(model="m", **ask).choices[0]
+    assert (first.message.content, first.finish_reason) == (want, finish)
+    value = json.loads(want)
+    assert value["color"] in ("red", "green", "blue") and isinstance(value["ok"], bool)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", **{**ask, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}})
+    assert client.chat.completions.create(model="m", **ask).choices[0].message.content == want
+    r = client.chat.completions.create(model="m", messages=IMAGE_MESSAGES, max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == generate(local, checkpoint, IMAGE_MESSAGES, 12).text
 
 
 @needs_launch
 def test_json_schema_and_a_bad_request_keep_ranks_in_step(dense, local):
-    """The grammar is compiled again on rank 1 from its description: its masks must be rank 0's
-    (a different token on either rank would stop both with "out of step"), so the seeded answer
-    parses and repeats exactly; a refused request changes nothing on either rank."""
-    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
-              "required": ["color", "ok"], "additionalProperties": False}
-    ask = dict(model="m", messages=[user("Which color?")], max_tokens=40, temperature=1.0, seed=1,
-               response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
-    client = dense.client()
-    first = client.chat.completions.create(**ask).choices[0].message.content
-    value = json.loads(first)
-    assert value["color"] in ("red", "green", "blue") and isinstance(value["ok"], bool)
-    with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(**{**ask, "response_format": {"type": "json_schema", "json_schema": {
-            "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}})
-    assert client.chat.completions.create(**ask).choices[0].message.content == first
-    r = client.chat.completions.create(model="m", messages=IMAGE_MESSAGES, max_tokens=12, temperature=0)
-    assert r.choices[0].message.content == generate(local, "tiny-a", IMAGE_MESSAGES, 12).text
+    _json_schema(dense, local, "tiny-a")
 
 
 def _media_message(kind, source, text):
@@ -379,21 +395,20 @@ def one_process_server(local, checkpoint, body):
         loop.close()
 
 
-@needs_launch
-def test_tool_calls_equal_one_process_server(dense, local):
+def _tool_calls(launch, local, checkpoint):
     """Tools rendered by the template, and the forced call's grammar compiled again on rank 1:
     a required call (greedy), a named call (seeded sampling, streamed) and tools left to the model,
     each the one-process server's answer: same calls, arguments and content."""
     from mlx_qwen3vl.server.tools import split_tool_calls
 
     messages = [user("Press OK.", png_bytes("img_123x77.png"))]
-    client = dense.client()
+    client = launch.client()
     asks = [dict(tool_choice="required", max_tokens=60, temperature=0),
             dict(tool_choice={"type": "function", "function": {"name": "click"}}, max_tokens=60, temperature=0.8,
                  seed=3, stream=True),
             dict(max_tokens=30, temperature=0)]
     for ask in asks:
-        text, finish = one_process_server(local, "tiny-a", dict(messages=messages, tools=TOOLS, **ask))
+        text, finish = one_process_server(local, checkpoint, dict(messages=messages, tools=TOOLS, **ask))
         content, calls = split_tool_calls(text)
         want = [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
         if "tool_choice" in ask:
@@ -414,6 +429,11 @@ def test_tool_calls_equal_one_process_server(dense, local):
             assert [(c.function.name, c.function.arguments) for c in m.tool_calls or []] == want
             assert m.content == content
             assert r.choices[0].finish_reason == ("tool_calls" if calls else finish)
+
+
+@needs_launch
+def test_tool_calls_equal_one_process_server(dense, local):
+    _tool_calls(dense, local, "tiny-a")
 
 
 @needs_launch
@@ -518,6 +538,43 @@ def test_pipeline_conversation_reuses_its_prefix_on_every_rank(piped, local):
     assert r.choices[0].message.content == generate(local, piped.checkpoint, TEXT_MESSAGES, 4).text
     assert "out of step" not in piped.text() and piped.proc.poll() is None, piped.text()
 
+
+
+@needs_launch
+def test_pipeline_seeded_sampling_equals_generate(piped, local):
+    _seeded(piped, local, piped.checkpoint)
+
+
+@needs_launch
+def test_pipeline_client_gone_mid_stream_keeps_ranks_in_step(piped, local):
+    _client_gone(piped, local, piped.checkpoint)
+
+
+@needs_launch
+def test_pipeline_json_schema_and_a_bad_request_keep_ranks_in_step(piped, local):
+    _json_schema(piped, local, piped.checkpoint)
+
+
+@needs_launch
+def test_pipeline_tool_calls_equal_one_process_server(piped, local):
+    _tool_calls(piped, local, piped.checkpoint)
+
+
+@needs_launch
+def test_pipeline_stops_cleanly_on_a_signal_to_every_rank(piped):
+    """Last on each pipeline launch: SIGINT (Ctrl-C, which a terminal sends to every process of
+    the job) or SIGTERM (a service manager's stop) to every rank. Rank 0 shuts HTTP down and tells
+    the other rank, which waits for that: every rank ends with status 0 (mlx.launch would name any
+    other), no traceback. (The launcher itself is left out: on Ctrl-C mlx.launch prints its own
+    KeyboardInterrupt and stops relaying the ranks' output.)"""
+    sig = signal.SIGINT if piped.checkpoint == "tiny-b" else signal.SIGTERM
+    for pid in piped.pids().values():
+        os.kill(pid, sig)
+    assert piped.wait_end(), piped.text()
+    assert piped.proc.returncode == 0, piped.text()
+    assert "rank 1 of 2: rank 0 stopped serving; exiting" in piped.text(), piped.text()
+    assert "Node with rank" not in piped.text(), piped.text()  # no rank exited with another status
+    assert "Traceback" not in piped.text() and "[ring]" not in piped.text(), piped.text()
 
 def test_pipeline_stages_count_prefixes_alike_and_keep_no_placeholder_features(local):
     """In process, each of tiny-a's two stages (2 layers and 1): the same prefix counts the same

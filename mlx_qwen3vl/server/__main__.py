@@ -142,8 +142,10 @@ def _follow(model, processor, group, engine_kwargs):
     from .grammar import GrammarFactory
     from .replica import Follower
 
-    # Ctrl-C reaches every rank: this one ends when rank 0, shutting down, says so.
+    # Ctrl-C (and a service manager's SIGTERM) reaches every rank: this one ends when rank 0, shutting
+    # down, says so; ending at once would leave rank 0's last messages nobody to go to.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     tok = processor.tokenizer
     grammars = GrammarFactory(tok, model.config.text_config.vocab_size, tok.eos_token_id)
     engine = Engine(model, processor, replicas=Follower(group, grammars), **engine_kwargs)
