@@ -5,7 +5,8 @@ text and image, streamed, a concurrent batch, a seeded sampled request, a reques
 client went away mid-stream, videos and file:// media read on rank 0 only, and tool calls (against
 the one-process engine, grammar included). Tensor parallel on tiny-a and tiny-moe; pipeline
 (`--parallel pipeline`) on tiny-a (uneven stages: 2 layers and 1), tiny-b (DeepStack tap 2 on
-the second stage) and tiny-moe, with a conversation that must reuse its prefix on every rank.
+the second stage) and tiny-moe: the same requests (the tensor tests' helpers), a conversation that
+must reuse its prefix on every rank, and last a stop by SIGINT / SIGTERM to every rank.
 Every launch is bounded (START_TIMEOUT / END_TIMEOUT) and killed by its own process group if it
 overstays.
 """
