@@ -542,23 +542,12 @@ def test_pipeline_conversation_reuses_its_prefix_on_every_rank(piped, local):
 
 
 @needs_launch
-def test_pipeline_seeded_sampling_equals_generate(piped, local):
-    _seeded(piped, local, piped.checkpoint)
-
-
-@needs_launch
-def test_pipeline_client_gone_mid_stream_keeps_ranks_in_step(piped, local):
-    _client_gone(piped, local, piped.checkpoint)
-
-
-@needs_launch
-def test_pipeline_json_schema_and_a_bad_request_keep_ranks_in_step(piped, local):
-    _json_schema(piped, local, piped.checkpoint)
-
-
-@needs_launch
-def test_pipeline_tool_calls_equal_one_process_server(piped, local):
-    _tool_calls(piped, local, piped.checkpoint)
+@pytest.mark.parametrize("ask", [_seeded, _client_gone, _json_schema, _tool_calls],
+                         ids=["seeded", "client_gone", "json_schema", "tool_calls"])
+def test_pipeline_requests_equal_one_process(piped, local, ask):
+    """The tensor tests' requests (see each helper): seeded sampling, a client gone mid-stream,
+    a json_schema with a refused one beside it, tool calls."""
+    ask(piped, local, piped.checkpoint)
 
 
 @needs_launch
