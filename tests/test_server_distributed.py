@@ -582,7 +582,7 @@ def test_pipeline_rank0_lost_ends_the_launch(piped):
     os.kill(piped.pids()[0], signal.SIGKILL)
     assert piped.wait_end(), piped.text()
     assert "Node with rank 0 exited with code -9" in piped.text(), piped.text()
-    assert "rank 1 of 2: the model worker failed" in piped.text(), piped.text()
+    assert "rank 1 of 2: the model worker failed (RankLost: rank(s) [0] sent nothing" in piped.text(), piped.text()
 
 
 def test_pipeline_stages_count_prefixes_alike_and_keep_no_placeholder_features(local):
@@ -696,6 +696,9 @@ def test_ranks_out_of_step_stop_with_a_clear_error(monkeypatch):
     assert leader.exchange(plan, 11) is plan
     sums["digest"] = 12
     with pytest.raises(replica.OutOfStep, match=r"rank\(s\) \[1\] are out of step"):
+        leader.exchange(plan, 11)
+    sums["digest"] = 0  # rank 1's part never arrived
+    with pytest.raises(replica.RankLost, match=r"rank\(s\) \[1\] sent nothing"):
         leader.exchange(plan, 11)
 
 

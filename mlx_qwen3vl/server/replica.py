@@ -30,6 +30,10 @@ class OutOfStep(RuntimeError):
     """The ranks' engine states differ: continuing would pair mismatched collectives."""
 
 
+class RankLost(RuntimeError):
+    """A rank sent nothing to the step's exchange: it has ended (the ring then fails the sum)."""
+
+
 @dataclass
 class Plan:
     """One engine iteration's inputs, as rank 0 decided them."""
@@ -74,6 +78,10 @@ class _Replicas:
             mine[:2] = length, stop
         mine[2 + self.rank] = state
         got = _all_sum(mine, self.group)
+        # A digest is never 0 (but 1 in 2**56): a 0 is a rank whose part never arrived.
+        lost = [r for r in range(self.size) if r != self.rank and got[2 + r] == 0]
+        if lost:
+            raise RankLost(f"rank(s) {lost} sent nothing (ended or unreachable); stopping this rank")
         differ = [r for r in range(self.size) if got[2 + r] != got[2]]
         if differ:
             raise OutOfStep(f"rank(s) {differ} are out of step with rank 0 (their engine states differ); "
