@@ -28,6 +28,9 @@
   fingerprint of config.json and the safetensors headers, so different checkpoints on different
   machines fail at once.
 
+- Ranks on one machine (same host name) split its cores at load: a rank waiting in a collective
+  spins on its core, so two ranks each using every core slowed a 2-rank run 3x here.
+
 - MoE layers (moe.py): the router replicated, every expert's intermediate dimension split (as
   mlx-lm's Qwen3-MoE `shard`), one `all_sum` per layer.
 
