@@ -554,14 +554,20 @@ def test_pipeline_requests_equal_one_process(piped, local, ask):
 
 
 @needs_launch
-def test_pipeline_stops_cleanly_on_a_signal_to_every_rank(piped):
-    """Last on the tiny-a and tiny-b launches: SIGTERM (a service manager's stop) or SIGINT
-    (Ctrl-C, which a terminal sends to every process of the job) to every rank. Rank 0 shuts HTTP
-    down and tells the other rank, which waits for that: every rank ends with status 0 (mlx.launch
-    would name any other), no traceback. (The launcher itself is left out: on Ctrl-C mlx.launch
-    prints its own KeyboardInterrupt and stops relaying the ranks' output.)"""
+def test_pipeline_launch_ends_cleanly_or_on_a_lost_rank(piped):
+    """Last on each launch. tiny-a and tiny-b: SIGTERM (a service manager's stop) or SIGINT (Ctrl-C,
+    which a terminal sends to every process of the job) to every rank. Rank 0 shuts HTTP down and
+    tells the other rank, which waits for that: every rank ends with status 0 (mlx.launch would name
+    any other), no traceback. (The launcher itself is left out: on Ctrl-C mlx.launch prints its own
+    KeyboardInterrupt and stops relaying the ranks' output.)
+    tiny-moe: rank 0 killed outright. The other rank ignores SIGTERM (it waits for rank 0's word),
+    so it must end on its own: its collective with the lost rank fails, and it exits with one line."""
     if piped.checkpoint == "tiny-moe":
-        pytest.skip("this launch ends by losing rank 0 (next test)")
+        os.kill(piped.pids()[0], signal.SIGKILL)
+        assert piped.wait_end(), piped.text()
+        assert "Node with rank 0 exited with code -9" in piped.text(), piped.text()
+        assert "rank 1 of 2: the model worker failed (RankLost: rank(s) [0] sent nothing" in piped.text(), piped.text()
+        return
     sig = signal.SIGINT if piped.checkpoint == "tiny-b" else signal.SIGTERM
     for pid in piped.pids().values():
         os.kill(pid, sig)
@@ -570,19 +576,6 @@ def test_pipeline_stops_cleanly_on_a_signal_to_every_rank(piped):
     assert "rank 1 of 2: rank 0 stopped serving; exiting" in piped.text(), piped.text()
     assert "Node with rank" not in piped.text(), piped.text()  # no rank exited with another status
     assert "Traceback" not in piped.text() and "[ring]" not in piped.text(), piped.text()
-
-
-@needs_launch
-def test_pipeline_rank0_lost_ends_the_launch(piped):
-    """Last on the tiny-moe launch: rank 0 killed outright. The other rank ignores SIGTERM (it
-    waits for rank 0's word), so it must end on its own: its collective with the lost rank fails,
-    and it exits with one line (no hang)."""
-    if piped.checkpoint != "tiny-moe":
-        pytest.skip("this launch was stopped by a signal (previous test)")
-    os.kill(piped.pids()[0], signal.SIGKILL)
-    assert piped.wait_end(), piped.text()
-    assert "Node with rank 0 exited with code -9" in piped.text(), piped.text()
-    assert "rank 1 of 2: the model worker failed (RankLost: rank(s) [0] sent nothing" in piped.text(), piped.text()
 
 
 def test_pipeline_stages_count_prefixes_alike_and_keep_no_placeholder_features(local):
