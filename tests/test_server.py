@@ -65,12 +65,12 @@ def _free_port():
 
 
 class Server:
-    def __init__(self, *args):
+    def __init__(self, *args, model=None):
         self.port = _free_port()
         # The BLAS thread count the server would restart itself with (--blas-threads 1), set here.
         env = {**os.environ, "PYTHONPATH": str(ROOT), **dict.fromkeys(BLAS_ENV, "1")}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlx_qwen3vl.server", "--model", str(FIXTURES / CHECKPOINT), "--port",
+            [sys.executable, "-m", "mlx_qwen3vl.server", "--model", str(model or FIXTURES / CHECKPOINT), "--port",
              str(self.port), *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.log, self.ready = [], threading.Event()
         threading.Thread(target=self._drain, daemon=True).start()
