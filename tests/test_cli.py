@@ -73,7 +73,7 @@ def test_bad_values_exit_2_with_one_line(args, needle, capsys):
 ])
 def test_media_flags_are_named_as_typed(args, needle, capsys):
     """Checked against the checkpoint's preprocessor config before the model loads, and named by
-    the flag, never by the API argument (max_pixels=, video_fps=)."""
+    the flag, never by the API argument (max_pixels=, source_fps=)."""
     p = in_process(capsys, "--model", TINY, *args)
     assert_one_error_line(p, needle)
     assert "_pixels" not in p.stderr and "video_fps" not in p.stderr

@@ -66,7 +66,7 @@ def single():
             cases = {}
             for case in CASES:
                 messages, fps = case_messages(case, 0)
-                cases[case] = M.generate(model, processor, messages=messages, video_fps=fps, max_tokens=16).token_ids
+                cases[case] = M.generate(model, processor, messages=messages, source_fps=fps, max_tokens=16).token_ids
             session = M.ChatSession(model, processor, system="You are a GUI agent.", max_tokens=8)
             chat = []
             for text, image in (("Where is the search box?", "img_300x200.png"), ("Now click it.", "img_90x260.png")):

@@ -267,7 +267,7 @@ def test_cli_video_file_equals_frames(loaded, tmp_path):
     """--video FILE (PyAV) answers as the same frames given to the Python API do."""
     frames, path = write_fixture_video(tmp_path)
     model, processor = loaded["tiny-b"]
-    expected = M.generate(model, processor, "What happens?", videos=[frames], video_fps=8.0, max_tokens=8)
+    expected = M.generate(model, processor, "What happens?", videos=[frames], source_fps=8.0, max_tokens=8)
     p = run_cli("--model", str(FIXTURES / "tiny-b"), "--video", str(path), "--prompt", "What happens?",
                 "--max-tokens", "8")
     assert p.returncode == 0, p.stderr
