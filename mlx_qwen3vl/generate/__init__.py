@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..backend import backend_of
-from ..errors import InputError
+from ..errors import ContextLengthError, InputError
 from ..processor import renamed_source_fps
 from ..prompt_cache import PromptCache, media_after
 from ..sampling import FIELD_NAMES, Sampler, SamplingParams
@@ -135,8 +135,8 @@ def check_context(model, inputs):
     limit = model.config.text_config.max_position_embeddings
     n = int(np.asarray(inputs["input_ids"]).shape[1])
     if n >= limit:
-        raise InputError(f"the prompt is {n} tokens but the model's context is {limit} "
-                         "(max_position_embeddings); shorten it or use fewer or smaller images")
+        raise ContextLengthError(f"the prompt is {n} tokens but the model's context is {limit} "
+                                 "(max_position_embeddings); shorten it or use fewer or smaller images", n, limit)
 
 
 # ---------------------------------------------------------------------------------------------
