@@ -106,7 +106,7 @@ def score(record, answer: str, width: int, height: int) -> dict:
     """One sample's result line: the parsed answer and whether it is right."""
     g = parse_grounding(answer, width, height)
     correct = g.status == "refused" if record["negative"] else (g.point is not None and inside(g.point, record["bbox"]))
-    return {"index": record["index"], "sample": record["sample"], "id": record["id"],
+    return {"index": record["index"], "sample": record.get("sample"), "id": record["id"],
             "instruction": record["instruction"],
             "type": record["type"], "platform": record["platform"], "negative": record["negative"],
             "bbox": record["bbox"], "image_size": [width, height], "answer": answer,
