@@ -26,6 +26,9 @@ from .positions import mm_token_type_ids_from
 from .video import smart_resize
 
 CONTENT_TYPES = ("text", "image", "image_url", "video")
+# The roles whose images and videos Qwen3-VL's chat template renders (a tool result may be a
+# screenshot); in system and assistant messages it drops them, so they are refused there.
+MEDIA_ROLES = ("user", "tool")
 # Keys of a content block that can hold the media, in transformers' order.
 MEDIA_KEYS = {"image": ("image", "url", "path", "base64"), "video": ("video", "url", "path")}
 IMAGE_TOKEN, VIDEO_TOKEN = "<|image_pad|>", "<|video_pad|>"
@@ -156,6 +159,12 @@ def normalize_messages(messages):
             for j, block in enumerate(content, 1):
                 where = f"message {i} content item {j}"
                 kind = _block_type(block, where)
+                if kind != "text" and message.get("role") not in MEDIA_ROLES:
+                    raise InputError(
+                        f"{where} is {'a video' if kind == 'video' else 'an image'} in a {message.get('role')} "
+                        "message, where the chat template renders no media; put it in a user message "
+                        "(or a tool result)"
+                    )
                 if kind == "image_url" and "image_url" in block:
                     info = block["image_url"]
                     block = {"type": "image", "url": info.get("url", "") if isinstance(info, dict) else info}

@@ -8,6 +8,7 @@ generate/__main__.py: a package, so runpy finds the loop already imported by the
 `generate` function without a warning).
 """
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional
@@ -297,6 +298,28 @@ def eos_token_ids(model, processor) -> set:
     if processor.tokenizer.eos_token_id is not None:
         ids.add(processor.tokenizer.eos_token_id)
     return ids
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_bytes(tokenizer, token: int) -> bytes:
+    """The bytes one token stands for (OpenAI's logprobs `bytes`). A token that is part of a UTF-8
+    character decodes alone to U+FFFD; its own bytes come from the vocabulary instead: byte-level
+    BPE pieces (Qwen's) through mlx-lm's byte table, SentencePiece byte tokens (`<0xB7>`) by value."""
+    from mlx_lm.tokenizer_utils import _byte_decoder
+
+    text = tokenizer.decode([int(token)])
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    piece = tokenizer.convert_ids_to_tokens(int(token)) or ""
+    m = _BYTE_TOKEN.fullmatch(piece)
+    if m:
+        return bytes([int(m.group(1), 16)])
+    table = _byte_decoder()
+    if piece and all(c in table for c in piece):
+        return bytes(table[c] for c in piece)
+    return text.encode("utf-8")
 
 
 class AnswerText:
