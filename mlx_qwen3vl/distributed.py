@@ -413,9 +413,13 @@ class RankZeroProcessor:
         return getattr(self._processor, name)
 
     def __call__(self, *args, **kwargs):
+        return self.read_media(self._processor, *args, **kwargs)
+
+    def read_media(self, read, *args, **kwargs):
+        """read(*args, **kwargs) on rank 0 (a dict of arrays), its result or its error on every rank."""
         if self._group.rank() == 0:
             try:
-                out = self._processor(*args, **kwargs)
+                out = read(*args, **kwargs)
             except Exception as e:
                 _broadcast_bytes(_error_payload(e), self._group)
                 raise

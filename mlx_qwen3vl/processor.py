@@ -319,6 +319,13 @@ class Processor:
 
     # -- media
 
+    def read_media(self, read, *args):
+        """`read(*args)`: a function that reads media (files, URLs, buffers) into a dict of numpy
+        arrays. Every media read outside `__call__` goes through here, so that a distributed
+        processor (distributed.RankZeroProcessor) can run it on rank 0 alone and hand the other
+        ranks its result."""
+        return read(*args)
+
     def process_images(self, images, min_pixels=None, max_pixels=None):
         """Images → (pixel_values (N, C·T·16·16) float32, image_grid_thw (n, 3) int64)."""
         patches, grids = [], []

@@ -224,7 +224,7 @@ class _VideoFiles:
 
 def _snapshot_video(video, label, files: _VideoFiles):
     """(video as read now, content key): a file becomes a private copy; frames become read-only
-    RGB arrays. Anything else is left for the processor to refuse."""
+    RGB arrays. Anything else is left for the processor to refuse (key None)."""
     if isinstance(video, (str, os.PathLike)):
         return files.copy(video, label)
     if isinstance(video, np.ndarray) and video.ndim == 4 and video.shape[-1] == 3 and video.dtype == np.uint8:
@@ -237,6 +237,36 @@ def _snapshot_video(video, label, files: _VideoFiles):
             h.update(key.encode())
         return [f for f, _ in frames], h.hexdigest()
     return video, None
+
+
+def _read_snapshot(kind, value, label, files):
+    """A snapshot as a dict of arrays (what Processor.read_media hands between ranks)."""
+    if kind == IMAGE:
+        media, key = snapshot_image(value, label)
+    else:
+        media, key = _snapshot_video(value, label, files)
+    if key is None:
+        return {}
+    if isinstance(media, list):  # frames
+        return {"key": np.array(key), **{f"frame{t}": f for t, f in enumerate(media)}}
+    return {"key": np.array(key), "media": media if isinstance(media, np.ndarray) else np.array(media)}
+
+
+def _from_snapshot(read: dict):
+    """(media, key) back from _read_snapshot's dict; (None, None) for media left unread."""
+    if "key" not in read:
+        return None, None
+    if "media" in read:
+        media = read["media"]
+        if media.dtype.kind == "U":  # a private copy's path
+            media = str(media)
+        else:
+            media.flags.writeable = False
+    else:
+        media = [read[f"frame{t}"] for t in range(len(read) - 1)]
+        for f in media:
+            f.flags.writeable = False
+    return media, str(read["key"])
 
 
 def _media_blocks(message):
@@ -298,11 +328,11 @@ class ChatSession:
                 # Identity with an object the session made and holds (never reused while held).
                 key = next((k for snap, k in self._snapshots if snap is value), None)
                 if key is None:
-                    if kind == IMAGE:
-                        value, key = snapshot_image(value, f"image {count[IMAGE]}")
-                    else:
-                        value, key = _snapshot_video(value, f"video {count[VIDEO]}", self._video_files)
+                    label = f"{'image' if kind == IMAGE else 'video'} {count[kind]}"
+                    media, key = _from_snapshot(self.processor.read_media(_read_snapshot, kind, value, label,
+                                                                          self._video_files))
                     if key is not None:
+                        value = media
                         message["content"][j] = {"type": "image" if kind == IMAGE else "video",
                                                  "image" if kind == IMAGE else "video": value}
                 kept.append((value, key))
