@@ -60,12 +60,12 @@ def build_parser():
     return p
 
 
-def _print_stats(last, out=sys.stderr):
+def _print_stats(last, out=None):
     if last is None:
         return
     print(f"\nPrompt: {last.prompt_tokens} tokens ({last.cached_tokens} cached), {last.prompt_tps:.1f} tokens/s"
           f"\nGeneration: {last.generation_tokens} tokens, {last.generation_tps:.2f} tokens/s"
-          f"\nPeak memory: {last.peak_memory:.2f} GB", file=out)
+          f"\nPeak memory: {last.peak_memory:.2f} GB", file=out or sys.stderr)  # stderr as it is now
 
 
 def main(argv=None):
