@@ -22,7 +22,7 @@ import numpy as np
 from .errors import InputError
 from .media import describe, load_image, read_file
 from .positions import IMAGE, TEXT, VIDEO
-from .processor import VISION_TOKENS, renamed_source_fps
+from .processor import VISION_TOKENS, _block_type, _media_of, renamed_source_fps
 
 _PIXELS = {IMAGE: ("pixel_values", "image_grid_thw"), VIDEO: ("pixel_values_videos", "video_grid_thw")}
 
@@ -271,8 +271,6 @@ def _from_snapshot(read: dict):
 
 def _media_blocks(message):
     """(content index, kind, value) of each image and video block of a message, in order."""
-    from .processor import _block_type, _media_of
-
     content = message.get("content") if isinstance(message, dict) else None
     if not isinstance(content, list):
         return []
@@ -295,7 +293,7 @@ class ChatSession:
 
     Each turn's images and videos are read when that turn is sent, and the history keeps them as
     they were then (`messages` holds the pixels the model saw, as read-only arrays; a video file,
-    a private copy): an agent may save every screen to the same file, draw into the same PIL image
+    a private copy kept while the session lives): an agent may save every screen to the same file, draw into the same PIL image
     or refill the same buffer. Whatever shaped a turn's media (`fps`, `source_fps`, `min_pixels`,
     `max_pixels`, `sample_frames`) stays with that turn too. Each turn is processed once and reused,
     keyed by its text, its media's content and its settings, so every turn answers as
