@@ -122,7 +122,8 @@ def main(argv=None):
 
         def show(step):
             action = step["action"]
-            what = f"{action['name']} {action['args']}" if action else f"(no action parsed from {step['answer'][:60]!r})"
+            what = (f"{action['name']} {action['args']}" if action
+                    else f"(no action parsed from {step['answer'][:60]!r})")
             print(f"step {step['step'] + 1}: {what}  [{step['cached_tokens']} prompt tokens reused]", flush=True)
 
         print(f"pixel budget per screenshot: {max_pixels}", file=sys.stderr)

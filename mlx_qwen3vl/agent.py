@@ -726,7 +726,8 @@ def missing_point_note(status: str) -> Optional[str]:
             "malformed": "no point found: the answer could not be read"}.get(status)
 
 
-__all__ = ["ground", "navigate", "annotate", "missing_point_note", "parse_point", "parse_grounding", "parse_action", "to_pixel",
+__all__ = ["ground", "navigate", "annotate", "missing_point_note", "parse_point", "parse_grounding", "parse_action",
+           "to_pixel", "without_reasoning",
            "grounding_prompt", "grounding_messages", "navigation_prompt", "navigation_messages",
            "computer_use_messages", "computer_use_system_prompt", "computer_use_tool", "Action", "Step",
            "Grounding", "GroundingResult", "VENUS_NAVIGATION_SAMPLING", "GROUNDING_FORMATS"]

@@ -107,8 +107,7 @@ def score(record, answer: str, width: int, height: int) -> dict:
     g = parse_grounding(answer, width, height)
     correct = g.status == "refused" if record["negative"] else (g.point is not None and inside(g.point, record["bbox"]))
     return {"index": record["index"], "sample": record.get("sample"), "id": record["id"],
-            "instruction": record["instruction"],
-            "type": record["type"], "platform": record["platform"], "negative": record["negative"],
+            "instruction": record["instruction"], "type": record["type"], "platform": record["platform"], "negative": record["negative"],
             "bbox": record["bbox"], "image_size": [width, height], "answer": answer,
             "point": list(g.point) if g.point else None, "status": g.status, "correct": bool(correct)}
 
@@ -118,14 +117,15 @@ def score(record, answer: str, width: int, height: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 # The flag each setting is given by, for the message naming a setting that differs.
 SETTING_FLAGS = {"model": "--model", "format": "--format", "refusal": "refusal clause (--no-refusal)",
-                 "min_pixels": "--min-pixels",
-                 "max_pixels": "--max-pixels", "max_tokens": "--max-tokens", "dtype": "--dtype"}
+                 "min_pixels": "--min-pixels", "max_pixels": "--max-pixels", "max_tokens": "--max-tokens",
+                 "dtype": "--dtype"}
 
 
 def _settings_differ(found, wanted) -> str:
-    """'--format qwen (this run: venus), ...' for each setting that differs."""
+    """"--format 'qwen' (this run: 'venus'), ..." for each setting that differs."""
     found, wanted = found or {}, wanted or {}
-    names = sorted(set(found) | set(wanted), key=lambda k: list(SETTING_FLAGS).index(k) if k in SETTING_FLAGS else 99)
+    order = list(SETTING_FLAGS)
+    names = sorted(set(found) | set(wanted), key=lambda k: order.index(k) if k in order else len(order))
     return ", ".join(f"{SETTING_FLAGS.get(k, k)} {found.get(k)!r} (this run: {wanted.get(k)!r})"
                      for k in names if found.get(k) != wanted.get(k)) or "no settings recorded"
 

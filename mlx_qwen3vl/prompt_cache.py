@@ -294,10 +294,11 @@ class ChatSession:
     Each turn's images and videos are read when that turn is sent, and the history keeps them as
     they were then (`messages` holds the pixels the model saw, as read-only arrays; a video file,
     a private copy kept while the session lives): an agent may save every screen to the same
-    file, draw into the same PIL image or refill the same buffer. Whatever shaped a turn's media (`fps`, `source_fps`, `min_pixels`,
-    `max_pixels`, `sample_frames`) stays with that turn too. Each turn is processed once and reused,
-    keyed by its text, its media's content and its settings, so every turn answers as
-    `generate(messages=history)` would, with each turn's media processed with its own settings."""
+    file, draw into the same PIL image or refill the same buffer. Whatever shaped a turn's media
+    (`fps`, `source_fps`, `min_pixels`, `max_pixels`, `sample_frames`) stays with that turn too.
+    Each turn is processed once and reused, keyed by its text, its media's content and its
+    settings, so every turn answers as `generate(messages=history)` would, with each turn's media
+    processed with its own settings."""
 
     def __init__(self, model, processor, system=None, **defaults):
         self.model, self.processor = model, processor

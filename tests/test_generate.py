@@ -409,7 +409,7 @@ def test_screenshot_in_a_tool_result_is_rendered(loaded):
 
 def _gpt2_byte_table():
     """GPT-2's byte → printable character map (its bytes_to_unicode), written out independently."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
     table, n = {}, 0
     for b in range(256):
         if b in printable:
