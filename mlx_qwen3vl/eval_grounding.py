@@ -107,8 +107,8 @@ def score(record, answer: str, width: int, height: int) -> dict:
     g = parse_grounding(answer, width, height)
     correct = g.status == "refused" if record["negative"] else (g.point is not None and inside(g.point, record["bbox"]))
     return {"index": record["index"], "sample": record.get("sample"), "id": record["id"],
-            "instruction": record["instruction"], "type": record["type"], "platform": record["platform"], "negative": record["negative"],
-            "bbox": record["bbox"], "image_size": [width, height], "answer": answer,
+            "instruction": record["instruction"], "type": record["type"], "platform": record["platform"],
+            "negative": record["negative"], "bbox": record["bbox"], "image_size": [width, height], "answer": answer,
             "point": list(g.point) if g.point else None, "status": g.status, "correct": bool(correct)}
 
 
