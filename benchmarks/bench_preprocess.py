@@ -83,7 +83,7 @@ def ours(image, frames, fps):
     image_prompt, video_prompt = ask("image", "Click Wi-Fi."), ask("video", "What changed?")
     calls = {
         "image": lambda: proc(text=image_prompt, images=[image]),
-        "video": lambda: proc(text=video_prompt, videos=[frames], video_fps=fps),
+        "video": lambda: proc(text=video_prompt, videos=[frames], source_fps=fps),
     }
     return calls, (image_prompt, video_prompt)
 
@@ -139,7 +139,7 @@ def main():
     report = {
         "inputs": {
             "image": "1920x1080 RGB screenshot-like (PIL.Image), full processor call with a chat prompt",
-            "video": f"30 s at {fps} fps, {vw}x{vh}, (T, H, W, 3) uint8 array with video_fps={fps}, sampled at 2 fps",
+            "video": f"30 s at {fps} fps, {vw}x{vh}, (T, H, W, 3) uint8 array with source_fps={fps}, sampled at 2 fps",
             "image_grid_thw": image_out["image_grid_thw"].tolist(),
             "video_grid_thw": video_out["video_grid_thw"].tolist(),
             "input_tokens": {"image": image_out["input_ids"].shape[1], "video": video_out["input_ids"].shape[1]},

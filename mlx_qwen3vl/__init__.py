@@ -12,6 +12,8 @@ import os
 # found" advisory (printed on import) is noise on every run. mlx-lm sets the same.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+from .errors import (ConfigError, ContextLengthError, InputError, ModelNotFoundError, Qwen3VLError,  # noqa: E402
+                     WeightsError)
 from .generate import GenerationResponse, GenerationResult, batch_generate, generate, stream_generate  # noqa: E402
 from .prompt_cache import ChatSession, PromptCache  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
@@ -21,7 +23,8 @@ from .weights import load_model  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["load", "generate", "stream_generate", "batch_generate", "ChatSession", "PromptCache",
-           "SamplingParams", "GenerationResult", "GenerationResponse", "Processor", "load_model"]
+           "SamplingParams", "GenerationResult", "GenerationResponse", "Processor", "load_model",
+           "Qwen3VLError", "InputError", "ConfigError", "WeightsError", "ModelNotFoundError", "ContextLengthError"]
 
 
 def load(path_or_hub_id, dtype=None, backend=None, parallel="tensor"):

@@ -24,9 +24,11 @@ def build_parser():
     p = Parser(prog="python -m mlx_qwen3vl", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                 description="Generate text from images/videos and a prompt with Qwen3-VL.")
     p.add_argument("--model", default=DEFAULT_MODEL, help="local checkpoint folder or Hugging Face repo id")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user's text")
-    p.add_argument("--image", nargs="+", default=[], help="image paths, URLs or data URLs")
-    p.add_argument("--video", nargs="+", default=[], help="video files (needs the `video` extra)")
+    p.add_argument("--prompt", default=None,
+                   help=f"the user's text; none = {DEFAULT_PROMPT!r}, or with --chat no first turn (the prompt, "
+                        "with --image / --video, is the chat's first turn)")
+    p.add_argument("--image", nargs="+", default=[], metavar="IMAGE", help="image paths, URLs or data URLs")
+    p.add_argument("--video", nargs="+", default=[], metavar="VIDEO", help="video files (needs the `video` extra)")
     p.add_argument("--system", default=None, help="system message")
     types = {"max_tokens": int, "top_k": int, "repetition_context_size": int, "seed": int}
     for f in _sampling_fields():
@@ -39,7 +41,12 @@ def build_parser():
                            help=f.metadata["help"])
     p.add_argument(FLAGS["min_pixels"], type=int, default=None, help="smallest image area; none = the checkpoint's")
     p.add_argument(FLAGS["max_pixels"], type=int, default=None, help="largest image area; none = the checkpoint's")
-    p.add_argument(FLAGS["video_fps"], type=float, default=None, help="source fps for videos given as frames")
+    p.add_argument(FLAGS["fps"], type=float, default=None,
+                   help="video frames sampled per second of video (as qwen-vl-utils' fps); none = the checkpoint's "
+                        "video config (2)")
+    p.add_argument(FLAGS["source_fps"], type=float, default=None,
+                   help="the video files' own frame rate, overriding what their container says (timestamps and "
+                        "sampling follow it); none = the container's")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="compute dtype; none = float32 on the CPU, the checkpoint's on a GPU")
     p.add_argument("--parallel", choices=["tensor", "pipeline"], default="tensor",
@@ -53,12 +60,12 @@ def build_parser():
     return p
 
 
-def _print_stats(last, out=sys.stderr):
+def _print_stats(last, out=None):
     if last is None:
         return
     print(f"\nPrompt: {last.prompt_tokens} tokens ({last.cached_tokens} cached), {last.prompt_tps:.1f} tokens/s"
           f"\nGeneration: {last.generation_tokens} tokens, {last.generation_tps:.2f} tokens/s"
-          f"\nPeak memory: {last.peak_memory:.2f} GB", file=out)
+          f"\nPeak memory: {last.peak_memory:.2f} GB", file=out or sys.stderr)  # stderr as it is now
 
 
 def main(argv=None):
@@ -91,21 +98,22 @@ def _main(args):
     from .prompt_cache import ChatSession
 
     path = resolve_model_path(args.model, flag="--model")
-    check_media_flags(path, args.min_pixels, args.max_pixels, args.fps)
+    check_media_flags(path, args.min_pixels, args.max_pixels, args.fps, args.source_fps)
     model, processor = load(path, dtype=args.dtype, parallel=args.parallel)
     if args.verbose:
         print(f"[mlx_qwen3vl] model: {args.model}; backend: {backend_of(model).describe()}", file=sys.stderr)
-    media = dict(min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+    media = dict(min_pixels=args.min_pixels, max_pixels=args.max_pixels, fps=args.fps, source_fps=args.source_fps)
     if args.chat:
         session = ChatSession(model, processor, system=args.system, sampling=sampling,
                               prefill_step_size=args.prefill_step_size, **media)
         return _chat(session, args)
+    prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
     if args.verbose:
-        print(f"[mlx_qwen3vl] prompt: {args.prompt!r}, {len(args.image)} image(s), {len(args.video)} video(s)",
+        print(f"[mlx_qwen3vl] prompt: {prompt!r}, {len(args.image)} image(s), {len(args.video)} video(s)",
               file=sys.stderr)
     last = None
-    for last in stream_generate(model, processor, args.prompt, images=args.image, videos=args.video,
-                                video_fps=args.fps, system=args.system, sampling=sampling,
+    for last in stream_generate(model, processor, prompt, images=args.image, videos=args.video,
+                                system=args.system, sampling=sampling,
                                 prefill_step_size=args.prefill_step_size, **media):
         print(last.text, end="", flush=True)
     print()
@@ -113,32 +121,65 @@ def _main(args):
     return 0
 
 
+CHAT_HELP = """Commands (anything else is sent to the model):
+  /image PATH   attach an image to your next message (read now; /image again for more)
+  /help         this list
+  //TEXT        send TEXT starting with one /
+Ctrl-D quits."""
+
+
 def _chat(session, args):
+    """The interactive loop. The `>> ` prompt, commands' replies and errors go to stderr, so stdout
+    holds the answers alone; commands never reach the model."""
     from .errors import Qwen3VLError
+    from .media import load_image
 
     images, videos = list(args.image), list(args.video)
-    print("Chat with the model; /image PATH attaches an image to the next turn, Ctrl-D quits.", file=sys.stderr)
-    while True:
+
+    def send(text):
+        nonlocal images, videos
         try:
-            line = input(">> ").strip()
-        except EOFError:
-            print(file=sys.stderr)
-            return 0
-        if line.startswith("/image "):
-            images.append(line.split(maxsplit=1)[1])
-            continue
-        if not line:
-            continue
-        try:
-            for piece in session.stream(line, images=images, videos=videos, video_fps=args.fps):
+            for piece in session.stream(text, images=images, videos=videos):
                 print(piece.text, end="", flush=True)
         except Qwen3VLError as e:
             print(f"error: {e}", file=sys.stderr)
-            continue
+            return
         finally:
             images, videos = [], []
-        print()
+        print(flush=True)
         _print_stats(session.last)
+
+    print("Chat with the model; /image PATH attaches an image to the next message, /help lists the commands, "
+          "Ctrl-D quits.", file=sys.stderr)
+    if args.prompt is not None:  # the first turn, with the media given on the command line
+        send(args.prompt)
+    while True:
+        print(">> ", end="", file=sys.stderr, flush=True)
+        try:
+            line = input().strip()
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        command, _, rest = line.partition(" ")
+        if line.startswith("//"):
+            line = line[1:]
+        elif command == "/image":
+            try:  # read now: a missing or unreadable file is refused here, not with the next message
+                images.append(load_image(rest.strip(), "/image"))
+            except Qwen3VLError as e:
+                print(f"error: {e}", file=sys.stderr)
+            else:
+                print(f"(image attached to your next message; {len(images)} so far)", file=sys.stderr)
+            continue
+        elif command in ("/help", "/?"):
+            print(CHAT_HELP, file=sys.stderr)
+            continue
+        elif line.startswith("/") and " " not in line:
+            print(f"error: unknown command {line}; /help lists the commands (//TEXT sends TEXT starting "
+                  "with one /)", file=sys.stderr)
+            continue
+        if line:
+            send(line)
 
 
 if __name__ == "__main__":

@@ -338,14 +338,57 @@ _SEP = r"\s*,\s*"
 # [x,y] / (x,y), [x1,y1,x2,y2] / (x1,y1,x2,y2), and two points [x1,y1],[x2,y2].
 _GROUP = re.compile(r"[\[(]\s*" + _NUM + _SEP + _NUM + r"(?:" + _SEP + _NUM + _SEP + _NUM + r")?\s*[\])]")
 _SECOND_POINT = re.compile(r"\s*,?\s*[\[(]\s*" + _NUM + _SEP + _NUM + r"\s*[\])]")
+# <point>x, y</point> / <point>x y</point>, <bbox>x1 y1 x2 y2</bbox> (commas or spaces)
+_LOOSE_SEP = r"(?:\s*,\s*|\s+)"
+_POINT_TAG = re.compile(r"<point>\s*" + _NUM + _LOOSE_SEP + _NUM + r"\s*</point>")
+_BOX_TAG = re.compile(r"<bbox>\s*" + _LOOSE_SEP.join([_NUM] * 4) + r"\s*</bbox>")
 _TAG = {tag: re.compile(rf"<{tag}>(.*?)(?:</{tag}>|$)", re.S) for tag in ("think", "action", "conclusion", "answer")}
+_THINK_BLOCK = re.compile(r"<think>.*?(?:</think>|$)", re.S)
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 _EMPTY_JSON_LIST = re.compile(r"\s*(?:```(?:json)?\s*)?\[\s*\]\s*(?:```)?\s*")
+_JSON_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')
+_JSON_KEYS = ("bbox_2d", "point_2d", "bbox", "point", "box", "coordinate")
+REFUSAL = [-1, -1]
 
 
 def _tag(text, tag):
     m = _TAG[tag].search(text)
     return m.group(1).strip() if m else None
+
+
+def without_reasoning(text: str) -> str:
+    """The answer with its reasoning left out: `<think>...</think>` blocks (an unclosed one runs to
+    the end), and everything before a lone `</think>` (thinking templates open the tag in the prompt)."""
+    text = _THINK_BLOCK.sub(" ", text)
+    return text.rsplit("</think>", 1)[-1]
+
+
+def _json_coordinates(body):
+    """The numbers under the first bbox_2d / point_2d (or bbox, point, ...) key of the first JSON
+    value in `body` that has one (Qwen's `[{"bbox_2d": [...], "label": "..."}]`); None without one."""
+    def first(value):
+        if isinstance(value, dict):
+            for key in _JSON_KEYS:
+                if key in value:
+                    return value[key]
+            return None
+        if isinstance(value, list):
+            for item in value:
+                found = first(item)
+                if found is not None:
+                    return found
+        return None
+
+    decoder = json.JSONDecoder()
+    for m in re.finditer(r"[\[{]", body):
+        try:
+            value, _ = decoder.raw_decode(body, m.start())
+        except ValueError:
+            continue
+        found = first(value)
+        if found is not None:
+            return found
+    return None
 
 
 def _ground_box(nums, width, height, answer) -> Grounding:
@@ -359,15 +402,29 @@ def _ground_box(nums, width, height, answer) -> Grounding:
     return Grounding(centre, box, "ok", answer)
 
 
+def _ground_numbers(nums, width, height, answer) -> Grounding:
+    """Two numbers (a point, or [-1,-1]) or four (a box) → Grounding; anything else is malformed."""
+    if len(nums) == 4:
+        return _ground_box(nums, width, height, answer)
+    if len(nums) == 2 and nums == REFUSAL:
+        return Grounding(None, None, "refused", answer)
+    if len(nums) == 2 and _in_range(*nums):
+        return Grounding((to_pixel(nums[0], width), to_pixel(nums[1], height)), None, "ok", answer)
+    return Grounding(None, None, "malformed", answer)
+
+
 def parse_grounding(text: str, width: int, height: int) -> Grounding:
     """Any grounding answer → Grounding in pixels of a `width` x `height` image.
 
     Understood: `[x,y]` / `(x,y)`; a box `[x1,y1,x2,y2]` or two corners `[x1,y1],[x2,y2]` (point
-    = the box centre); Qwen's `{"bbox_2d": [...]}` / `{"point_2d": [...]}` JSON (first object);
-    UI-Venus actions such as `Click(box=(x,y))` (inside <action> when present); a `computer_use`
-    tool call's `coordinate`. `[-1,-1]`, an empty JSON list and a `terminate` call are refusals."""
+    = the box centre); `<point>x, y</point>` and `<bbox>x1 y1 x2 y2</bbox>`; Qwen's
+    `{"bbox_2d": [...]}` / `{"point_2d": [...]}` JSON (first object; its strings, such as a label,
+    are never read as coordinates); UI-Venus actions such as `Click(box=(x,y))` (inside <action>
+    when present); a `computer_use` tool call's `coordinate`. `[-1,-1]`, an empty JSON list and a
+    `terminate` call are refusals. The reasoning (`<think>...</think>`) is never read, and an
+    answer holding both a refusal and coordinates is ambiguous: malformed."""
     answer = text if isinstance(text, str) else ""
-    body = answer
+    body = without_reasoning(answer)
     if _EMPTY_JSON_LIST.fullmatch(body):
         return Grounding(None, None, "refused", answer)
     call = _TOOL_CALL.search(body)
@@ -380,20 +437,26 @@ def parse_grounding(text: str, width: int, height: int) -> Grounding:
         point = _pair(args.get("coordinate"), width, height)
         return Grounding(point, None, "ok" if point else "malformed", answer)
     body = _tag(body, "action") or _tag(body, "answer") or body
-    m = _GROUP.search(body)
-    if not m:
+    for tag in (_POINT_TAG, _BOX_TAG):
+        m = tag.search(body)
+        if m:
+            return _ground_numbers([_number(g) for g in m.groups()], width, height, answer)
+    found = _json_coordinates(body)
+    if found is not None:
+        nums = [_number(v) for v in found] if isinstance(found, list) else []
+        return _ground_numbers(nums, width, height, answer)
+    body = _JSON_STRING.sub(lambda s: " " * len(s.group()), body)  # a quoted label is no coordinate
+    groups = [[_number(g) for g in m.groups() if g is not None] for m in _GROUP.finditer(body)]
+    if not groups:
         return Grounding(None, None, "malformed", answer)
-    nums = [_number(g) for g in m.groups() if g is not None]
-    if len(nums) == 4:
-        return _ground_box(nums, width, height, answer)
-    if nums == [-1, -1]:
-        return Grounding(None, None, "refused", answer)
-    second = _SECOND_POINT.match(body, m.end())
-    if second:
-        return _ground_box(nums + [_number(g) for g in second.groups()], width, height, answer)
-    if not _in_range(*nums):
-        return Grounding(None, None, "malformed", answer)
-    return Grounding((to_pixel(nums[0], width), to_pixel(nums[1], height)), None, "ok", answer)
+    if REFUSAL in groups and any(g != REFUSAL for g in groups):
+        return Grounding(None, None, "malformed", answer)  # a point and a refusal: which one?
+    nums = groups[0]
+    if len(nums) == 2 and nums != REFUSAL:
+        second = _SECOND_POINT.match(body, _GROUP.search(body).end())
+        if second:
+            nums = nums + [_number(g) for g in second.groups()]
+    return _ground_numbers(nums, width, height, answer)
 
 
 def parse_point(text: str, width: int, height: int) -> Optional[Tuple[int, int]]:
@@ -542,11 +605,8 @@ def parse_action(text: str, width: int, height: int) -> Optional[Action]:
 # ground()
 # ---------------------------------------------------------------------------------------------
 def _load_image(image):
-    # The image loader moves to media.py; either module gives the same RGB array.
-    try:
-        from .media import load_image
-    except ImportError:
-        from .processor import load_image
+    from .media import load_image
+
     return load_image(image)
 
 
@@ -616,11 +676,13 @@ def navigate(model, processor, image, task: str, history: Sequence = (), *, kind
     return out.text, parse_action(out.text, width, height)
 
 
-def annotate(image, point=None, box=None, path=None):
+def annotate(image, point=None, box=None, path=None, note=None):
     """Draw `box` (outline) and `point` (ringed dot with a crosshair) on a copy of the image (RGB
-    array or PIL image); returns the PIL image, also written to `path` as PNG when given."""
+    array or PIL image), and `note` (e.g. "no point found") as a red banner across the top, so a
+    picture of an answer without a point never passes for the plain screenshot. Returns the PIL
+    image, also written to `path` as PNG when given."""
     import numpy as np
-    from PIL import Image, ImageDraw
+    from PIL import Image, ImageDraw, ImageFont
 
     im = Image.fromarray(np.asarray(image)) if not isinstance(image, Image.Image) else image.convert("RGB").copy()
     draw = ImageDraw.Draw(im)
@@ -635,12 +697,37 @@ def annotate(image, point=None, box=None, path=None):
         draw.ellipse([x - r, y - r, x + r, y + r], outline=(255, 0, 0), width=line)
         d = max(2, r // 3)
         draw.ellipse([x - d, y - d, x + d, y + d], fill=(255, 0, 0), outline=(255, 255, 255))
+    if note:
+        try:
+            font = ImageFont.load_default(size=max(9, min(28, im.height // 24)))
+        except (TypeError, OSError, ImportError):  # Pillow < 10.1 or no FreeType: the fixed bitmap font
+            font = ImageFont.load_default()
+        room = im.width - 4 * line
+        rows = [""]  # the note's words wrapped to the width
+        for word in note.split():
+            wider = f"{rows[-1]} {word}".strip()
+            if rows[-1] and font.getlength(wider) > room:
+                rows.append(word)
+            else:
+                rows[-1] = wider
+        text = "\n".join(rows)
+        left, top, right, bottom = draw.multiline_textbbox((2 * line, line), text, font=font)
+        draw.rectangle([0, 0, im.width - 1, bottom + line], fill=(200, 0, 0))
+        draw.multiline_text((2 * line, line), text, fill=(255, 255, 255), font=font)
+        draw.rectangle([0, 0, im.width - 1, im.height - 1], outline=(200, 0, 0), width=line)
     if path is not None:
         im.save(path, format="PNG")
     return im
 
 
-__all__ = ["ground", "navigate", "annotate", "parse_point", "parse_grounding", "parse_action", "to_pixel",
+def missing_point_note(status: str) -> Optional[str]:
+    """What an annotated picture says when the answer gave no point (None when it gave one)."""
+    return {"refused": "no point: the model says the target is absent",
+            "malformed": "no point found: the answer could not be read"}.get(status)
+
+
+__all__ = ["ground", "navigate", "annotate", "missing_point_note", "parse_point", "parse_grounding", "parse_action",
+           "to_pixel", "without_reasoning",
            "grounding_prompt", "grounding_messages", "navigation_prompt", "navigation_messages",
            "computer_use_messages", "computer_use_system_prompt", "computer_use_tool", "Action", "Step",
            "Grounding", "GroundingResult", "VENUS_NAVIGATION_SAMPLING", "GROUNDING_FORMATS"]

@@ -8,7 +8,8 @@ import sys
 from .errors import Qwen3VLError
 
 # API argument → the flag every command line spells it with.
-FLAGS = {"min_pixels": "--min-pixels", "max_pixels": "--max-pixels", "video_fps": "--fps", "max_tokens": "--max-tokens"}
+FLAGS = {"min_pixels": "--min-pixels", "max_pixels": "--max-pixels", "fps": "--fps", "source_fps": "--source-fps",
+         "max_tokens": "--max-tokens"}
 
 
 class Parser(argparse.ArgumentParser):
@@ -30,15 +31,16 @@ def run(body, interrupted: str = None) -> int:
         return 130
 
 
-def check_media_flags(model_path, min_pixels=None, max_pixels=None, fps=None):
-    """--min-pixels / --max-pixels against the checkpoint's preprocessor config and --fps, as the
-    processor would check them, but named as flags and before the model loads."""
+def check_media_flags(model_path, min_pixels=None, max_pixels=None, fps=None, source_fps=None):
+    """--min-pixels / --max-pixels against the checkpoint's preprocessor config, --fps and
+    --source-fps, as the processor would check them, but named as flags and before the model loads."""
     from .processor import image_budget, read_media_configs
     from .video import check_fps
 
     image_config, _ = read_media_configs(model_path)
     image_budget(image_config, min_pixels, max_pixels, names=FLAGS)
-    check_fps(fps, FLAGS["video_fps"])
+    check_fps(fps, FLAGS["fps"])
+    check_fps(source_fps, FLAGS["source_fps"])
 
 
 def check_max_tokens(value):

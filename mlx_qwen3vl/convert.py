@@ -296,17 +296,25 @@ def export_quantization(quantization, layout: str = OUTPUT_LAYOUT):
     return {export_key(k, layout) if isinstance(v, dict) else k: v for k, v in quantization.items()}
 
 
+# transformers 5's vision model_type → the one mlx-vlm 0.7 checks for (its qwen3_vl_moe VisionModel
+# raises on anything but "qwen3_vl_moe").
+MLX_VLM_VISION_TYPES = {"qwen3_vl_vision": "qwen3_vl", "qwen3_vl_moe_vision": "qwen3_vl_moe"}
+
+
 def config_for_mlx_vlm(cfg: dict):
     """mlx-vlm 0.7 reads transformers 4.57's config keys and fails on what transformers 5 writes
-    (rope_parameters only; vision model_type `qwen3_vl_vision`): write the 4.57 keys beside the
-    newer ones (this package and transformers read either)."""
+    (rope_parameters only; vision model_type `qwen3_vl_vision` / `qwen3_vl_moe_vision`; MoE's
+    `num_local_experts`, where its TextConfig requires `num_experts`): write the 4.57 keys beside
+    the newer ones (this package and transformers read either)."""
     text, vision = cfg.get("text_config"), cfg.get("vision_config")
     if isinstance(text, dict) and isinstance(text.get("rope_parameters"), dict):
         params = text["rope_parameters"]
         text.setdefault("rope_theta", params.get("rope_theta"))
         text.setdefault("rope_scaling", {k: v for k, v in params.items() if k != "rope_theta"})
-    if isinstance(vision, dict) and vision.get("model_type") == "qwen3_vl_vision":
-        vision["model_type"] = "qwen3_vl"
+    if isinstance(text, dict) and "num_local_experts" in text:
+        text.setdefault("num_experts", text["num_local_experts"])
+    if isinstance(vision, dict) and vision.get("model_type") in MLX_VLM_VISION_TYPES:
+        vision["model_type"] = MLX_VLM_VISION_TYPES[vision["model_type"]]
 
 
 def output_config(src: Path, dtype: str, quantization, hf_path: str, quantize_vision: bool,

@@ -174,10 +174,8 @@ def share_this_machine(group):
 # ---------------------------------------------------------------------------------------------
 # Sharding
 # ---------------------------------------------------------------------------------------------
-def check_shardable(config, n: int, vision: str = VISION_DEFAULT):
-    """One ConfigError naming every dimension that cannot be split over n ranks."""
-    if vision not in VISION_MODES:
-        raise ConfigError(f"vision sharding {vision!r} is not one of {', '.join(VISION_MODES)}")
+def _undivided(config, n: int, vision: str) -> list:
+    """The dimensions tensor parallelism would have to split over n ranks but cannot."""
     t, v = config.text_config, config.vision_config
     problems = []
     if t.num_attention_heads % n:
@@ -194,10 +192,24 @@ def check_shardable(config, n: int, vision: str = VISION_DEFAULT):
             problems.append(f"vision num_heads={v.num_heads}")
         if v.intermediate_size % n:
             problems.append(f"vision intermediate_size={v.intermediate_size}")
+    return problems
+
+
+def check_shardable(config, n: int, vision: str = VISION_DEFAULT):
+    """One ConfigError naming every dimension that cannot be split over n ranks, and what works
+    instead: the layers split (--parallel pipeline), or rank counts that do divide them."""
+    if vision not in VISION_MODES:
+        raise ConfigError(f"vision sharding {vision!r} is not one of {', '.join(VISION_MODES)}")
+    t, v = config.text_config, config.vision_config
+    moe_size = getattr(t, "moe_intermediate_size", None) if getattr(t, "num_experts", 0) else None
+    problems = _undivided(config, n, vision)
     if problems:
+        others = [k for k in range(2, 9) if k != n and not _undivided(config, k, vision)]
+        counts = f", or launch {' or '.join(map(str, others))} ranks (mlx.launch -n {others[0]})" if others else ""
         raise ConfigError(
-            f"cannot shard this model over {n} ranks: {', '.join(problems)} do not divide by {n}; "
-            "launch a number of ranks that divides them (e.g. mlx.launch -n 2)"
+            f"cannot shard this model over {n} ranks: {', '.join(problems)} do not divide by {n}, as tensor "
+            f"parallelism needs; split its layers over the ranks instead with --parallel pipeline (load(..., "
+            f"parallel=\"pipeline\")){counts}"
         )
     # A quantized layer split by input columns keeps whole quantization groups on each rank.
     q = config.quantization if isinstance(getattr(config, "quantization", None), dict) else {}
@@ -211,8 +223,8 @@ def check_shardable(config, n: int, vision: str = VISION_DEFAULT):
     if split:
         raise ConfigError(
             f"cannot shard this quantized model over {n} ranks: {', '.join(sorted(set(split)))} is not a multiple "
-            f"of the quantization group size ({', '.join(map(str, sorted(sizes)))}); use fewer ranks, or convert "
-            "with a smaller --q-group-size"
+            f"of the quantization group size ({', '.join(map(str, sorted(sizes)))}); split its layers instead with "
+            "--parallel pipeline, use fewer ranks, or convert with a smaller --q-group-size"
         )
 
 
@@ -401,9 +413,13 @@ class RankZeroProcessor:
         return getattr(self._processor, name)
 
     def __call__(self, *args, **kwargs):
+        return self.read_media(self._processor, *args, **kwargs)
+
+    def read_media(self, read, *args, **kwargs):
+        """read(*args, **kwargs) on rank 0 (a dict of arrays), its result or its error on every rank."""
         if self._group.rank() == 0:
             try:
-                out = self._processor(*args, **kwargs)
+                out = read(*args, **kwargs)
             except Exception as e:
                 _broadcast_bytes(_error_payload(e), self._group)
                 raise

@@ -9,6 +9,14 @@ class InputError(Qwen3VLError, ValueError):
     """A bad image, video, message or prompt."""
 
 
+class ContextLengthError(InputError):
+    """A prompt longer than the model's context; `prompt_tokens` and `context` say by how much."""
+
+    def __init__(self, message, prompt_tokens: int, context: int):
+        super().__init__(message)
+        self.prompt_tokens, self.context = prompt_tokens, context
+
+
 class ConfigError(Qwen3VLError, ValueError):
     """A config.json that is not a Qwen3-VL config or lacks what we need."""
 

@@ -10,10 +10,14 @@ folder unless absolute), `instruction`,
 inside the box, borders included; a negative is right when the model refuses ([-1,-1], an empty
 JSON list, a `terminate` call); a malformed answer is wrong for both.
 
-Per-sample results go to --output (JSONL, one line per sample as it finishes); rerunning with the
-same --output resumes where it stopped. The report (JSON) goes to stdout.
+Per-sample results go to --output (JSONL, one line per sample as it finishes; by default beside
+the data, named after it, the model and the format); rerunning with the same --output resumes where
+it stopped. Each result names the sample it scores (a digest of its image, instruction, box, ...)
+and the settings that produced it, so results of other data or other settings are refused, naming
+what differs. The report (JSON) goes to stdout.
 """
 
+import hashlib
 import json
 import os
 import sys
@@ -69,13 +73,25 @@ def read_records(path: str) -> List[dict]:
             image = os.path.join(root, image)
         if not image.startswith(("http://", "https://", "data:")) and not os.path.isfile(image):
             raise InputError(f"{where}: image {r['image']!r} not found (paths are relative to the JSONL's folder)")
-        records.append({"index": len(records), "id": r.get("id", len(records)), "image": image,
-                        "instruction": r["instruction"], "bbox": None if negative else bbox,
-                        "negative": negative, "type": _sample_type(r),
-                        "platform": None if r.get("platform") is None else str(r["platform"])})
+        record = {"index": len(records), "id": r.get("id", len(records)), "image": image,
+                  "instruction": r["instruction"], "bbox": None if negative else bbox,
+                  "negative": negative, "type": _sample_type(r),
+                  "platform": None if r.get("platform") is None else str(r["platform"])}
+        records.append(dict(record, sample=sample_key(record)))
     if not records:
         raise InputError(f"--data {path!r} has no records")
     return records
+
+
+def sample_key(record) -> str:
+    """What identifies a sample whatever file lists it: its image (the real path of a file), its
+    instruction, box, negative flag and id. A result carries it, so results of another dataset
+    that happen to share an index and an instruction are never taken for this one's."""
+    image = record["image"]
+    if not image.startswith(("http://", "https://", "data:")):
+        image = os.path.realpath(image)
+    identity = [image, record["instruction"], record["bbox"], record["negative"], record["id"]]
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
 def inside(point, bbox) -> bool:
@@ -90,19 +106,34 @@ def score(record, answer: str, width: int, height: int) -> dict:
     """One sample's result line: the parsed answer and whether it is right."""
     g = parse_grounding(answer, width, height)
     correct = g.status == "refused" if record["negative"] else (g.point is not None and inside(g.point, record["bbox"]))
-    return {"index": record["index"], "id": record["id"], "instruction": record["instruction"],
-            "type": record["type"], "platform": record["platform"], "negative": record["negative"],
-            "bbox": record["bbox"], "image_size": [width, height], "answer": answer,
+    return {"index": record["index"], "sample": record.get("sample"), "id": record["id"],
+            "instruction": record["instruction"], "type": record["type"], "platform": record["platform"],
+            "negative": record["negative"], "bbox": record["bbox"], "image_size": [width, height], "answer": answer,
             "point": list(g.point) if g.point else None, "status": g.status, "correct": bool(correct)}
 
 
 # ---------------------------------------------------------------------------------------------
 # Results file (resumable)
 # ---------------------------------------------------------------------------------------------
+# The flag each setting is given by, for the message naming a setting that differs.
+SETTING_FLAGS = {"model": "--model", "format": "--format", "refusal": "refusal clause (--no-refusal)",
+                 "min_pixels": "--min-pixels", "max_pixels": "--max-pixels", "max_tokens": "--max-tokens",
+                 "dtype": "--dtype"}
+
+
+def _settings_differ(found, wanted) -> str:
+    """"--format 'qwen' (this run: 'venus'), ..." for each setting that differs."""
+    found, wanted = found or {}, wanted or {}
+    order = list(SETTING_FLAGS)
+    names = sorted(set(found) | set(wanted), key=lambda k: order.index(k) if k in order else len(order))
+    return ", ".join(f"{SETTING_FLAGS.get(k, k)} {found.get(k)!r} (this run: {wanted.get(k)!r})"
+                     for k in names if found.get(k) != wanted.get(k)) or "no settings recorded"
+
+
 def read_results(path: str, records: List[dict], settings: Optional[dict] = None) -> dict:
     """Results already in `path`, by record index. A partial last line (an interrupted write) is
-    cut off; results of other data or of a run with other settings (model, format, pixel budget,
-    ...) are refused rather than mixed in."""
+    cut off; results of other data (another sample at that index) or of a run with other settings
+    (model, format, pixel budget, ...) are refused rather than mixed in, naming what differs."""
     if not os.path.exists(path):
         return {}
     with open(path, "rb") as f:
@@ -115,15 +146,16 @@ def read_results(path: str, records: List[dict], settings: Optional[dict] = None
         try:
             r = json.loads(line)
             i = r["index"]
-            same = 0 <= i < len(records) and r["instruction"] == records[i]["instruction"]
+            same = 0 <= i < len(records) and r["sample"] == records[i]["sample"]
         except (ValueError, KeyError, TypeError):
             same = False
         if not same:
-            raise InputError(f"--output {path!r} line {n} is not a result for this --data; "
-                             "pass another --output or delete the file to start over")
+            raise InputError(f"--output {path!r} line {n} is not a result for this --data's samples (another "
+                             "dataset's, or an older file); pass another --output or delete the file to start over")
         if r.get("settings") != settings:
-            raise InputError(f"--output {path!r} line {n} was written with other settings ({r.get('settings')}); "
-                             "pass another --output or delete the file to start over")
+            raise InputError(f"--output {path!r} line {n} was written with other settings: "
+                             f"{_settings_differ(r.get('settings'), settings)}; rerun with those, pass another "
+                             "--output, or delete the file to start over")
         done[i] = r
     if good_end < len(data):
         with open(path, "r+b") as f:
@@ -222,14 +254,32 @@ def evaluate(records: List[dict], predictor: Callable[[List[dict]], List[str]], 
     return report
 
 
+def model_identity(model: Optional[str]) -> Optional[str]:
+    """The model a result was produced by: a local folder by its real path (the same checkpoint
+    named by another relative path, or through a link, is the same model), a hub id as it is."""
+    if model and os.path.isdir(model):
+        return os.path.realpath(model)
+    return model
+
+
+def default_output(data: str, model: Optional[str], format: str) -> str:
+    """<data name>.<model name>.<format>.results.jsonl beside the data: a rerun from any folder
+    finds (and resumes) it, and another model or format gets a file of its own."""
+    folder, name = os.path.split(os.path.abspath(data))
+    stem = os.path.splitext(name)[0]
+    if model:
+        stem += "." + (os.path.basename(os.path.normpath(model)) or "model").replace("/", "_")
+    return os.path.join(folder, f"{stem}.{format}.results.jsonl")
+
+
 def build_parser():
     p = Parser(prog="python -m mlx_qwen3vl.eval_grounding",
                                 description="Grounding accuracy on ScreenSpot-style JSONL data.")
     p.add_argument("--model", help="local folder or Hugging Face repo id")
     p.add_argument("--data", required=True, help="JSONL: image, instruction, bbox [x1,y1,x2,y2] px, "
                                                  "optional type, platform, negative")
-    p.add_argument("--output", help="per-sample results JSONL (default: <data name>.<model name>.results.jsonl "
-                                    "in the current folder); an existing file of the same run is resumed")
+    p.add_argument("--output", help="per-sample results JSONL (default: <data name>.<model name>.<format>"
+                                    ".results.jsonl beside --data); an existing file of the same run is resumed")
     p.add_argument("--report", help="also write the report JSON to this file")
     p.add_argument("--limit", type=int, default=None, help="only the first N records")
     p.add_argument("--format", choices=GROUNDING_FORMATS, default="venus")
@@ -270,13 +320,10 @@ def _main(args, predictor):
     records = read_records(args.data)
     settings = None
     if predictor is None or args.model:
-        settings = {"model": args.model, "format": args.format, "refusal": not args.no_refusal,
+        settings = {"model": model_identity(args.model), "format": args.format, "refusal": not args.no_refusal,
                     "min_pixels": args.min_pixels, "max_pixels": args.max_pixels, "max_tokens": args.max_tokens,
                     "dtype": args.dtype}
-    stem = os.path.splitext(os.path.basename(args.data))[0]
-    if args.model:
-        stem += "." + (os.path.basename(os.path.normpath(args.model)) or "model").replace("/", "_")
-    output = args.output or stem + ".results.jsonl"
+    output = args.output or default_output(args.data, args.model, args.format)
     batch_size = args.batch_size
     if predictor is None:
         if not args.model:
@@ -294,6 +341,8 @@ def _main(args, predictor):
                                    args.max_pixels, args.max_tokens)
         if batch_size is None:
             batch_size = 8 if mx.default_device().type == mx.gpu else 1
+    if not args.output:
+        print(f"results: {output} (--output to choose)", file=sys.stderr)
     report = evaluate(records, predictor, output, limit=args.limit, batch_size=batch_size or 1,
                       progress=not args.no_progress, settings=settings)
     if args.report:

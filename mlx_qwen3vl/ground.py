@@ -4,7 +4,8 @@
         [--format venus|qwen|computer_use] [--annotate out.png]
 
 The point (and box, if the answer gave one) is in pixels of the image as given, whatever
---min-pixels / --max-pixels did to it for the model (see mlx_qwen3vl.agent.to_pixel for the
+--min-pixels / --max-pixels did to it for the model (an answer without a point is drawn as a red
+"no point" banner) (see mlx_qwen3vl.agent.to_pixel for the
 rounding). `--answer TEXT` skips the model and parses / draws an answer obtained elsewhere.
 """
 
@@ -13,7 +14,7 @@ import os
 import sys
 import tempfile
 
-from .agent import GROUNDING_FORMATS, GroundingResult, annotate, ground, parse_grounding
+from .agent import GROUNDING_FORMATS, GroundingResult, annotate, ground, missing_point_note, parse_grounding
 from . import cli
 from .cli import FLAGS, Parser, check_max_tokens, check_media_flags
 from .errors import InputError
@@ -88,7 +89,8 @@ def run(args) -> dict:
                         max_pixels=args.max_pixels, max_tokens=args.max_tokens)
     out = {"instruction": args.instruction, **result.to_dict()}
     if args.annotate:
-        write_png_atomically(annotate(rgb, result.point, result.box), args.annotate)
+        note = None if result.point else missing_point_note(result.status)
+        write_png_atomically(annotate(rgb, result.point, result.box, note=note), args.annotate)
         out["annotated"] = args.annotate
     return out
 

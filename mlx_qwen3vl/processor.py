@@ -5,10 +5,12 @@ pillow backend of transformers' image processor (Qwen2VLImageProcessorPil) bit f
 videos follow Qwen3VLVideoProcessor (see video.py).
 """
 
+import dataclasses
 import inspect
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -24,6 +26,9 @@ from .positions import mm_token_type_ids_from
 from .video import smart_resize
 
 CONTENT_TYPES = ("text", "image", "image_url", "video")
+# The roles whose images and videos Qwen3-VL's chat template renders (a tool result may be a
+# screenshot); in system and assistant messages it drops them, so they are refused there.
+MEDIA_ROLES = ("user", "tool")
 # Keys of a content block that can hold the media, in transformers' order.
 MEDIA_KEYS = {"image": ("image", "url", "path", "base64"), "video": ("video", "url", "path")}
 IMAGE_TOKEN, VIDEO_TOKEN = "<|image_pad|>", "<|video_pad|>"
@@ -154,6 +159,12 @@ def normalize_messages(messages):
             for j, block in enumerate(content, 1):
                 where = f"message {i} content item {j}"
                 kind = _block_type(block, where)
+                if kind != "text" and message.get("role") not in MEDIA_ROLES:
+                    raise InputError(
+                        f"{where} is {'a video' if kind == 'video' else 'an image'} in a {message.get('role')} "
+                        "message, where the chat template renders no media; put it in a user message "
+                        "(or a tool result)"
+                    )
                 if kind == "image_url" and "image_url" in block:
                     info = block["image_url"]
                     block = {"type": "image", "url": info.get("url", "") if isinstance(info, dict) else info}
@@ -280,7 +291,7 @@ class Processor:
         """Render the conversation (or a batch of them) as transformers' processor does.
 
         With `tokenize=True`, returns the processed inputs (see `__call__`, which takes the media
-        options among `kwargs`: video_fps, min_pixels, ...), taking the media from the messages, or
+        options among `kwargs`: fps, source_fps, min_pixels, ...), taking the media from the messages, or
         from `images` / `videos` when the messages only hold placeholders. The other `kwargs` go to
         the chat template.
         """
@@ -308,6 +319,13 @@ class Processor:
 
     # -- media
 
+    def read_media(self, read, *args):
+        """`read(*args)`: a function that reads media (files, URLs, buffers) into a dict of numpy
+        arrays. Every media read outside `__call__` goes through here, so that a distributed
+        processor (distributed.RankZeroProcessor) can run it on rank 0 alone and hand the other
+        ranks its result."""
+        return read(*args)
+
     def process_images(self, images, min_pixels=None, max_pixels=None):
         """Images → (pixel_values (N, C·T·16·16) float32, image_grid_thw (n, 3) int64)."""
         patches, grids = [], []
@@ -321,10 +339,10 @@ class Processor:
             grids.append(grid)
         return np.concatenate(patches), np.array(grids, dtype=np.int64)
 
-    def _clip(self, video, fps, sample, label):
-        cfg = self.video_config
+    def _clip(self, video, source_fps, fps, sample, label):
+        cfg = self.video_config if fps is None else dataclasses.replace(self.video_config, fps=float(fps))
         if isinstance(video, (str, os.PathLike)):
-            return vid.read_video_file(video, fps, sample, cfg, label)
+            return vid.read_video_file(video, source_fps, sample, cfg, label)
         is_rgb_array = isinstance(video, np.ndarray) and video.ndim == 4 and video.shape[-1] == 3
         if is_rgb_array and video.dtype == np.uint8:
             frames = video
@@ -342,18 +360,27 @@ class Processor:
             )
         if frames.shape[1] == 0 or frames.shape[2] == 0:
             raise InputError(f"{label} has zero-size frames; pass non-empty frames")
-        return vid.clip_from_frames(frames, fps, sample, cfg)
+        return vid.clip_from_frames(frames, source_fps, sample, cfg)
 
-    def process_videos(self, videos, video_fps=None, sample_frames=True, cap_pixels_per_frame=None):
-        """Videos → (pixel_values_videos, video_grid_thw (n, 3) int64, timestamps per video)."""
-        fps_list = video_fps if isinstance(video_fps, (list, tuple)) else [video_fps] * len(videos)
-        if len(fps_list) != len(videos):
-            raise InputError(f"video_fps has {len(fps_list)} entries for {len(videos)} videos; pass one per video")
-        for fps in fps_list:
-            vid.check_fps(fps)
+    def process_videos(self, videos, source_fps=None, sample_frames=True, cap_pixels_per_frame=None, fps=None,
+                       video_fps=None):
+        """Videos → (pixel_values_videos, video_grid_thw (n, 3) int64, timestamps per video).
+
+        `fps`: frames sampled per second of video (qwen-vl-utils' and transformers' meaning; default
+        the video config's, 2). `source_fps`: the frame rate of the source, for frames passed as a
+        list or array (default 24) or to override a file's own. Either may be one value per video."""
+        source_fps = renamed_source_fps(source_fps, video_fps)
+        per_video = {}
+        for name, value in (("source_fps", source_fps), ("fps", fps)):
+            values = value if isinstance(value, (list, tuple)) else [value] * len(videos)
+            if len(values) != len(videos):
+                raise InputError(f"{name} has {len(values)} entries for {len(videos)} videos; pass one per video")
+            for v in values:
+                vid.check_fps(v, name)
+            per_video[name] = values
         patches, grids, times = [], [], []
-        for i, (video, fps) in enumerate(zip(videos, fps_list), 1):
-            clip = self._clip(video, fps, sample_frames, f"video {i}")
+        for i, (video, src, rate) in enumerate(zip(videos, per_video["source_fps"], per_video["fps"]), 1):
+            clip = self._clip(video, src, rate, sample_frames, f"video {i}")
             try:
                 p, grid, ts = vid.preprocess_clip(clip, self.video_config, cap_pixels_per_frame)
             except InputError as e:
@@ -371,8 +398,9 @@ class Processor:
 
     # -- everything
 
-    def __call__(self, text=None, images=None, videos=None, video_fps=None, sample_frames=True, min_pixels=None,
-                 max_pixels=None, cap_pixels_per_frame=None, padding=True, return_tensors="np"):
+    def __call__(self, text=None, images=None, videos=None, fps=None, source_fps=None, sample_frames=True,
+                 min_pixels=None, max_pixels=None, cap_pixels_per_frame=None, padding=True, return_tensors="np",
+                 video_fps=None):
         """Tokenize text with each image / video placeholder expanded, and preprocess the media.
 
         Returns a dict with transformers' names: input_ids, attention_mask, mm_token_type_ids
@@ -382,7 +410,9 @@ class Processor:
         `min_pixels` / `max_pixels` override the image config's budget (integers,
         1 <= min_pixels <= max_pixels, max_pixels >= 1024). `cap_pixels_per_frame` (default: the
         video config's, True unless it says otherwise) caps each video frame as qwen-vl-utils
-        does; False gives transformers 5.24's default, uncapped frames.
+        does; False gives transformers 5.24's default, uncapped frames. `fps` (frames sampled per
+        second) and `source_fps` (the frames' own rate): see `process_videos`; `video_fps` is
+        `source_fps`'s old name (deprecated).
         """
         if return_tensors not in ("np", "mlx"):
             raise InputError(f"return_tensors={return_tensors!r} is not supported; use 'np' or 'mlx'")
@@ -404,7 +434,7 @@ class Processor:
             )
         if videos:
             out["pixel_values_videos"], out["video_grid_thw"], times = self.process_videos(
-                videos, video_fps, sample_frames, cap_pixels_per_frame
+                videos, renamed_source_fps(source_fps, video_fps), sample_frames, cap_pixels_per_frame, fps
             )
             replacements[self.video_token] = iter(
                 self._video_placeholder(g, t) for g, t in zip(out["video_grid_thw"], times)
@@ -432,6 +462,18 @@ class Processor:
 
 
 # ---------------------------------------------------------------------------- input shapes
+
+
+def renamed_source_fps(source_fps, video_fps, stacklevel=3):
+    """`video_fps=` is `source_fps=`'s old name: accepted with a DeprecationWarning. (It named the
+    source's frame rate, while qwen-vl-utils' users read `fps` as the sampling rate, which `fps=` now is.)"""
+    if video_fps is None:
+        return source_fps
+    warnings.warn("video_fps= is deprecated: it is the source's frame rate, now source_fps= "
+                  "(fps= is the sampling rate, frames kept per second)", DeprecationWarning, stacklevel=stacklevel)
+    if source_fps is not None and source_fps != video_fps:
+        raise InputError("source_fps= and video_fps= (its deprecated name) disagree; give source_fps= alone")
+    return video_fps
 
 
 # What apply_chat_template(tokenize=True) hands on to __call__ besides the text and media: the

@@ -107,8 +107,8 @@ def pixel_budget(min_pixels, max_pixels, factor, names=None):
     return lo, hi
 
 
-def check_fps(value, name="video_fps"):
-    """A source frame rate: None (the file's, else DEFAULT_SOURCE_FPS) or a finite number > 0."""
+def check_fps(value, name="source_fps"):
+    """A frame rate (a source's, or the sampling rate): None (the default) or a finite number > 0."""
     ok = value is None or (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
                            and math.isfinite(value) and value > 0)
     if not ok:

@@ -71,7 +71,7 @@ def main():
         cases = {}
         for case in CASES:
             messages, fps = case_messages(case, rank)
-            cases[case] = M.generate(model, processor, messages=messages, video_fps=fps,
+            cases[case] = M.generate(model, processor, messages=messages, source_fps=fps,
                                      max_tokens=args.max_tokens).token_ids
         return cases
 

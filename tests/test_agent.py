@@ -64,6 +64,16 @@ FORMATS = [
      {(123, 77): (61, 38), (90, 260): (45, 130)}, None),
     ("[1000,1000]", {(123, 77): (122, 76), (90, 260): (89, 259)}, None),
     ("[0,0]", {(123, 77): (0, 0), (90, 260): (0, 0)}, None),
+    # The reasoning is never read (a closed block, an open one, or one opened by the template).
+    ("<think>not [10, 10]</think>[600, 400]", {(123, 77): (73, 30), (90, 260): (54, 104)}, None),
+    ("<think>\nmaybe [10, 10]\n</think>\n\n[600, 400]", {(123, 77): (73, 30), (90, 260): (54, 104)}, None),
+    ("first [10, 10]?</think>[600, 400]", {(123, 77): (73, 30), (90, 260): (54, 104)}, None),
+    # A JSON string (a label) holds no coordinates.
+    ('[{"label": "tab [2, 3]", "bbox_2d": [100, 200, 300, 400]}]', {(123, 77): (24, 23), (90, 260): (18, 78)},
+     {(123, 77): (12, 15, 36, 30), (90, 260): (9, 52, 27, 104)}),
+    ('{"label": "the [2, 3] tab", "point_2d": [500, 500]}', {(123, 77): (61, 38), (90, 260): (45, 130)}, None),
+    ("<point>250, 750</point>", {(123, 77): (30, 57), (90, 260): (22, 195)}, None),
+    ("<point>250 750</point>", {(123, 77): (30, 57), (90, 260): (22, 195)}, None),
 ]
 
 
@@ -91,6 +101,9 @@ def test_refusals(answer):
     '<tool_call>\n{"name": "computer_use", "arguments": {"action": "left_click", "coordinate": [5000, 1]}}',
     '<tool_call>\n{"name": "computer_use", "arguments": {"action": "left_click"',  # truncated
     '<tool_call>\n{"name": "computer_use", "arguments": {"action": "type", "text": "hi"}}\n</tool_call>',
+    "<think>It is at [500, 500]</think>", "<think>It is at [500, 500]",  # reasoning alone: no answer
+    '[{"label": "tab [2, 3]"}]',  # a string alone
+    "[500,500]\n[-1,-1]", "[-1,-1]\n[500,500]", "[-1, -1] or (500, 500)",  # a point and a refusal: ambiguous
     None])
 def test_malformed_answers(answer):
     g = parse_grounding(answer, 123, 77)
@@ -334,15 +347,24 @@ def test_ground_cli_takes_data_urls_without_subtype(tmp_path, capsys):
         assert code == 0 and json.loads(out)["point"] == [45, 130] and json.loads(out)["image_size"] == [90, 260]
 
 
-def test_ground_cli_refusal_draws_nothing(tmp_path, capsys):
+@pytest.mark.parametrize("answer, status", [("[-1,-1]", "refused"), ("I cannot find it.", "malformed"),
+                                            ("<think>at [500, 500]</think>", "malformed")])
+def test_ground_cli_answer_without_a_point_is_marked(tmp_path, capsys, answer, status):
+    """A picture of an answer without a point never passes for the plain screenshot: a red
+    banner across the top says no point was found (and why), a red frame runs round it."""
     shot = tmp_path / "shot.png"
     Image.new("RGB", (90, 260), (200, 200, 200)).save(shot)
-    code, out, _ = _cli(ground_cli.main, ["--image", str(shot), "--instruction", "x", "--answer", "[-1,-1]",
+    code, out, _ = _cli(ground_cli.main, ["--image", str(shot), "--instruction", "x", "--answer", answer,
                                           "--annotate", str(tmp_path / "a.png")], capsys)
     assert code == 0
     r = json.loads(out)
-    assert (r["point"], r["box"], r["status"]) == (None, None, "refused")
-    assert (np.asarray(Image.open(tmp_path / "a.png")) == np.asarray(Image.open(shot))).all()
+    assert (r["point"], r["box"], r["status"]) == (None, None, status)
+    before, after = np.asarray(Image.open(shot)).astype(int), np.asarray(Image.open(tmp_path / "a.png")).astype(int)
+    assert after.shape == before.shape
+    banner = after[:12]
+    assert ((banner[..., 0] > 150) & (banner[..., 1] < 60)).mean() > 0.5  # mostly red
+    assert (banner.min(-1) > 180).any()  # with white text on it
+    assert (after[:, 0] != before[:, 0]).any(-1).all() and (after[200, 40] == before[200, 40]).all()
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -522,6 +544,42 @@ def test_eval_refuses_results_of_other_data(tmp_path, capsys):
     assert out.read_text() == json.dumps({"index": 0, "instruction": "something else"}) + "\n"
 
 
+def test_eval_refuses_another_datasets_results_at_the_same_index(tmp_path, capsys):
+    """Data B lists the same instructions at the same indices as A but other boxes, or the same
+    boxes on other images: A's results file is refused for B, never merged into B's report."""
+    out = str(tmp_path / "a.results.jsonl")
+    assert _eval(["--data", str(DATA), "--output", out], capsys, Scripted())[0] == 0
+    before = open(out).read()
+    records = [json.loads(line) for line in DATA.read_text().splitlines()]
+    other_box = [dict(records[0], bbox=[0, 0, 10, 10])] + records[1:]
+    other_image = [dict(r, image="../media/img_123x77.png") for r in records]
+    (tmp_path / "grounding").mkdir()
+    (tmp_path / "media").symlink_to(MEDIA)
+    for name, rows in (("other_box", other_box), ("other_image", other_image)):
+        data = tmp_path / "grounding" / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        code, _, err = _eval(["--data", str(data), "--output", out], capsys, Scripted())
+        assert code == 2 and err.count("\n") == 1 and "line 1 is not a result for this --data" in err, (name, err)
+    assert open(out).read() == before
+
+
+def test_eval_resume_follows_the_model_not_its_spelling(tmp_path, capsys, monkeypatch):
+    """The same checkpoint named by another relative path resumes the file; another setting is
+    refused with that setting named."""
+    data = _data_copy(tmp_path)
+    monkeypatch.chdir(ROOT)
+    first = Scripted()
+    argv = ["--data", str(data), "--limit", "2"]
+    code, _, err = _eval(argv + ["--model", "tests/fixtures/tiny-a"], capsys, first)
+    assert code == 0 and sum(map(len, first.batches)) == 2
+    monkeypatch.chdir(FIXTURES / "grounding")
+    rest = Scripted()
+    code, report, err = _eval(["--data", str(data), "--model", "../tiny-a"], capsys, rest)
+    assert code == 0 and "resuming" in err and (report["evaluated_now"], report["resumed"]) == (6, 2)
+    code, _, err = _eval(["--data", str(data), "--model", "../tiny-a", "--max-tokens", "64"], capsys, Scripted())
+    assert code == 2 and "--max-tokens 128 (this run: 64)" in err, err
+
+
 @pytest.mark.parametrize("lines,needle", [
     (['{"image": "a.png", "instruction": "x", "bbox": [0, 0, 1, 1]'], "line 1 is not valid JSON"),
     (['{"image": "../media/img_123x77.png", "instruction": "x"}'], "line 1 needs 'bbox'"),
@@ -548,46 +606,91 @@ def test_eval_bad_arguments(capsys):
         assert code == 2 and err.startswith("error: ") and err.count("\n") == 1
 
 
+def _data_copy(tmp_path):
+    """The shipped JSONL in a folder of its own (results are written beside it), media linked."""
+    (tmp_path / "grounding").mkdir()
+    (tmp_path / "media").symlink_to(MEDIA)
+    data = tmp_path / "grounding" / DATA.name
+    data.write_text(DATA.read_text())
+    return data
+
+
 def test_eval_end_to_end_on_the_tiny_checkpoint(tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the default --output lands in the current folder
-    base = ["--model", str(TINY), "--data", str(DATA), "--limit", "3", "--max-tokens", "4", "--no-progress"]
-    code, out, _ = _cli(eval_grounding.main, base + ["--batch-size", "2"], capsys)
+    data = _data_copy(tmp_path)
+    monkeypatch.chdir(tmp_path / "media")  # not where the results go
+    base = ["--model", str(TINY), "--data", str(data), "--limit", "3", "--max-tokens", "4", "--no-progress"]
+    code, out, err = _cli(eval_grounding.main, base + ["--batch-size", "2"], capsys)
     assert code == 0
     report = json.loads(out)
     assert report["samples"] == 3 and report["evaluated_now"] == 3
-    rows = [json.loads(line) for line in (tmp_path / "screenspot_tiny.tiny-a.results.jsonl").read_text().splitlines()]
+    default = tmp_path / "grounding" / "screenspot_tiny.tiny-a.venus.results.jsonl"  # beside the data, announced
+    assert report["results"] == str(default) and err == f"results: {default} (--output to choose)\n"
+    rows = [json.loads(line) for line in default.read_text().splitlines()]
     assert [r["index"] for r in rows] == [0, 1, 2]
     assert rows[0]["settings"]["model"] == str(TINY) and rows[0]["settings"]["max_tokens"] == 4
     for r in rows:  # whatever the random model said, it was scored by the same rule
         assert r["point"] == (list(parse_point(r["answer"], *r["image_size"]) or []) or None)
     assert report["correct"] == sum(r["correct"] for r in rows)
     # Batched answers (a 300x200 and a 300x200 image, then a 90x260 one) equal one-by-one answers.
-    code, out, _ = _cli(eval_grounding.main, base + ["--batch-size", "1", "--output", "single.jsonl"], capsys)
+    code, out, _ = _cli(eval_grounding.main, base + ["--batch-size", "1", "--output", str(tmp_path / "single.jsonl")],
+                        capsys)
     assert code == 0
     single = [json.loads(line) for line in (tmp_path / "single.jsonl").read_text().splitlines()]
     assert [r["answer"] for r in single] == [r["answer"] for r in rows]
-    # Resuming a file written with other settings is refused, not mixed.
-    code, out, err = _cli(eval_grounding.main, base + ["--format", "qwen", "--output",
-                                                       "screenspot_tiny.tiny-a.results.jsonl"], capsys)
-    assert code == 2 and "other settings" in err and err.count("\n") == 1
+    # Resuming a file written with other settings is refused, not mixed, naming what differs.
+    code, out, err = _cli(eval_grounding.main, base + ["--format", "qwen", "--output", str(default)], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "other settings: --format 'venus' (this run: 'qwen')" in err
 
 
 # ---------------------------------------------------------------------------------------------
 # The agent-loop example
 # ---------------------------------------------------------------------------------------------
-def test_agent_loop_example_runs_on_the_tiny_checkpoint(tiny):
+def _example():
     spec = importlib.util.spec_from_file_location("agent_loop", ROOT / "examples" / "agent_loop.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    return example
+
+
+def test_agent_loop_example_runs_on_the_tiny_checkpoint(tiny):
+    example = _example()
     shots = [str(MEDIA / "img_300x200.png"), str(MEDIA / "img_90x260.png")]
     steps, session = example.run(*tiny, "Open the settings", shots, keep_images=1, max_tokens=3)
     assert [s["step"] for s in steps] == [0, 1]
     images = [b for m in session.messages if isinstance(m["content"], list) for b in m["content"] if b["type"] == "image"]
-    assert images == [{"type": "image", "image": shots[1]}]  # only the last screenshot is kept
+    assert len(images) == 1  # only the last screenshot is kept, as it was read
+    assert np.array_equal(images[0]["image"], np.asarray(Image.open(shots[1]).convert("RGB")))
     assert steps[1]["cached_tokens"] > 0  # the second turn reused the first one's cache
     for s in steps:
         a = parse_action(s["answer"], *Image.open(s["screenshot"]).size)
         assert s["action"] == (a.to_dict() if a else None)
+
+
+def test_agent_loop_example_runs_as_the_readme_says(tmp_path):
+    """`python examples/agent_loop.py`, from another folder, with its defaults: the tiny checkpoint
+    and three screenshots of examples/screenshot.png's size fit its 4096-token context."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / "agent_loop.py")], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["step 1", "step 2", "step 3"], p.stdout
+    assert all("[0 prompt tokens reused]" not in line for line in lines[1:])  # later steps reuse the cache
+    assert Image.open(ROOT / "examples" / "screenshot.png").size == (1280, 720)
+
+
+def test_agent_loop_example_context_overflow_is_one_line(capsys):
+    """A budget too large for the context fails at the step that overflows, in one line naming the
+    knobs to turn."""
+    code = _example().main(["--max-pixels", str(1280 * 28 * 28)])
+    out, err = capsys.readouterr()
+    assert code == 2 and out.startswith("step 1:") and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: step 2: the conversation is ") and "context of 4096" in last
+    assert "--max-pixels (now 1003520)" in last and "--keep-images (now 2)" in last
 
 
 def test_action_to_dict_is_json_ready():

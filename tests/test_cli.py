@@ -73,7 +73,7 @@ def test_bad_values_exit_2_with_one_line(args, needle, capsys):
 ])
 def test_media_flags_are_named_as_typed(args, needle, capsys):
     """Checked against the checkpoint's preprocessor config before the model loads, and named by
-    the flag, never by the API argument (max_pixels=, video_fps=)."""
+    the flag, never by the API argument (max_pixels=, source_fps=)."""
     p = in_process(capsys, "--model", TINY, *args)
     assert_one_error_line(p, needle)
     assert "_pixels" not in p.stderr and "video_fps" not in p.stderr
@@ -160,3 +160,30 @@ def test_good_run_prints_only_statistics_on_stderr_without_torch():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stderr
     assert [line.split(":")[0] for line in p.stderr.splitlines() if line] == ["Prompt", "Generation", "Peak memory"]
+
+
+def test_readme_synopsis_lists_every_flag_as_it_takes_values():
+    """The README's command-line synopsis names every flag the parser has, and a flag that takes
+    several values (--image, --video, --stop) is shown with `...`."""
+    import re
+
+    from mlx_qwen3vl.__main__ import build_parser
+
+    readme = (ROOT / "README.md").read_text()
+    synopsis = readme.split("## Command line", 1)[1].split("```")[1]
+    shown = set(re.findall(r"--[a-z][a-z-]*", synopsis))
+    actions = [a for a in build_parser()._actions if a.option_strings and a.option_strings[-1] != "--help"]
+    flags = {a.option_strings[-1] for a in actions}
+    assert flags - shown == set() and shown - flags == set()
+    for a in actions:
+        if a.nargs == "+":
+            assert re.search(re.escape(a.option_strings[-1]) + r" \S+ \.\.\.\]", synopsis), a.option_strings[-1]
+
+
+def test_errors_are_importable_from_the_package():
+    from mlx_qwen3vl import ConfigError, ContextLengthError, InputError, ModelNotFoundError, Qwen3VLError, WeightsError
+
+    assert issubclass(InputError, Qwen3VLError) and issubclass(ContextLengthError, InputError)
+    assert {ConfigError, WeightsError, ModelNotFoundError} <= set(Qwen3VLError.__subclasses__())
+    with pytest.raises(M.InputError):
+        M.generate(load_fixture_model("tiny-b"), M.Processor.from_pretrained(FIXTURES / "tiny-b"), "hi", top_p=2.0)

@@ -441,7 +441,7 @@ def test_mlxvlm_mixed_per_layer_bits_are_honoured():
 # mlx-vlm (and LM Studio, which runs on it) reading our folders
 # ---------------------------------------------------------------------------------------------
 sys.path.insert(0, str(FIXTURES))
-from make_mlxvlm_fixture import OURS, mlx_vlm_logits  # noqa: E402
+from make_mlxvlm_fixture import CASE, OURS, OURS_CASE, mlx_vlm_logits  # noqa: E402
 
 
 @pytest.mark.parametrize("name", sorted(OURS))
@@ -455,21 +455,47 @@ def test_mlxvlm_reads_our_folders_with_our_logits(tmp_path, name):
     out = convert(FIXTURES / source, tmp_path / name, log=QUIET, **kwargs)
     recorded = np.load(FIXTURES / "mlxvlm-reads-ours" / f"{name}.npz")
     assert tensors_digest(out) == str(recorded["digest"]), "the converter writes other bytes: rerun the fixture"
-    ours = np.array(load_model(out, "float32")(**case_inputs("image")))
+    ours = np.array(load_model(out, "float32")(**case_inputs(OURS_CASE.get(name, CASE))))
     bound = 3e-2 if kwargs.get("q_mode") else 1e-4
     assert rel_err(ours, recorded["logits"]) < bound
     assert (ours.argmax(-1) == recorded["logits"].argmax(-1)).mean() > (0.95 if kwargs.get("q_mode") else 0.999)
 
 
-@pytest.mark.parametrize("name", ["tiny-a-q4-vision", "tiny-b-float"])
+# What mlx-vlm 0.7.10 requires of a qwen3_vl_moe config (mlx_vlm/models/qwen3_vl_moe/config.py and
+# vision.py): every TextConfig field without a default (from_dict leaves a text_config lacking one
+# undeserialized, and the model fails to build), rope_scaling with mrope_section and a default /
+# mrope type, and the vision model_type its VisionModel accepts.
+MLX_VLM_MOE_TEXT_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size",
+                           "num_attention_heads", "num_experts", "num_experts_per_tok", "decoder_sparse_step",
+                           "mlp_only_layers", "moe_intermediate_size", "rms_norm_eps", "vocab_size",
+                           "num_key_value_heads", "head_dim", "rope_theta", "max_position_embeddings")
+
+
+@pytest.mark.parametrize("kwargs", [{}, dict(quantize=True, q_bits=4, q_group_size=32)], ids=["float", "q4"])
+@pytest.mark.parametrize("source", ["tiny-moe", "tiny-moe-hub"])
+def test_converted_moe_config_is_what_mlxvlm_reads(tmp_path, source, kwargs):
+    """tiny-moe is transformers 5's layout (num_local_experts, qwen3_vl_moe_vision, rope_parameters),
+    tiny-moe-hub 4.57's: both convert to a config.json mlx-vlm 0.7.10 builds its model from."""
+    out = convert(FIXTURES / source, tmp_path / "out", log=QUIET, **kwargs)
+    cfg = json.loads((out / "config.json").read_text())
+    text = cfg["text_config"]
+    assert [k for k in MLX_VLM_MOE_TEXT_FIELDS if k not in text] == []
+    assert text["num_experts"] == 16 and cfg["vision_config"]["model_type"] == "qwen3_vl_moe"
+    rope = text["rope_scaling"]
+    assert "mrope_section" in rope and rope.get("type", rope.get("rope_type")) in ("mrope", "default")
+    assert load_model(out).config.text_config.num_experts == 16  # and we still read it
+
+
+@pytest.mark.parametrize("name", ["tiny-a-q4-vision", "tiny-b-float", "tiny-moe-float", "tiny-moe-q4"])
 def test_mlxvlm_live_reads_our_folders(tmp_path, name):
     """The same with mlx-vlm itself, where it is installed (it is not a test dependency: it pulls
     datasets, pyarrow, pandas, opencv and mlx-audio; the recorded test above runs everywhere)."""
     pytest.importorskip("mlx_vlm")
     source, kwargs = OURS[name]
+    case = OURS_CASE.get(name, CASE)
     out = convert(FIXTURES / source, tmp_path / name, log=QUIET, **kwargs)
-    ours = np.array(load_model(out, "float32")(**case_inputs("image")))
-    theirs = mlx_vlm_logits(out)
+    ours = np.array(load_model(out, "float32")(**case_inputs(case)))
+    theirs = mlx_vlm_logits(out, case)
     assert rel_err(ours, theirs) < 1e-4 and np.array_equal(ours.argmax(-1), theirs.argmax(-1))
 
 

@@ -66,7 +66,7 @@ def single():
             cases = {}
             for case in CASES:
                 messages, fps = case_messages(case, 0)
-                cases[case] = M.generate(model, processor, messages=messages, video_fps=fps, max_tokens=16).token_ids
+                cases[case] = M.generate(model, processor, messages=messages, source_fps=fps, max_tokens=16).token_ids
             session = M.ChatSession(model, processor, system="You are a GUI agent.", max_tokens=8)
             chat = []
             for text, image in (("Where is the search box?", "img_300x200.png"), ("Now click it.", "img_90x260.png")):
@@ -283,6 +283,21 @@ def test_dimensions_that_do_not_divide_are_one_clear_error(n, vision, needle):
     with pytest.raises(ConfigError):
         distributed.shard(model, FakeGroup(n), vision)
     assert model.language_model.layers[0].self_attn.q_proj.weight.shape == before  # untouched
+
+
+def test_kv_heads_that_do_not_divide_suggest_the_pipeline_not_the_same_launch():
+    """3 KV heads over 2 ranks: the message points at --parallel pipeline (which splits layers, not
+    heads), never at the `-n 2` launch that just failed; where other rank counts divide, it names them."""
+    import dataclasses
+
+    config = ModelConfig.from_pretrained(FIXTURES / "tiny-a")
+    three = dataclasses.replace(config, text_config=dataclasses.replace(config.text_config, num_key_value_heads=3))
+    with pytest.raises(ConfigError) as e:
+        distributed.check_shardable(three, 2)
+    message = str(e.value)
+    assert "num_key_value_heads=3" in message and "--parallel pipeline" in message and "-n 2" not in message
+    with pytest.raises(ConfigError, match=r"--parallel pipeline .*, or launch 2 or 4 ranks \(mlx.launch -n 2\)"):
+        distributed.check_shardable(config, 3)  # tiny-a's 4 heads and 2 KV heads divide by 2 and 4
 
 
 def test_cpu_path_is_refused_for_a_sharded_model():

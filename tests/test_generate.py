@@ -267,7 +267,7 @@ def test_cli_video_file_equals_frames(loaded, tmp_path):
     """--video FILE (PyAV) answers as the same frames given to the Python API do."""
     frames, path = write_fixture_video(tmp_path)
     model, processor = loaded["tiny-b"]
-    expected = M.generate(model, processor, "What happens?", videos=[frames], video_fps=8.0, max_tokens=8)
+    expected = M.generate(model, processor, "What happens?", videos=[frames], source_fps=8.0, max_tokens=8)
     p = run_cli("--model", str(FIXTURES / "tiny-b"), "--video", str(path), "--prompt", "What happens?",
                 "--max-tokens", "8")
     assert p.returncode == 0, p.stderr
@@ -374,3 +374,127 @@ def test_response_fields_are_mlx_lms():
     theirs = {f.name for f in dataclasses.fields(importlib.import_module("mlx_lm.generate").GenerationResponse)}
     ours = {f.name for f in dataclasses.fields(GenerationResponse)}
     assert theirs <= ours and ours - theirs == {"cached_tokens"}, (theirs - ours, ours - theirs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue #27: media by role, token bytes, video frame rates, the chat loop
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("role", ["system", "developer", "assistant"])
+def test_media_where_the_template_renders_none_are_refused_naming_the_message(loaded, role):
+    model, processor = loaded["tiny-a"]
+    image = FIXTURES / "media" / "img_123x77.png"
+    messages = [{"role": "user", "content": "Hi."},
+                {"role": role, "content": [{"type": "text", "text": "Look."}, {"type": "image", "image": str(image)}]},
+                {"role": "user", "content": "Go on."}]
+    with pytest.raises(InputError, match=f"message 2 content item 2 is an image in a {role} message"):
+        M.generate(model, processor, messages=messages, max_tokens=2)
+
+
+def test_screenshot_in_a_tool_result_is_rendered(loaded):
+    """A tool result may be a screenshot (computer-use loops): it gets its image placeholders and
+    pixels, and the answer equals the one with the same pixels given as a PIL image."""
+    model, processor = loaded["tiny-a"]
+    path = FIXTURES / "media" / "img_123x77.png"
+    tool = lambda image: [{"role": "user", "content": "Click it."},  # noqa: E731
+                          {"role": "assistant", "content": "", "tool_calls": [
+                              {"type": "function", "function": {"name": "computer_use", "arguments": {}}}]},
+                          {"role": "tool", "content": [{"type": "image", "image": image},
+                                                       {"type": "text", "text": "Done."}]}]
+    inputs = processor.apply_chat_template(tool(str(path)), tokenize=True)
+    assert inputs["image_grid_thw"].shape == (1, 3)
+    assert "<tool_response>\n<|vision_start|>" in processor.apply_chat_template(tool(str(path)))
+    assert (M.generate(model, processor, messages=tool(str(path)), max_tokens=4).token_ids
+            == M.generate(model, processor, messages=tool(Image.open(path)), max_tokens=4).token_ids)
+
+
+def _gpt2_byte_table():
+    """GPT-2's byte → printable character map (its bytes_to_unicode), written out independently."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    table, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + n)] = b
+            n += 1
+    return table
+
+
+def test_token_bytes_are_each_tokens_own_bytes(loaded):
+    """Tokens that are part of a UTF-8 character decode alone to U+FFFD; their bytes are their own
+    (the vocabulary's byte-level pieces), so a text's tokens' bytes add up to the text's bytes."""
+    from mlx_qwen3vl.generate import token_bytes
+
+    tokenizer = loaded["tiny-a"][1].tokenizer
+    text = "é·中 ok <|im_end|>"
+    ids = tokenizer(text)["input_ids"]
+    assert any(tokenizer.decode([i]) == "\ufffd" for i in ids)  # the case that matters is present
+    assert b"".join(token_bytes(tokenizer, i) for i in ids) == text.encode("utf-8")
+    table = _gpt2_byte_table()
+    middle = tokenizer.convert_tokens_to_ids("·")  # the lone byte 0xB7
+    assert token_bytes(tokenizer, middle) == b"\xb7" == bytes(table[c] for c in tokenizer.convert_ids_to_tokens(middle))
+
+
+def test_fps_is_the_sampling_rate_and_source_fps_the_frames_rate(loaded, tmp_path):
+    """fps= samples that many frames per second of video (qwen-vl-utils' meaning), for frames and
+    files alike; source_fps= is the rate of the frames given (video_fps=, its old name, warns)."""
+    _, processor = loaded["tiny-b"]
+    frames, path = write_fixture_video(tmp_path)  # 16 frames at 8 fps: 2 seconds
+    grid = lambda **kw: processor.process_videos([frames], **kw)[1][0, 0]  # noqa: E731
+    assert grid(source_fps=8) == 2  # 2 fps by default: 4 frames, 2 temporal patches
+    assert grid(source_fps=8, fps=4) == 4  # 8 frames
+    assert grid(source_fps=16, fps=4) == 2  # the same frames as 1 second: 4 frames
+    assert processor.process_videos([str(path)], fps=4)[1][0, 0] == 4  # the file's own 8 fps
+    ts = lambda **kw: processor.process_videos([frames], **kw)[2][0]  # noqa: E731
+    with pytest.warns(DeprecationWarning, match="source_fps"):
+        old = ts(video_fps=16)
+    assert old == ts(source_fps=16) != ts(source_fps=8)
+    with pytest.raises(InputError, match="fps=0 is not a frame rate"):
+        processor.process_videos([frames], fps=0)
+
+
+def test_chat_session_keeps_each_turns_sampling_rate(loaded):
+    model, processor = loaded["tiny-b"]
+    frames = np.load(FIXTURES / "media" / "video_16x72x100.npy")
+    session = M.ChatSession(model, processor, max_tokens=4, source_fps=8.0)
+    session.send("Describe the clip.", videos=[frames], fps=4)
+    tokens = [p.token for p in session.stream("And then?")]
+    history = session.messages[:-1]
+    assert tokens == M.generate(model, processor, messages=history, fps=4, source_fps=8.0, max_tokens=4).token_ids
+    at = lambda **kw: processor.apply_chat_template(history, tokenize=True, source_fps=8.0, **kw)  # noqa: E731
+    assert session.last.prompt_tokens == at(fps=4)["input_ids"].shape[1] != at()["input_ids"].shape[1]
+
+
+def test_cli_fps_flags_mean_the_librarys_keywords(loaded, tmp_path, capsys):
+    """--fps is fps= (the sampling rate), --source-fps is source_fps= (the file's rate overridden)."""
+    from mlx_qwen3vl.__main__ import main
+
+    model, processor = loaded["tiny-b"]
+    _, path = write_fixture_video(tmp_path)
+    for flags, kw in ((["--fps", "4"], dict(fps=4)), (["--source-fps", "16"], dict(source_fps=16)), ([], {})):
+        want = M.generate(model, processor, "What happens?", videos=[str(path)], max_tokens=4, **kw)
+        assert main(["--model", str(FIXTURES / "tiny-b"), "--video", str(path), "--prompt", "What happens?",
+                     "--max-tokens", "4", *flags]) == 0
+        out, err = capsys.readouterr()
+        assert out.strip("\n") == want.text.strip("\n") and f"Prompt: {want.prompt_tokens} tokens" in err, flags
+    assert M.generate(model, processor, "What happens?", videos=[str(path)], max_tokens=1, fps=4).prompt_tokens \
+        != want.prompt_tokens
+
+
+def test_cli_chat_commands_first_turn_and_prompts(loaded):
+    """--prompt (with --image) is the chat's first turn; `/image missing.png` is refused at once and
+    the next message still goes; /help is answered locally; stdout holds only the answers."""
+    model, processor = loaded["tiny-b"]
+    image = str(FIXTURES / "media" / "img_123x77.png")
+    p = subprocess.run([sys.executable, "-m", "mlx_qwen3vl", "--model", str(FIXTURES / "tiny-b"), "--chat",
+                        "--max-tokens", "4", "--prompt", "First.", "--image", image],
+                       input="/image missing.png\nWhat is this?\n/help\n", capture_output=True, text=True, cwd=ROOT,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    session = M.ChatSession(model, processor, max_tokens=4)
+    answers = [session.send("First.", images=[image]), session.send("What is this?")]
+    assert p.stdout == "".join(a + "\n" for a in answers)  # no ">> " between them
+    assert len([line for line in p.stderr.splitlines() if line.startswith("Prompt:")]) == 2  # /help never sent
+    errors = [line for line in p.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "/image 'missing.png'" in errors[0]
+    assert "/image PATH" in p.stderr.split("Commands", 1)[1]

@@ -261,15 +261,15 @@ def test_errors_count_videos_and_frames_from_1(processor):
 
 
 @pytest.mark.parametrize("fps", [0, -1, float("nan"), float("inf"), "24", True])
-def test_video_fps_must_be_a_frame_rate(processor, fps):
-    """0 divided by zero, -1 sampled min_frames silently: each is one line naming video_fps."""
+def test_source_fps_must_be_a_frame_rate(processor, fps):
+    """0 divided by zero, -1 sampled min_frames silently: each is one line naming source_fps."""
     clip = np.zeros((4, 40, 40, 3), np.uint8)
-    for call in (lambda: processor.process_videos([clip], video_fps=fps),
-                 lambda: processor.process_videos([clip, clip], video_fps=[24, fps]),
-                 lambda: processor(text="<|vision_start|><|video_pad|><|vision_end|>?", videos=[clip], video_fps=fps)):
+    for call in (lambda: processor.process_videos([clip], source_fps=fps),
+                 lambda: processor.process_videos([clip, clip], source_fps=[24, fps]),
+                 lambda: processor(text="<|vision_start|><|video_pad|><|vision_end|>?", videos=[clip], source_fps=fps)):
         message = error(call)
-        assert message.startswith(f"video_fps={fps!r} is not a frame rate"), message
-    assert processor.process_videos([clip], video_fps=np.float32(2.5))[1].shape == (1, 3)
+        assert message.startswith(f"source_fps={fps!r} is not a frame rate"), message
+    assert processor.process_videos([clip], source_fps=np.float32(2.5))[1].shape == (1, 3)
 
 
 def test_errors_count_messages_and_items_from_1(processor):

@@ -140,7 +140,7 @@ def test_frame_cap_option_reaches_the_pixels(processor):
     small = dataclasses.replace(processor.video_config, max_video_tokens=8)
     per_config = Processor(processor.tokenizer, processor.image_config,
                            dataclasses.replace(small, cap_pixels_per_frame=False))
-    np.testing.assert_array_equal(per_config(videos=[clip], video_fps=10)["video_grid_thw"],
+    np.testing.assert_array_equal(per_config(videos=[clip], source_fps=10)["video_grid_thw"],
                                   uncapped["video_grid_thw"])
     loaded = Processor.from_pretrained(FIXTURES / "tokenizer", cap_pixels_per_frame=False)
     assert not loaded.video_config.cap_pixels_per_frame
@@ -229,7 +229,7 @@ def test_video_file_matches_its_decoded_frames(processor, tmp_path):
             container.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
         container.mux(stream.encode())
     from_file = processor(videos=[str(path)])
-    from_frames = processor(videos=[clip], video_fps=10)
+    from_frames = processor(videos=[clip], source_fps=10)
     np.testing.assert_array_equal(from_file["video_grid_thw"], from_frames["video_grid_thw"])
     np.testing.assert_array_equal(from_file["pixel_values_videos"], from_frames["pixel_values_videos"])
 

@@ -91,7 +91,7 @@ def test_video_swapped_for_one_of_the_same_shape(loaded, checkpoint):
     frames = np.load(FIXTURES / "media" / "video_16x72x100.npy")
     other = frames[:, ::-1].copy()  # same shape, other content
     pc = M.PromptCache(model.make_cache())
-    kw = dict(video_fps=8.0, max_tokens=N)
+    kw = dict(source_fps=8.0, max_tokens=N)
     M.generate(model, processor, "What happens?", videos=[frames], prompt_cache=pc, **kw)
     second = M.generate(model, processor, "What happens?", videos=[other], prompt_cache=pc, **kw)
     assert second.token_ids == M.generate(model, processor, "What happens?", videos=[other], **kw).token_ids
@@ -122,17 +122,17 @@ def test_reusable_prefix_rule(loaded):
     assert reusable_prefix(tokens[: spans[0].end - 3], media, enc(a, b)) == spans[0].start  # never inside one
 
 
-def test_chat_session_keeps_each_turns_video_fps(loaded, checkpoint):
-    """A video sent with video_fps=8 stays at 8 fps (its frames, timestamps, tokens) on later turns."""
+def test_chat_session_keeps_each_turns_source_fps(loaded, checkpoint):
+    """A video sent with source_fps=8 stays at 8 fps (its frames, timestamps, tokens) on later turns."""
     model, processor = loaded[checkpoint]
     frames = np.load(FIXTURES / "media" / "video_16x72x100.npy")
     session = M.ChatSession(model, processor, max_tokens=N)
-    session.send("Describe the clip.", videos=[frames], video_fps=8.0)  # (an answer without placeholder tokens)
+    session.send("Describe the clip.", videos=[frames], source_fps=8.0)  # (an answer without placeholder tokens)
     tokens = [p.token for p in session.stream("And then?")]
     history = session.messages[:-1]
-    ids = processor.apply_chat_template(history, tokenize=True, video_fps=8.0)["input_ids"]
+    ids = processor.apply_chat_template(history, tokenize=True, source_fps=8.0)["input_ids"]
     assert session.last.prompt_tokens == ids.shape[1]
-    assert tokens == M.generate(model, processor, messages=history, video_fps=8.0, max_tokens=N).token_ids
+    assert tokens == M.generate(model, processor, messages=history, source_fps=8.0, max_tokens=N).token_ids
 
 
 def test_chat_session_keeps_each_turns_pixel_budget(loaded, checkpoint):
@@ -191,3 +191,77 @@ def test_vision_markers_in_an_answer_do_not_break_the_next_turn(checkpoint, monk
     monkeypatch.undo()
     answer = session.send("And now?")
     assert answer == M.generate(model, processor, messages=session.messages[:-1], max_tokens=3).text
+
+
+def _png(image):
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _overwrite(kind, target, image):
+    """Put `image` into the agent's screen holder `target` in place (its id, path or buffer kept)."""
+    if kind == "file":
+        image.save(target, format="PNG")
+    elif kind == "pil":
+        target.paste(image)
+    elif kind == "numpy":
+        target[...] = np.asarray(image)
+    else:
+        target[:] = _png(image)
+
+
+@pytest.mark.parametrize("kind", ["file", "pil", "numpy", "bytearray"])
+def test_chat_session_keeps_each_turns_screenshot_as_sent(loaded, kind, tmp_path):
+    """An agent that saves every screen to the same file (or draws into the same PIL image, or
+    refills the same array or byte buffer) sends it each turn: each turn is answered from the pixels
+    it held when that turn was sent, and the history keeps them (turn 3, after a third change,
+    still equals the conversation with the first two screens). Turn 2 reuses turn 1's cache."""
+    model, processor = loaded["tiny-a"]
+    shots = [screenshot(60 + i) for i in range(3)]
+    holder = {"file": tmp_path / "screen.png", "pil": shots[0].copy(), "numpy": np.array(shots[0]),
+              "bytearray": bytearray(_png(shots[0]))}[kind]
+    _overwrite(kind, holder, shots[0])
+    session = M.ChatSession(model, processor, system="You are a GUI agent.", max_tokens=N)
+    history = [{"role": "system", "content": "You are a GUI agent."}]
+    for turn, text in enumerate(["Next.", "Next."]):  # the same call each turn
+        if turn:
+            _overwrite(kind, holder, shots[turn])
+        tokens = [p.token for p in session.stream(text, images=[holder])]
+        history.append(user(text, shots[turn]))
+        want = fresh(model, processor, messages=history)
+        assert tokens == want.token_ids, f"turn {turn + 1}"
+        history.append({"role": "assistant", "content": session.messages[-1]["content"]})
+        if turn:
+            assert session.last.cached_tokens >= first_prompt
+        first_prompt = session.last.prompt_tokens
+    _overwrite(kind, holder, shots[2])
+    tokens = [p.token for p in session.stream("And now?")]
+    assert tokens == fresh(model, processor, messages=history + [user("And now?")]).token_ids
+    assert session.last.cached_tokens >= first_prompt
+
+
+def test_chat_session_keeps_each_turns_video_file_as_sent(loaded, tmp_path):
+    """The same for a video file overwritten in place between turns."""
+    import shutil
+
+    from conftest import write_fixture_video
+
+    model, processor = loaded["tiny-b"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _, clip_a = write_fixture_video(tmp_path / "a")
+    _, clip_b = write_fixture_video(tmp_path / "b", reverse=True)
+    screen = tmp_path / "screen.mkv"
+    session = M.ChatSession(model, processor, max_tokens=N)
+    history = []
+    for text, clip in (("What happens?", clip_a), ("What happens?", clip_b)):
+        shutil.copyfile(clip, screen)
+        tokens = [p.token for p in session.stream(text, videos=[screen])]
+        history.append({"role": "user", "content": [{"type": "video", "video": str(clip)},
+                                                    {"type": "text", "text": text}]})
+        assert tokens == fresh(model, processor, messages=history).token_ids, text
+        history.append({"role": "assistant", "content": session.messages[-1]["content"]})
+    assert session.last.cached_tokens > 0

@@ -20,6 +20,7 @@ import pytest
 from PIL import Image
 
 import mlx_qwen3vl as M
+from mlx_qwen3vl.generate import token_bytes
 from mlx_qwen3vl.server.__main__ import BLAS_ENV
 from conftest import FIXTURES, load_fixture_model, write_fixture_video
 
@@ -195,6 +196,13 @@ def test_models_health_and_logprobs(server, local):
     content = r.choices[0].logprobs.content
     assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
     assert all(t.top_logprobs[0].logprob == t.logprob for t in content)  # greedy: the best token
+    # `bytes` are each token's own bytes, also for a token that is part of a UTF-8 character (whose
+    # lone decode is U+FFFD); this answer has such tokens.
+    want = expected(local, messages, 4).token_ids
+    tokenizer = local[1].tokenizer
+    assert [t.bytes for t in content] == [list(token_bytes(tokenizer, i)) for i in want]
+    assert any(t.token == "\ufffd" and t.bytes != [239, 191, 189] for t in content)
+    assert [t.top_logprobs[0].bytes for t in content] == [t.bytes for t in content]
 
 
 def test_stop_string_across_tokens(server, local):
@@ -318,6 +326,28 @@ def test_agent_conversation_reuses_each_turn(server, local):
         messages.append({"role": "assistant", "content": r.choices[0].message.content})
 
 
+def test_screenshot_as_a_tool_result_equals_generate(server, local):
+    """Computer-use loops return the screenshot as the tool's result: the server renders it where
+    the chat template puts tool results, as generate() does with the same conversation."""
+    shot = png_bytes("img_300x200.png")
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "computer_use", "arguments": json.dumps({"action": "left_click",
+                                                                            "coordinate": [500, 500]})}}
+    messages = [user("Open the settings."), {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": [
+                    {"type": "text", "text": "Clicked. The screen now:"},
+                    {"type": "image_url", "image_url": {"url": data_url(shot)}}]}]
+    local_history = [messages[0], {"role": "assistant", "content": "", "tool_calls": [call]},
+                     {"role": "tool", "content": [{"type": "text", "text": "Clicked. The screen now:"},
+                                                  {"type": "image", "image": shot}]}]
+    model, processor = local
+    want = M.generate(model, processor, messages=local_history, max_tokens=6)
+    with_image = processor.apply_chat_template(local_history, tokenize=True)
+    assert with_image["image_grid_thw"].shape == (1, 3)  # the template renders the tool's screenshot
+    r = server.client().chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0)
+    assert r.choices[0].message.content == want.text and r.usage.prompt_tokens == want.prompt_tokens
+
+
 def test_same_size_image_never_reuses_another_images_state(server, local):
     a = np.asarray(Image.open(MEDIA / "img_300x200.png").convert("RGB"))
     client = server.client()
@@ -393,6 +423,15 @@ BAD = [
     ("unreachable url", _with(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}]}]), 400,
      "messages[0].content[0].image_url.url"),
+    ("image in a system message", _with(messages=[{"role": "system", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}, GOOD["messages"][0]]), 400,
+     "messages[0].content[0]"),
+    ("image in a developer message", _with(messages=[GOOD["messages"][0], {"role": "developer", "content": [
+        {"type": "text", "text": "Rules."}, {"type": "image_url", "image_url": "data:image;base64,aGVsbG8="}]}]), 400,
+     "messages[1].content[1]"),
+    ("video in an assistant message", _with(messages=[GOOD["messages"][0], {"role": "assistant", "content": [
+        {"type": "video_url", "video_url": {"url": "file:///x.mp4"}}]}, GOOD["messages"][0]]), 400,
+     "messages[1].content[0]"),
     ("prompt past the context", _with(messages=[{"role": "user", "content": "lorem ipsum " * 3000}]), 400, "messages"),
     ("oversize body", _with(messages=[{"role": "user", "content": "x" * 1_200_000}]), 413, None),
     ("bad schema", _with(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {

@@ -53,7 +53,7 @@ def workload_messages(name, processor):
         media, kw = [{"type": "image", "image": screenshot(1920, 1080)}], {}
     elif name == "video8":
         frames = np.stack([screenshot(640, 360, variant=t + 1) for t in range(8)])
-        media, kw = [{"type": "video", "video": frames}], dict(video_fps=2.0, sample_frames=False)
+        media, kw = [{"type": "video", "video": frames}], dict(source_fps=2.0, sample_frames=False)
     elif name == "text256":
         return [{"role": "user", "content": [{"type": "text", "text": _text_prompt(processor, 256)}]}], {}
     elif name == WARMUP:

@@ -8,6 +8,7 @@ generate/__main__.py: a package, so runpy finds the loop already imported by the
 `generate` function without a warning).
 """
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional
@@ -16,7 +17,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..backend import backend_of
-from ..errors import InputError
+from ..errors import ContextLengthError, InputError
+from ..processor import renamed_source_fps
 from ..prompt_cache import PromptCache, media_after
 from ..sampling import FIELD_NAMES, Sampler, SamplingParams
 
@@ -115,14 +117,17 @@ def render_prompt(processor, prompt=None, *, messages=None, images=None, videos=
     return text, found_images or images, found_videos or videos
 
 
-def encode_prompt(processor, prompt=None, *, messages=None, images=None, videos=None, video_fps=None,
+def encode_prompt(processor, prompt=None, *, messages=None, images=None, videos=None, fps=None, source_fps=None,
                   system=None, templated=False, min_pixels=None, max_pixels=None, sample_frames=True,
-                  chat_template_kwargs=None):
-    """One request → processor inputs (see render_prompt for the rules)."""
+                  chat_template_kwargs=None, video_fps=None):
+    """One request → processor inputs (see render_prompt for the rules). Videos: `fps` frames
+    sampled per second, `source_fps` the frame rate of frames passed as a list (`video_fps` is
+    its deprecated name)."""
+    source_fps = renamed_source_fps(source_fps, video_fps)
     text, images, videos = render_prompt(processor, prompt, messages=messages, images=images, videos=videos,
                                          system=system, templated=templated,
                                          chat_template_kwargs=chat_template_kwargs)
-    return processor(text=text, images=images or None, videos=videos or None, video_fps=video_fps,
+    return processor(text=text, images=images or None, videos=videos or None, fps=fps, source_fps=source_fps,
                      sample_frames=sample_frames, min_pixels=min_pixels, max_pixels=max_pixels)
 
 
@@ -131,8 +136,8 @@ def check_context(model, inputs):
     limit = model.config.text_config.max_position_embeddings
     n = int(np.asarray(inputs["input_ids"]).shape[1])
     if n >= limit:
-        raise InputError(f"the prompt is {n} tokens but the model's context is {limit} "
-                         "(max_position_embeddings); shorten it or use fewer or smaller images")
+        raise ContextLengthError(f"the prompt is {n} tokens but the model's context is {limit} "
+                                 "(max_position_embeddings); shorten it or use fewer or smaller images", n, limit)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,6 +300,28 @@ def eos_token_ids(model, processor) -> set:
     return ids
 
 
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_bytes(tokenizer, token: int) -> bytes:
+    """The bytes one token stands for (OpenAI's logprobs `bytes`). A token that is part of a UTF-8
+    character decodes alone to U+FFFD; its own bytes come from the vocabulary instead: byte-level
+    BPE pieces (Qwen's) through mlx-lm's byte table, SentencePiece byte tokens (`<0xB7>`) by value."""
+    from mlx_lm.tokenizer_utils import _byte_decoder
+
+    text = tokenizer.decode([int(token)])
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    piece = tokenizer.convert_ids_to_tokens(int(token)) or ""
+    m = _BYTE_TOKEN.fullmatch(piece)
+    if m:
+        return bytes([int(m.group(1), 16)])
+    table = _byte_decoder()
+    if piece and all(c in table for c in piece):
+        return bytes(table[c] for c in piece)
+    return text.encode("utf-8")
+
+
 class AnswerText:
     """One request's answer as it streams: mlx-lm's streaming detokenizer (multi-byte characters
     never break), EOS tokens (unless `ignore_eos`) and stop strings end it, max_tokens bounds it. Text that could still
@@ -343,8 +370,9 @@ def _sampling(sampling, kwargs) -> SamplingParams:
 # ---------------------------------------------------------------------------------------------
 # User-facing API
 # ---------------------------------------------------------------------------------------------
-def stream_generate(model, processor, prompt=None, *, messages=None, images=None, videos=None, video_fps=None,
-                    system=None, templated=False, sampling: Optional[SamplingParams] = None,
+def stream_generate(model, processor, prompt=None, *, messages=None, images=None, videos=None, fps=None,
+                    source_fps=None, video_fps=None, system=None, templated=False,
+                    sampling: Optional[SamplingParams] = None,
                     prefill_step_size=2048, min_pixels=None, max_pixels=None, sample_frames=True,
                     prompt_cache: Optional[PromptCache] = None, chat_template_kwargs=None, inputs=None,
                     **sampling_kwargs) -> Iterator[GenerationResponse]:
@@ -354,14 +382,17 @@ def stream_generate(model, processor, prompt=None, *, messages=None, images=None
 
     With `prompt_cache`, the KV cache of earlier turns is reused for the longest prefix that holds
     the same tokens and the same images and videos, and only the rest is computed. `inputs` takes
-    processor outputs instead of a prompt."""
+    processor outputs instead of a prompt. Videos: `fps` is the sampling rate (frames kept per
+    second), `source_fps` the rate of frames passed as a list; `video_fps` is `source_fps`'s
+    deprecated name."""
+    source_fps = renamed_source_fps(source_fps, video_fps)
     params = _sampling(sampling, sampling_kwargs)
     if sampling_kwargs:
         raise TypeError(f"stream_generate got unexpected argument(s) {', '.join(sorted(sampling_kwargs))}")
     if inputs is None:
         inputs = encode_prompt(processor, prompt, messages=messages, images=images, videos=videos,
-                               video_fps=video_fps, system=system, templated=templated, min_pixels=min_pixels,
-                               max_pixels=max_pixels, sample_frames=sample_frames,
+                               fps=fps, source_fps=source_fps, system=system, templated=templated,
+                               min_pixels=min_pixels, max_pixels=max_pixels, sample_frames=sample_frames,
                                chat_template_kwargs=chat_template_kwargs)
     ids = np.asarray(inputs["input_ids"])
     if ids.shape[0] != 1:
@@ -419,7 +450,8 @@ def generate(model, processor, prompt=None, **kwargs) -> GenerationResult:
                             finish_reason=last.finish_reason, cached_tokens=last.cached_tokens)
 
 
-REQUEST_KEYS = {"prompt", "messages", "images", "videos", "video_fps", "system", "templated"} | FIELD_NAMES
+REQUEST_KEYS = {"prompt", "messages", "images", "videos", "fps", "source_fps", "video_fps", "system",
+                "templated"} | FIELD_NAMES
 
 
 def batch_generate(model, processor, requests, *, sampling: Optional[SamplingParams] = None, prefill_step_size=2048,
@@ -428,13 +460,13 @@ def batch_generate(model, processor, requests, *, sampling: Optional[SamplingPar
     that request run alone with generate(), sampling included (each request draws from its own
     random stream, seeded by its `seed`).
 
-    A request is a dict with `prompt=` or `messages=` and optionally images, videos, video_fps,
-    system, templated (the rules of render_prompt), and any sampling field to override the batch's
-    (seed, temperature, max_tokens, stop, ...)."""
+    A request is a dict with `prompt=` or `messages=` and optionally images, videos, fps,
+    source_fps (video_fps, deprecated), system, templated (the rules of render_prompt), and any
+    sampling field to override the batch's (seed, temperature, max_tokens, stop, ...)."""
     base = _sampling(sampling, sampling_kwargs)
     if sampling_kwargs:
         raise TypeError(f"batch_generate got unexpected argument(s) {', '.join(sorted(sampling_kwargs))}")
-    texts, images, videos, fps, params = [], [], [], [], []
+    texts, images, videos, fps, source_fps, params = [], [], [], [], [], []
     for i, r in enumerate(requests):
         if not isinstance(r, dict) or set(r) - REQUEST_KEYS:
             extra = sorted(set(r) - REQUEST_KEYS) if isinstance(r, dict) else type(r).__name__
@@ -446,10 +478,12 @@ def batch_generate(model, processor, requests, *, sampling: Optional[SamplingPar
         texts.append(text)
         images += found_i
         videos += found_v
-        fps += [r.get("video_fps")] * len(found_v)
+        fps += [r.get("fps")] * len(found_v)
+        source_fps += [renamed_source_fps(r.get("source_fps"), r.get("video_fps"))] * len(found_v)
     if not texts:
         return []
-    inputs = processor(text=texts, images=images or None, videos=videos or None, video_fps=fps or None,
+    inputs = processor(text=texts, images=images or None, videos=videos or None, fps=fps or None,
+                       source_fps=source_fps or None,
                        min_pixels=min_pixels, max_pixels=max_pixels, padding=True)
     check_context(model, inputs)
     stop_ids = eos_token_ids(model, processor)

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..backend import backend_of
 from ..errors import Qwen3VLError
-from ..generate import decode_step, eos_token_ids
+from ..generate import decode_step, eos_token_ids, token_bytes
 from ..prompt_cache import media_hashes, media_spans
 from ..sampling import Sampler
 from ..sampling import SamplingParams as LibrarySampling
@@ -454,7 +454,7 @@ class Engine:
 
         def item(t):
             s = decode([int(t)])
-            return {"token": s, "logprob": float(lp[t]), "bytes": list(s.encode("utf-8"))}
+            return {"token": s, "logprob": float(lp[t]), "bytes": list(token_bytes(self.processor.tokenizer, t))}
 
         entry = item(token)
         best = np.argsort(-lp, kind="stable")[:top] if top else []

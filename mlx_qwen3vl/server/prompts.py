@@ -27,7 +27,7 @@ def convert_messages(messages, policy, temp_files):
         role = "system" if m["role"] == "developer" else m["role"]
         msg = {"role": role}
         content = m.get("content")
-        if isinstance(content, list) and role == "user":
+        if isinstance(content, list) and role in ("user", "tool"):  # a tool result may be a screenshot
             parts = []
             for j, part in enumerate(content):
                 kind = part["type"]

@@ -106,8 +106,9 @@ def _check_content(i, message):
             url = ref.get("url") if isinstance(ref, dict) else ref
             if not isinstance(url, str) or not url:
                 raise _invalid(f"{p}.{kind}.url", f"'{p}.{kind}.url' must be a non-empty string", "invalid_type")
-            if role not in ("user", "system", "developer"):
-                raise _invalid(p, f"'{p}': {kind.split('_')[0]}s are only accepted in user messages")
+            if role not in ("user", "tool"):  # the chat template renders media only there
+                raise _invalid(p, f"'{p}' is {'a video' if kind == 'video_url' else 'an image'} in a {role} message, "
+                               "where the chat template renders no media; send it in a user or tool message")
         else:
             raise _invalid(f"{p}.type", f"'{p}.type' is {kind!r}; use 'text', 'image_url' or 'video_url'")
 
