@@ -12,6 +12,14 @@ import os
 # found" advisory (printed on import) is noise on every run. mlx-lm sets the same.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+try:
+    import mlx.core  # noqa: E402, F401
+except ImportError as e:  # Linux: the `mlx` wheel alone has no backend library (mlx-cpu or mlx-cuda-13 adds it)
+    if "libmlx" not in str(e):
+        raise
+    raise ImportError("MLX is installed without a backend: pip install 'mlx-qwen3vl[cpu]' (the CPU) or "
+                      "'mlx-qwen3vl[cuda]' (an NVIDIA GPU), or from a checkout: pip install -e '.[cpu]'") from None
+
 from .generate import GenerationResponse, GenerationResult, batch_generate, generate, stream_generate  # noqa: E402
 from .prompt_cache import ChatSession, PromptCache  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
