@@ -1,6 +1,6 @@
 """Benchmark this engine on your machine and your model, in one command.
 
-    python -m mlx_qwen3vl.bench --model mlx-community/Qwen3-VL-2B-Instruct-4bit --quick
+    python -m mlx_qwen3vl.bench --model mlx-community/Qwen3-VL-4B-Instruct-4bit --quick
     python -m mlx_qwen3vl.bench --model path/to/UI-Venus-1.5-8B --json bench.json --compare mlx-vlm
     python -m mlx_qwen3vl.bench --plan --model Qwen/Qwen3-VL-8B-Instruct     # will it fit? (config.json only)
 
