@@ -5,20 +5,18 @@
     print(generate(model, processor, "Describe this image.", images=["examples/screenshot.png"]).text)
 """
 
-from .cpu import blas  # noqa: F401  (loads an optimized BLAS, so it must run before mlx.core is imported)
+try:
+    from .cpu import blas  # noqa: F401  (loads an optimized BLAS, so it must run before mlx.core is imported)
+except ImportError as e:  # Linux: the `mlx` wheel alone has no backend library (mlx-cpu or mlx-cuda-13 adds it)
+    if "libmlx" not in str(e):
+        raise
+    raise ImportError("MLX is installed without a backend: pip install 'mlx-qwen3vl[cpu]' (the CPU) or "
+                      "'mlx-qwen3vl[cuda]' (an NVIDIA GPU); from a checkout: pip install -e '.[cpu]'") from None
 import os
 
 # Only transformers' tokenizer and chat template are used, never torch: its "PyTorch was not
 # found" advisory (printed on import) is noise on every run. mlx-lm sets the same.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-
-try:
-    import mlx.core  # noqa: E402, F401
-except ImportError as e:  # Linux: the `mlx` wheel alone has no backend library (mlx-cpu or mlx-cuda-13 adds it)
-    if "libmlx" not in str(e):
-        raise
-    raise ImportError("MLX is installed without a backend: pip install 'mlx-qwen3vl[cpu]' (the CPU) or "
-                      "'mlx-qwen3vl[cuda]' (an NVIDIA GPU), or from a checkout: pip install -e '.[cpu]'") from None
 
 from .generate import GenerationResponse, GenerationResult, batch_generate, generate, stream_generate  # noqa: E402
 from .prompt_cache import ChatSession, PromptCache  # noqa: E402

@@ -328,3 +328,29 @@ def test_validate_names_what_departs_from_the_schema(quick_run):
     assert validate(report) == ["machine.chip is missing", "settings.repeats is str",
                                 "engines.mlx_qwen3vl.results.agent.turn_s has 2 entries, not 3"]
     assert validate({**report, "schema": 2})[0].endswith("not mlx_qwen3vl.bench schema 1")
+
+
+def test_compare_with_mlx_vlm_runs_it_on_the_same_inputs(tmp_path, monkeypatch):
+    """Where mlx-vlm is installed: it runs on the same inputs (the same prompt tokens), in its own
+    process. On the lab's tiny preset, whose vocabulary rows past the tokenizer are kept small so
+    random weights emit tokens mlx-vlm's detokenizer knows."""
+    pytest.importorskip("mlx_vlm")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from harness.presets import build_preset
+
+    folder = build_preset("tiny", tmp_path / "models", log=lambda msg: None)
+    out = tmp_path / "b.json"
+    argv = ["--model", str(folder), "--quick", "--max-pixels", str(MAX_PIXELS), "--prompt-tokens", "32",
+            "--decode-tokens", "4", "--agent-turns", "2", "--agent-tokens", "2", "--compare", "mlx-vlm", "--json", str(out)]
+    assert bench_main(argv) == 0
+    report = json.loads(out.read_text())
+    assert validate(report) == [] and report["notes"] == []
+    ours, theirs = (report["engines"][e]["results"] for e in ("mlx_qwen3vl", "mlx-vlm"))
+    assert set(ours) == set(theirs)
+    for name in ours:
+        if name == "agent":
+            # the same first turn (later ones hold each engine's own answers)
+            assert theirs[name]["prompt_tokens"][0] == ours[name]["prompt_tokens"][0]
+            assert theirs[name]["cached_tokens"] == [0, 0] and theirs[name]["generated_tokens"] == [2, 2]
+        else:
+            assert theirs[name]["prompt_tokens"] == ours[name]["prompt_tokens"] and theirs[name]["decode_tokens"] == 4
