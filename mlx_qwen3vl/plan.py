@@ -19,9 +19,11 @@ array is evaluated, and nothing is), so the figures are this engine's own module
   patches and LLM tokens, an estimate of the activations live at once, and the size of the full
   attention-score matrix (fused away on Apple GPUs, computed in bounded chunks by the CPU path);
 - whether each weight format fits this machine: weights + KV cache of --context tokens + the
-  larger of the vision activations and the prefill activations, against MLX's recommended working
-  set on an Apple GPU (mx.device_info(), the wired limit mlx-lm sets while generating), else the
-  memory the OS reports available. "fits" leaves 10% free, "tight" fits only without it.
+  larger of the vision tower's working memory (its activations, and the attention scores where
+  this device holds them: none on an Apple GPU, the CPU path's chunks on a CPU, all of them
+  elsewhere) and a prefill chunk's activations, against MLX's recommended working set on an
+  Apple GPU (mx.device_info(), the wired limit mlx-lm sets while generating), else the memory the
+  OS reports available. "fits" leaves 10% free, "tight" fits only without it.
 
 Estimates, not measurements: MLX's allocator caches freed buffers, and the OS, other programs and
 the Python process take their own share.
