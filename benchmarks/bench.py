@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # this checkout's mlx_qwen3vl, which harness/ builds on
 
 from harness.engine_mlx_vlm import worker_mlx_vlm  # noqa: E402
 from harness.engine_ours import worker_ours  # noqa: E402
@@ -113,7 +114,6 @@ def main(argv=None):
         print_tables(report)
         return 0
 
-    sys.path.insert(0, str(ROOT))
     import mlx_qwen3vl
     from mlx_qwen3vl.cpu import blas as _blas
     from mlx_qwen3vl.config import ModelConfig

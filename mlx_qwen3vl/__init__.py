@@ -5,7 +5,13 @@
     print(generate(model, processor, "Describe this image.", images=["examples/screenshot.png"]).text)
 """
 
-from .cpu import blas  # noqa: F401  (loads an optimized BLAS, so it must run before mlx.core is imported)
+try:
+    from .cpu import blas  # noqa: F401  (loads an optimized BLAS, so it must run before mlx.core is imported)
+except ImportError as e:  # Linux: the `mlx` wheel alone has no backend library (mlx-cpu or mlx-cuda-13 adds it)
+    if "libmlx" not in str(e):
+        raise
+    raise ImportError("MLX is installed without a backend: pip install 'mlx-qwen3vl[cpu]' (the CPU) or "
+                      "'mlx-qwen3vl[cuda]' (an NVIDIA GPU); from a checkout: pip install -e '.[cpu]'") from None
 import os
 
 # Only transformers' tokenizer and chat template are used, never torch: its "PyTorch was not

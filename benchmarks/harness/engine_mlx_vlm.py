@@ -5,7 +5,9 @@ import time
 
 import numpy as np
 
-from .measure import engine_info, fmt, fresh_mlx_measurement, log, rss_peak_gb, time_workload
+from mlx_qwen3vl.bench import engine_mlx_vlm as vlm  # the installed benchmark's mlx-vlm runner
+
+from .measure import engine_info, fmt, log, rss_peak_gb, time_workload
 from .workloads import AGENT_SYSTEM, WARMUP, agent_turns
 
 
@@ -17,18 +19,15 @@ def worker_mlx_vlm(args, spec):
     else:
         blas_note = "MLX's bundled BLAS (nothing preloaded)"
     import mlx.core as mx
-    from mlx_vlm import load as vlm_load, stream_generate
 
     info = engine_info("mlx-vlm", "mlx_vlm")
     info["blas"] = blas_note
     tic = time.perf_counter()
-    model, processor = vlm_load(spec["model"])
+    model, processor = vlm.load_ignoring_eos(spec["model"])  # EOS ignored: a fixed number of decode tokens
     if spec.get("dtype"):
         model.set_dtype(getattr(mx, spec["dtype"]))
         mx.eval(model.parameters())
     info.update(load_s=time.perf_counter() - tic, dtype=str(model.language_model.model.norm.weight.dtype).replace("mlx.core.", ""))
-    tok = processor.tokenizer if hasattr(processor, "tokenizer") else processor
-    tok.stopping_criteria = lambda token: False  # EOS ignored: a fixed number of decode tokens
 
     vision_time = []
     # The class of this model's own tower: the dense and the MoE model each have their own module.
@@ -43,8 +42,7 @@ def worker_mlx_vlm(args, spec):
         return out
 
     data = np.load(spec["inputs"])
-    for _ in stream_generate(model, processor, "", input_ids=mx.array(data[WARMUP + "/input_ids"]), max_tokens=4,
-                             temperature=0.0):
+    for _ in vlm.tokens(model, processor, {"input_ids": data[WARMUP + "/input_ids"]}, 4):
         pass
     vision_class.__call__ = timed_call
     results = {}
@@ -56,62 +54,29 @@ def worker_mlx_vlm(args, spec):
             results[name] = mlx_vlm_extrapolated(model, inputs, name)
             log(f"[mlx-vlm] {name}: {fmt(results[name])}")
             continue
-        kwargs = dict(input_ids=mx.array(inputs["input_ids"]), max_tokens=spec["decode_tokens"], temperature=0.0)
-        for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
-            if key in inputs:
-                kwargs[key] = mx.array(inputs[key])
 
-        def tokens(kwargs=kwargs):
-            seen = 0
-            for r in stream_generate(model, processor, "", **kwargs):
-                if r.token is not None and r.generation_tokens > seen:  # (its last piece repeats a token)
-                    seen = r.generation_tokens
-                    yield r.token
+        def tokens(inputs=inputs):
+            yield from vlm.tokens(model, processor, inputs, spec["decode_tokens"])
 
         results[name] = time_workload("mlx-vlm", name, inputs["input_ids"].shape[1], vision_time, tokens, spec)
     vision_class.__call__ = orig_call
     if "agent" in spec["workloads"]:
-        results["agent"] = mlx_vlm_agent(model, processor, spec, stream_generate)
+        results["agent"] = mlx_vlm_agent(model, processor, spec)
         log(f"[mlx-vlm] agent: {results['agent']['no_reuse']['total_s']:.1f} s")
     return {"info": info, "results": results}
 
 
-def mlx_vlm_agent(model, vlm_processor, spec, stream_generate):
-    """The agent loop as mlx-vlm's users can run it: every turn has a new image, so its prompt cache
-    cannot be reused and each turn is a fresh generate over the whole conversation. The prompt is
-    built by our processor (as for every other workload) and the answer, decoded from its tokens,
-    goes back into the history."""
-    import mlx.core as mx
-
+def mlx_vlm_agent(model, vlm_processor, spec):
+    """The agent loop as mlx-vlm's users can run it (mlx_qwen3vl.bench.engine_mlx_vlm.agent_loop):
+    a fresh generate over the whole conversation each turn, the prompt built by our processor."""
     from mlx_qwen3vl import Processor
-    from mlx_qwen3vl.generate import encode_prompt
 
     processor = Processor.from_pretrained(spec["model"])
-    script = agent_turns(spec)
-    n_tokens = spec.get("agent_tokens", 8)
-    fresh_mlx_measurement()
-    messages = [{"role": "system", "content": AGENT_SYSTEM}]
-    per_turn, answers, prompt_tokens = [], [], []
-    tic = time.perf_counter()
-    for t, (shot, ask) in enumerate(script):
-        t0 = time.perf_counter()
-        messages.append({"role": "user", "content": [{"type": "image", "image": shot}, {"type": "text", "text": ask}]})
-        inputs = encode_prompt(processor, messages=messages)
-        kwargs = {k: mx.array(np.asarray(inputs[k])) for k in ("input_ids", "pixel_values", "image_grid_thw")}
-        tokens = []
-        for r in stream_generate(model, vlm_processor, "", max_tokens=n_tokens, temperature=0.0, **kwargs):
-            if r.token is not None and r.generation_tokens > len(tokens):  # (its last piece repeats a token)
-                tokens.append(int(r.token))
-        answer = processor.tokenizer.decode(tokens)
-        messages.append({"role": "assistant", "content": answer})
-        answers.append(answer)
-        prompt_tokens.append(int(kwargs["input_ids"].shape[1]))
-        per_turn.append(time.perf_counter() - t0)
-        log(f"[mlx-vlm] agent turn {t + 1}: {per_turn[-1]:.1f} s, prompt {prompt_tokens[-1]} (0 cached)")
-    fresh = dict(total_s=time.perf_counter() - tic, turn_s=per_turn, prompt_tokens=prompt_tokens,
-                 cached_tokens=[0] * len(script), peak_memory_gb=mx.get_peak_memory() / 1e9,
-                 peak_rss_gb=rss_peak_gb(), answers=answers)
-    return dict(no_reuse=fresh, turns=len(script), tokens_per_turn=n_tokens)
+    fresh = vlm.agent_loop(model, vlm_processor, processor, agent_turns(spec), spec.get("agent_tokens", 8), AGENT_SYSTEM)
+    for t, seconds in enumerate(fresh["turn_s"]):
+        log(f"[mlx-vlm] agent turn {t + 1}: {seconds:.1f} s, prompt {fresh['prompt_tokens'][t]} (0 cached)")
+    fresh["peak_memory_gb"] = max(fresh["peak_memory_gb"])  # one figure per loop, as the other engines give
+    return dict(no_reuse=fresh, turns=fresh["turns"], tokens_per_turn=fresh["tokens_per_turn"])
 
 
 def mlx_vlm_extrapolated(model, inputs, name, reps=1):

@@ -4,14 +4,15 @@ denominator), CPU time, the machine; and the per-workload summary every engine r
 import gc
 import json
 import os
-import platform
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+# What the installed benchmark (python -m mlx_qwen3vl.bench) measures too.
+from mlx_qwen3vl.bench.machine import (fresh_mlx_measurement, log, machine_info, rss_peak_gb,  # noqa: F401
+                                       rss_reset)
 
 
 def repeat_times(fn, reps):
@@ -33,10 +34,6 @@ def dump(result, path=None):
         Path(path).write_text(text)
 
 
-def log(msg):
-    print(msg, file=sys.stderr, flush=True)
-
-
 def fmt(r):
     parts = []
     for key, f in (("vision_s", "vision {:.2f}s"), ("ttft_s", "TTFT {:.2f}s"), ("prefill_tps", "prefill {:.1f} tok/s"),
@@ -45,36 +42,6 @@ def fmt(r):
         if r.get(key) is not None:
             parts.append(f.format(r[key]))
     return f"{r['prompt_tokens']} prompt tokens, " + ", ".join(parts)
-
-
-def fresh_mlx_measurement():
-    """Free what earlier work left and restart the peak-memory counters (MLX's and the RSS)."""
-    import mlx.core as mx
-
-    gc.collect()
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    rss_reset()
-
-
-def rss_reset():
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
-def rss_peak_gb():
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024 / 1e9
-    except OSError:
-        pass
-    import resource
-
-    scale = 1 if sys.platform == "darwin" else 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e9
 
 
 def measure_bandwidth(gb=1.0, reps=7):
@@ -180,39 +147,6 @@ def engine_info(name, module=None):
         except md.PackageNotFoundError:
             pass
     return info
-
-
-def machine_info():
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        try:
-            cpu = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True).stdout.strip() or cpu
-        except OSError:
-            pass
-    mem = None
-    try:
-        mem = int(Path("/proc/meminfo").read_text().split()[1]) * 1024 / 1e9
-    except OSError:
-        pass
-    import mlx.core as mx
-
-    from mlx_qwen3vl.cpu import blas as _blas
-
-    gpu = None
-    try:
-        if mx.metal.is_available():
-            gpu = mx.metal.device_info().get("device_name") if hasattr(mx.metal, "device_info") else "Metal"
-    except Exception:
-        pass
-    return dict(cpu=cpu, cores=os.cpu_count(), memory_gb=mem, platform=platform.platform(),
-                python=platform.python_version(), mlx=mx.__version__, backend=str(mx.default_device()),
-                gpu=gpu, blas=_blas.describe(), mkl_threading_layer=os.environ.get("MKL_THREADING_LAYER"),
-                load_average=os.getloadavg() if hasattr(os, "getloadavg") else None)
 
 
 def time_workload(engine, name, n_prompt, vision_time, tokens, spec):

@@ -22,8 +22,8 @@ def run_worker(engine, spec, python=None, timeout=None):
         spec_path.write_text(json.dumps(spec))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        if engine == "mlx-vlm" and not spec.get("same_blas"):
-            env["MLX_QWEN3VL_BLAS"] = "off"
+        if (engine == "mlx-vlm" and not spec.get("same_blas")) or engine == "transformers":
+            env["MLX_QWEN3VL_BLAS"] = "off"  # their users' BLAS (the harness imports mlx_qwen3vl in every worker)
         cmd = [python or sys.executable, str(BENCH), "--worker", engine, str(spec_path), str(out_path)]
         try:
             p = subprocess.run(cmd, env=env, timeout=timeout)

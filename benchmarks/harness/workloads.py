@@ -1,19 +1,20 @@
 """The inputs every engine gets: single-turn workloads (screenshots at three sizes, a video, a
-text prompt) preprocessed once with our processor, and the agent loop's turns."""
+text prompt) preprocessed once with our processor, and the agent loop's turns. The prompts and
+the agent's instructions are the installed benchmark's (mlx_qwen3vl/bench/inputs.py); the
+screenshots here are examples/screenshot.png resized, as every recorded result used."""
 
 import statistics
 import time
 
 import numpy as np
 
+from mlx_qwen3vl.bench.inputs import AGENT_ASKS, AGENT_SYSTEM, PROMPT, text_prompt  # noqa: F401  (the installed bench's)
+
 from .presets import ROOT
 
 SCREENSHOT_FILE = ROOT / "examples" / "screenshot.png"
 
 ALL_WORKLOADS = ["image448", "image720", "image1080", "text256", "video8", "agent"]
-
-
-PROMPT = "Describe this screenshot: where are the buttons and what do they do?"
 
 
 def screenshot(w, h, variant=0):
@@ -28,21 +29,6 @@ def screenshot(w, h, variant=0):
     return np.asarray(im)
 
 
-def _text_prompt(processor, n_tokens):
-    """A user message whose templated prompt is exactly `n_tokens` tokens (when reachable)."""
-    words = ("The quick brown fox jumps over the lazy dog while the agent opens the settings menu, "
-             "finds the display panel and lowers the brightness before saving. ").split()
-    count = lambda t: len(processor.tokenizer(processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "text", "text": t}]}], add_generation_prompt=True, tokenize=False))["input_ids"])
-    text, i = "", 0
-    while count(text) < n_tokens:
-        text += ("" if not text else " ") + words[i % len(words)]
-        i += 1
-    while count(text) > n_tokens and len(text) > 1:
-        text = text[:-1]
-    return text
-
-
 def workload_messages(name, processor):
     """(messages, kwargs for the processor) of a single-turn workload."""
     if name == "image448":
@@ -55,9 +41,9 @@ def workload_messages(name, processor):
         frames = np.stack([screenshot(640, 360, variant=t + 1) for t in range(8)])
         media, kw = [{"type": "video", "video": frames}], dict(source_fps=2.0, sample_frames=False)
     elif name == "text256":
-        return [{"role": "user", "content": [{"type": "text", "text": _text_prompt(processor, 256)}]}], {}
+        return [{"role": "user", "content": [{"type": "text", "text": text_prompt(processor, 256)}]}], {}
     elif name == WARMUP:
-        return [{"role": "user", "content": [{"type": "text", "text": _text_prompt(processor, 32)}]}], {}
+        return [{"role": "user", "content": [{"type": "text", "text": text_prompt(processor, 32)}]}], {}
     else:
         raise ValueError(f"unknown workload {name!r}; one of {', '.join(ALL_WORKLOADS)}")
     return [{"role": "user", "content": media + [{"type": "text", "text": PROMPT}]}], kw
@@ -90,13 +76,6 @@ def prepare_inputs(names, processor, reps=3):
         inputs[name] = {k: np.asarray(out[k]) for k in MODEL_KEYS if k in out}
         pre[name] = statistics.median(times)
     return inputs, pre
-
-
-AGENT_SYSTEM = "You are a GUI agent. Answer with the next action."
-
-
-AGENT_ASKS = ["Open the display settings.", "Lower the brightness.", "Click Apply.", "Close the dialog.",
-              "Open the search box and type 'network'."]
 
 
 def agent_turns(spec):
