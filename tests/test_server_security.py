@@ -205,13 +205,15 @@ def test_template_kwargs_are_an_allow_list_of_switches(server, loopback):
                ({"videos": [loopback.base + "/x.png"]}, "chat_template_kwargs.videos"),
                ({"chat_template": "{% for i in range(10**9) %}x{% endfor %}"}, "chat_template_kwargs.chat_template"),
                ({"add_vision_id": "yes"}, "chat_template_kwargs.add_vision_id")]
+    picture = image_part(data_url(png_bytes("img_123x77.png")))  # today's template then takes `images` for it
     for kwargs, param in attacks:
         for stream in (False, True):
-            refused(server, chat(chat_template_kwargs=kwargs, stream=stream), param=param)
+            refused(server, chat(picture, chat_template_kwargs=kwargs, stream=stream), param=param)
     refused(server, chat(chat_template="{{ 'x' * 500000000 }}"), param="chat_template")
+    refused(server, chat(mm_processor_kwargs={"fps": 2}), param="mm_processor_kwargs.fps")
     assert loopback.hits == []
     # The switches themselves work: add_vision_id writes "Picture 1: " before each image.
-    two = chat(image_part(data_url(png_bytes("img_123x77.png"))), image_part(data_url(png_bytes("img_90x260.png"))))
+    two = chat(picture, image_part(data_url(png_bytes("img_90x260.png"))))
     plain = post(server, two)[1]["usage"]["prompt_tokens"]
     named = post(server, {**two, "chat_template_kwargs": {"add_vision_id": True, "enable_thinking": False}})
     assert named[0] == 200 and named[1]["usage"]["prompt_tokens"] > plain
@@ -393,6 +395,9 @@ def test_start_refuses_an_empty_key_and_names_model_offline():
     r = subprocess.run(command + ["--model", str(FIXTURES / "tiny-a"), "--api-key", ""], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--api-key is empty" in r.stderr
+    r = subprocess.run(command + ["--model", str(FIXTURES / "tiny-a"), "--allow-media-host", "http://x/"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--allow-media-host 'http://x/'" in r.stderr
     r = subprocess.run(command + ["--model", "nobody-here/no-such-model"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "--model" in r.stderr and "load()" not in r.stderr, r.stderr

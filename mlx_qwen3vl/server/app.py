@@ -26,27 +26,30 @@ def _error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int) -> bytearray:
     too_big = APIError(413, f"the request body is larger than this server's limit of {limit} bytes; send "
                        "smaller images (or start the server with a larger --max-body-bytes)", code="body_too_large")
     length = request.headers.get("content-length")
     if length and length.isdigit() and int(length) > limit:
         raise too_big
-    chunks, n = [], 0
+    body = bytearray()  # one buffer: a list of chunks joined at the end held the body twice
     try:
         async for chunk in request.stream():
-            n += len(chunk)
-            if n > limit:
+            if len(body) + len(chunk) > limit:
                 raise too_big
-            chunks.append(chunk)
+            body += chunk
     except ClientDisconnect:  # gone (or closed by a read deadline): nobody reads the answer
         raise APIError(400, "the client went away before its body arrived", code="client_disconnected") from None
-    return b"".join(chunks)
+    return body
 
 
-def _parse_json(raw: bytes):
+def _parse_json(raw: bytearray):
+    """The body as JSON (UTF-8, RFC 8259). The raw bytes are released before parsing: a large body
+    is held at most twice (its text, then what is parsed from it)."""
     try:
-        body = json.loads(raw)
+        text = raw.decode("utf-8")
+        raw.clear()
+        body = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
     except RecursionError:

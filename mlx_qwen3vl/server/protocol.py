@@ -252,6 +252,10 @@ def parse_chat_request(body) -> ChatRequest:
     mm = body.get("mm_processor_kwargs") or {}
     if not isinstance(mm, dict):
         raise _invalid("mm_processor_kwargs", "'mm_processor_kwargs' must be an object", "invalid_type")
+    for key in mm:
+        if key not in ("min_pixels", "max_pixels"):
+            raise _invalid(f"mm_processor_kwargs.{key}", f"'mm_processor_kwargs' may not set {key!r}; this server "
+                           "takes only min_pixels, max_pixels", "unsupported_processor_kwarg")
     pixels = {k: _number(body, k, 1, integer=True, default=_number(mm, k, 1, integer=True))
               for k in ("min_pixels", "max_pixels")}
     if pixels["min_pixels"] and pixels["max_pixels"] and pixels["min_pixels"] > pixels["max_pixels"]:
