@@ -80,7 +80,8 @@ class LocalOnly:
 
     def __init__(self, app, bound_host=None, cors_origins=()):
         self.app = app
-        self.names = {*LOCAL_NAMES, *([_host_name(bound_host)] if bound_host else [])}
+        # No Host at all is an HTTP/1.0 client, never a browser (which always names the page's host).
+        self.names = {"", *LOCAL_NAMES, *([_host_name(bound_host)] if bound_host else [])}
         self.origins = set(cors_origins or ())
 
     async def __call__(self, scope, receive, send):
