@@ -47,7 +47,7 @@ def _parse_json(raw: bytearray):
     """The body as JSON (UTF-8, RFC 8259). The raw bytes are released before parsing: a large body
     is held at most twice (its text, then what is parsed from it)."""
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a leading BOM is tolerated, as json.loads(bytes) did
         raw.clear()
         body = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
