@@ -6,6 +6,10 @@ ring` over 127.0.0.1 (rank 0 serving HTTP, the model split over both ranks).
 
     python benchmarks/bench_server.py --model tests/fixtures/mlxvlm-float --servers ours,mlx-vlm
     python benchmarks/bench_server.py --servers ours,ours-2ranks
+
+`--refused` instead sends our server (default flags) the over-budget and forbidden requests of
+issue #26 one by one and records its RSS and peak RSS (Linux /proc) after each; `--server-root`
+runs another checkout's server the same way (before / after a change).
 """
 
 import argparse
@@ -139,6 +143,145 @@ def run(server, args):
     }
 
 
+# ------------------------------------------------------------------------------ refused requests
+
+
+def _blank_png(width, height):
+    """A valid greyscale PNG of black pixels (10000 x 9999: ~100 kB), made without the pixels."""
+    import zlib
+
+    def chunk(kind, data):
+        return len(data).to_bytes(4, "big") + kind + data + (zlib.crc32(kind + data) & 0xFFFFFFFF).to_bytes(4, "big")
+
+    c, rows = zlib.compressobj(9), b"\0" + bytes(width)
+    idat = b"".join(c.compress(rows * min(500, height - y)) for y in range(0, height, 500)) + c.flush()
+    ihdr = width.to_bytes(4, "big") + height.to_bytes(4, "big") + bytes([8, 0, 0, 0, 0])
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def _video(path, frames, size, fmt=None, codec="mpeg4"):
+    import av
+
+    with av.open(str(path), "w", format=fmt) as container:
+        stream = container.add_stream(codec, rate=24)
+        stream.width = stream.height = size
+        stream.pix_fmt = "yuv420p"
+        rng = np.random.default_rng(0)
+        base = rng.integers(0, 255, (size, size, 3), np.uint8)
+        for i in range(frames):
+            frame = np.roll(base, i, axis=1)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return Path(path).read_bytes()
+
+
+def _memory(pid):
+    fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
+    return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")}
+
+
+def _send(port, body):
+    """POST a body (a dict, or raw bytes) → (status, error code, seconds)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    tic = time.perf_counter()
+    try:
+        conn.request("POST", "/v1/chat/completions", body=data, headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        raw, status = r.read(), r.status
+    except OSError as e:
+        raw, status = b"", type(e).__name__
+    finally:
+        conn.close()
+    try:
+        code = json.loads(raw)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        code = None
+    return status, code, time.perf_counter() - tic
+
+
+def refused_requests(args):
+    """Issue #26's over-budget and forbidden requests, each sent to a fresh server with default
+    flags (so each peak is that request's own): status, error code, the server's peak RSS before
+    and after, and its RSS after."""
+    import tempfile
+
+    def data_url(data, kind="image/png"):
+        return f"data:{kind};base64," + base64.b64encode(data).decode()
+
+    def chat(*parts, **extra):
+        return {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}],
+                "max_tokens": 2, "temperature": 0, **extra}
+
+    def image(url):
+        return {"type": "image_url", "image_url": {"url": url}}
+
+    def video(url):
+        return {"type": "video_url", "video_url": {"url": url}}
+
+    buf = io.BytesIO()
+    Image.new("RGB", (1, 1)).save(buf, format="PNG")
+    tiny = data_url(buf.getvalue())
+    big = data_url(_blank_png(10000, 9999))
+    tmp = Path(tempfile.mkdtemp())
+    m4v = data_url(_video(tmp / "long.m4v", 1200, 256, fmt="m4v"), "video/mp4")  # a raw MPEG-4 stream: no count
+    mkv = data_url(_video(tmp / "long.mkv", 4000, 16, codec="ffv1"), "video/x-matroska")  # no count either
+    cases = [
+        ("1x1 PNG, min_pixels = max_pixels = 40M", chat(image(tiny), min_pixels=40_000_000, max_pixels=40_000_000)),
+        ("five 10000x9999 PNGs (97 kB each)", chat(*[image(big)] * 5)),
+        ("1200-frame raw .m4v, 256x256 (no count)", chat(video(m4v))),
+        ("4000-frame .mkv, 16x16 (no count)", chat(video(mkv))),
+        ("chat_template_kwargs tokenize + images", chat(image(tiny), chat_template_kwargs={
+            "tokenize": True, "images": [tiny]})),
+        ("client chat_template 'x' * 500M", chat(chat_template_kwargs={
+            "chat_template": "{% set x = 'x' * 500000000 %}{{ x|length }}"})),
+        ("ffconcat playlist as a video", chat(video(data_url(b"ffconcat version 1.0\nfile sub/secret.mp4\n",
+                                                             "video/mp4")))),
+        ("body nested 100000 deep", b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+        ("65 MiB body (over --max-body-bytes)", b'{"messages": "' + b"x" * (65 << 20) + b'"}'),
+        ("63 MiB body, refused image", json.dumps(chat(image(data_url(b"x" * (47 << 20))))).encode()),
+    ]
+    root = args.server_root or str(ROOT)
+    rows = []
+    for name, body in cases:
+        port = free_port()
+        cmd = [sys.executable, "-m", "mlx_qwen3vl.server", "--model", args.model, "--port", str(port)]
+        proc = subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONPATH": root}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        ready = threading.Event()
+
+        def drain():
+            for line in proc.stderr:
+                if "Uvicorn running on" in line:
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        ready.wait(600)
+        try:
+            _send(port, chat(image(tiny)))  # one accepted request first: the baseline includes serving
+            base = _memory(proc.pid)
+            status, code, seconds = _send(port, body)
+            mem = _memory(proc.pid)
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+        rows.append({"case": name, "status": status, "code": code, "seconds": seconds, "baseline": base, **mem,
+                     "peak_rise_mb": (mem["VmHWM"] - base["VmHWM"]) / 2**20})
+        print(f"{name:42s} {status} {code or '':26s} {seconds:6.2f} s  peak {base['VmHWM'] / 2**20:5.0f} -> "
+              f"{mem['VmHWM'] / 2**20:5.0f} MB (+{rows[-1]['peak_rise_mb']:.0f}), RSS after "
+              f"{mem['VmRSS'] / 2**20:5.0f} MB", flush=True)
+    meta = {"argv": sys.argv[1:], "machine": platform.platform(), "cpus": os.cpu_count(),
+            "load_avg": os.getloadavg(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "server_root": root}
+    Path(args.out).write_text(json.dumps({"meta": meta, "refused": rows}, indent=1))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=str(ROOT / "tests/fixtures/mlxvlm-float"))
@@ -149,8 +292,14 @@ def main():
     p.add_argument("--size", default="320x200", help="screenshot WxH")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/server-agents.json"))
+    p.add_argument("--out", default=None)
+    p.add_argument("--refused", action="store_true", help="the refused-request RSS run instead (issue #26)")
+    p.add_argument("--server-root", default=None, help="with --refused: the checkout whose server runs")
     args = p.parse_args()
+    if args.refused:
+        args.out = args.out or str(ROOT / "benchmarks/results/server-refused.json")
+        return refused_requests(args)
+    args.out = args.out or str(ROOT / "benchmarks/results/server-agents.json")
     args.size = tuple(int(v) for v in args.size.split("x"))
     results = []
     for server in args.servers.split(","):

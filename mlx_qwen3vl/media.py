@@ -1,7 +1,8 @@
 """Any image a user hands us → one RGB uint8 array (H, W, 3), the same way for every source.
 
 Sources: a path, bytes, a data: URL (`data:image;base64,...`, with or without a subtype), an
-http(s) URL, a PIL image or a numpy array. Encoded sources are decoded by Pillow and turned upright
+http(s) URL, a PIL image or a numpy array. Encoded sources, whichever of these they come from, are
+decoded by Pillow only in IMAGE_FORMATS (told by content) and turned upright
 by their EXIF orientation (as transformers' load_image does); from there files and PIL images take
 one conversion to RGB, `pil_to_rgb`:
 
@@ -41,6 +42,12 @@ URL_TIMEOUT_S = 10
 # more than the processor's max_pixels (16.7M by default), and Pillow's own decompression-bomb
 # check would warn from 89M pixels and fail from 179M with a message about attacks.
 MAX_IMAGE_PIXELS = 100_000_000
+# Encoded images are decoded only in these formats, told by their bytes (never by a name or a
+# media type): the formats screenshots and photos come in. Pillow's other plugins stay unreachable
+# (EPS / PostScript would run Ghostscript on the data). An MPO (a phone's multi-picture JPEG) opens
+# as JPEG.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
+FORMATS_TEXT = "PNG, JPEG, WebP, GIF, BMP or TIFF"
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 _ADDRESS = re.compile(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>")  # "<_io.BytesIO object at 0x...>"
 
@@ -134,22 +141,40 @@ def _too_large(label, size=""):
     return InputError(f"{label} is {size}over the {MAX_IMAGE_PIXELS:,} pixels this engine decodes; downscale it first")
 
 
-def decode(data, label):
-    """Encoded image bytes → an upright PIL image, fully decoded (bad data fails here, named)."""
+def _open(data, label):
+    """Encoded bytes → a lazily opened PIL image (header read, pixels not yet decoded), in one of
+    IMAGE_FORMATS only."""
     try:
         with warnings.catch_warnings():  # our size limit replaces Pillow's bomb warning
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            im = Image.open(io.BytesIO(data))
-            if im.width * im.height > MAX_IMAGE_PIXELS:
-                raise _too_large(label, f"{im.width}x{im.height} pixels, ")
-            im.load()
-            return ImageOps.exif_transpose(im)
-    except InputError:
-        raise
+            return Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except Image.DecompressionBombError:  # above Pillow's own limit (2 x Image.MAX_IMAGE_PIXELS): size unread
         raise _too_large(label) from None
     except UnidentifiedImageError:
-        raise InputError(f"{label} is not an image format Pillow can read; pass a PNG, JPEG or WebP file") from None
+        raise InputError(f"{label} is not a {FORMATS_TEXT} image; convert it to PNG or JPEG") from None
+    except (OSError, SyntaxError, ValueError, EOFError, struct.error, zlib.error) as e:
+        raise InputError(f"{label} is not a readable image ({reason(e)}); pass a valid image file") from None
+
+
+def image_size(data, label="image"):
+    """(width, height) of encoded image bytes, from the header alone (nothing is decoded), after
+    the same format check as `decode`: what a server budgets before any decoding."""
+    im = _open(data, label)
+    return im.width, im.height
+
+
+def decode(data, label):
+    """Encoded image bytes → an upright PIL image, fully decoded (bad data fails here, named)."""
+    im = _open(data, label)
+    if im.width * im.height > MAX_IMAGE_PIXELS:
+        raise _too_large(label, f"{im.width}x{im.height} pixels, ")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im.load()
+            return ImageOps.exif_transpose(im)
+    except Image.DecompressionBombError:
+        raise _too_large(label) from None
     except (OSError, SyntaxError, ValueError, EOFError, struct.error, zlib.error) as e:
         raise InputError(f"{label} is not a readable image ({reason(e)}); pass a valid image file") from None
 

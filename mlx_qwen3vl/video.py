@@ -143,40 +143,120 @@ def clip_from_frames(frames, source_fps, sample, cfg: VideoConfig):
     return Clip([frames[i] for i in indices], indices, fps)  # views, no copy
 
 
-def read_video_file(path, source_fps, sample, cfg: VideoConfig, label="video"):
-    """Decode a video file with PyAV, converting only the frames that are kept."""
-    label = f"{label} {describe(path)}"
-    check_regular_file(path, label)
+# Video files are demuxed only from these containers, told by their first bytes; FFmpeg is then
+# held to that one demuxer and to the file protocol. Playlists and scripts (HLS, ffconcat, image
+# sequences, raw elementary streams) never reach FFmpeg: they can make it open other files or URLs.
+VIDEO_CONTAINERS = {"mp4": "mov", "matroska": "matroska", "avi": "avi"}  # ours -> FFmpeg's demuxer
+CONTAINERS_TEXT = "MP4/MOV, WebM/MKV or AVI"
+_MP4_BOXES = (b"ftyp", b"moov", b"mdat", b"wide", b"free", b"skip")
+
+
+def sniff_container(head: bytes):
+    """The container of a file's first 12 bytes ("mp4", "matroska", "avi"), or None."""
+    if head[4:8] in _MP4_BOXES:
+        return "mp4"
+    if head[:4] == b"\x1a\x45\xdf\xa3":  # EBML: Matroska and WebM
+        return "matroska"
+    if head[:4] == b"RIFF" and head[8:12] == b"AVI ":
+        return "avi"
+    return None
+
+
+@dataclass
+class VideoInfo:
+    """What a video file's headers say, before any frame is decoded."""
+
+    width: int
+    height: int
+    frames: int  # the container's frame count, else its video packets (demuxed, never decoded)
+    fps: float  # the stream's average rate, else DEFAULT_SOURCE_FPS
+
+
+def _av(label):
     try:
         import av
     except ImportError:
         raise InputError(f'{label}: reading video files needs PyAV: pip install "mlx-qwen3vl[video]"') from None
+    return av
+
+
+def open_video(path, label="video"):
+    """A PyAV input container for a file in VIDEO_CONTAINERS, opened with its one demuxer and the
+    file protocol only (a caller closes it)."""
+    check_regular_file(path, label)
     try:
-        with av.open(str(path)) as container:
-            stream = container.streams.video[0]
-            fps = source_fps or (float(stream.average_rate) if stream.average_rate else None)
-            fps = DEFAULT_SOURCE_FPS if fps is None else float(fps)
-            total = stream.frames
-            if total:  # the container knows its length: decode up to the last wanted frame only
-                indices = sample_indices(total, fps, cfg) if sample else list(range(total))
-                wanted = set(indices)
-                kept = {}
-                for i, frame in enumerate(container.decode(video=0)):
-                    if i > indices[-1]:
-                        break
-                    if i in wanted:
-                        kept[i] = frame.to_ndarray(format="rgb24")
-                indices = [i for i in indices if i in kept]
-                frames = [kept[i] for i in indices]
-            else:
-                frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
-                if frames:
-                    return clip_from_frames(frames, fps, sample, cfg)
+        with open(path, "rb") as f:
+            head = f.read(12)
+    except OSError as e:
+        raise InputError(f"{label} could not be read ({reason(e)}); check the file") from None
+    kind = sniff_container(head)
+    if kind is None:
+        raise InputError(f"{label} is not a {CONTAINERS_TEXT} file; convert it to MP4 (playlists and raw "
+                         "streams are not read)")
+    av = _av(label)
+    demuxer = VIDEO_CONTAINERS[kind]
+    try:
+        container = av.open(str(path), format=demuxer,
+                            container_options={"protocol_whitelist": "file", "enable_drefs": "0"})
+    except (OSError, av.error.FFmpegError) as e:
+        raise InputError(f"{label} could not be decoded ({reason(e)}); pass a readable video file") from None
+    if container.format.name != demuxer or not container.streams.video:
+        container.close()
+        raise InputError(f"{label} has no video stream; pass a video file")
+    return container
+
+
+def _info(container, max_frames=None):
+    stream = container.streams.video[0]
+    fps = float(stream.average_rate) if stream.average_rate else DEFAULT_SOURCE_FPS
+    total = stream.frames
+    if not total:  # Matroska / WebM (and some AVIs) carry no count: count the packets instead
+        total = 0
+        for packet in container.demux(stream):
+            total += packet.size > 0
+            if max_frames is not None and total > max_frames:
+                break
+    ctx = stream.codec_context
+    return VideoInfo(int(ctx.width), int(ctx.height), int(total), fps)
+
+
+def probe_video(path, label="video", max_frames=None):
+    """A video file's VideoInfo, without decoding a frame (counting stops past `max_frames`)."""
+    label = f"{label} {describe(path)}"
+    av = _av(label)
+    try:
+        with open_video(path, label) as container:
+            return _info(container, max_frames)
     except (OSError, IndexError, av.error.FFmpegError) as e:
         raise InputError(f"{label} could not be decoded ({reason(e)}); pass a readable video file") from None
-    if not frames:
+
+
+def read_video_file(path, source_fps, sample, cfg: VideoConfig, label="video"):
+    """Decode a video file with PyAV up to its last wanted frame, converting (and keeping) only the
+    frames that are kept. The frame count comes from the headers (see VideoInfo), so no more than
+    the wanted frames are ever held, whether or not the container states its length."""
+    info = probe_video(path, label)  # its own pass: counting packets reads the file to its end
+    label = f"{label} {describe(path)}"
+    av = _av(label)
+    try:
+        with open_video(path, label) as container:
+            fps = float(source_fps or info.fps)
+            indices = sample_indices(info.frames, fps, cfg) if sample and info.frames else None
+            last = indices[-1] if indices else info.frames - 1
+            wanted, kept = set(indices or ()), {}
+            for i, frame in enumerate(container.decode(video=0)):
+                if i > last:
+                    break
+                if info.width and (frame.width, frame.height) != (info.width, info.height):
+                    raise InputError(f"{label} changes frame size at frame {i + 1}; re-encode it at one size")
+                if indices is None or i in wanted:
+                    kept[i] = frame.to_ndarray(format="rgb24")
+    except (OSError, IndexError, av.error.FFmpegError) as e:
+        raise InputError(f"{label} could not be decoded ({reason(e)}); pass a readable video file") from None
+    indices = sorted(kept) if indices is None else [i for i in indices if i in kept]
+    if not indices:
         raise InputError(f"{label} has no frames; pass a non-empty video")
-    return Clip(frames, indices, fps)
+    return Clip([kept[i] for i in indices], indices, fps)
 
 
 # ---------------------------------------------------------------------------- sizing

@@ -392,3 +392,82 @@ def test_one_sided_pixel_budget_moves_the_configs_other_bound():
     assert image_budget(cfg, max_pixels=1 << 19) == (65536, 1 << 19)
     with pytest.raises(InputError, match="min_pixels=8192 is outside"):
         image_budget(cfg, min_pixels=8192, max_pixels=4096)
+
+
+# ---------------------------------------------------------------------------- formats by content
+
+EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nnewpath 0 0 moveto 10 10 lineto stroke\n%%EOF\n"
+
+
+def test_only_listed_image_formats_are_decoded_whatever_the_source(processor, tmp_path, monkeypatch):
+    """EPS (Pillow would hand it to Ghostscript), PSD, PPM, ICO...: refused by content from bytes,
+    data URLs and paths alike, and Pillow's plugins for them are never entered."""
+    from PIL import EpsImagePlugin
+
+    entered = []
+    monkeypatch.setattr(EpsImagePlugin.EpsImageFile, "_open", lambda self: entered.append(1))
+    others = {"eps": EPS}
+    for fmt in ("PPM", "ICO", "TGA", "PCX"):
+        buf = io.BytesIO()
+        Image.new("RGB", (8, 8), (1, 2, 3)).save(buf, format=fmt)
+        others[fmt.lower()] = buf.getvalue()
+    for name, data in others.items():
+        path = tmp_path / "picture.png"  # the name says PNG; the bytes decide
+        path.write_bytes(data)
+        for x in (data, "data:image/png;base64," + base64.b64encode(data).decode(), str(path)):
+            message = error(lambda: processor.process_images([x]))
+            assert "is not a PNG, JPEG, WebP, GIF, BMP or TIFF image" in message, (name, message)
+    assert entered == []
+    for fmt in ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF"):
+        buf = io.BytesIO()
+        Image.new("RGB", (40, 30), (10, 200, 30)).save(buf, format=fmt)
+        assert media.load_image(buf.getvalue()).shape == (30, 40, 3), fmt
+        assert media.image_size(buf.getvalue()) == (40, 30)
+
+
+def test_playlists_and_raw_streams_are_not_videos(processor, tmp_path):
+    """An ffconcat or HLS playlist (which make FFmpeg open the files or URLs they name) and a raw
+    elementary stream are refused by their first bytes, whatever their name."""
+    from conftest import write_fixture_video
+
+    write_fixture_video(tmp_path)  # clip.mkv, which the playlists name
+    texts = {"list.mp4": b"ffconcat version 1.0\nfile clip.mkv\n",
+             "list.m3u8": b"#EXTM3U\n#EXT-X-TARGETDURATION:1\n#EXTINF:1,\nclip.mkv\n#EXT-X-ENDLIST\n",
+             "raw.m4v": b"\x00\x00\x01\xb0\x01\x00\x00\x01\xb5\x89\x13\x00\x00\x01\x00\x00"}
+    for name, data in texts.items():
+        (tmp_path / name).write_bytes(data)
+        message = error(lambda: processor.process_videos([str(tmp_path / name)]))
+        assert "is not a MP4/MOV, WebM/MKV or AVI file" in message, message
+
+
+def test_video_without_a_frame_count_holds_only_its_sampled_frames(processor, tmp_path):
+    """Matroska states no frame count: the frames are counted from the packets, and only the
+    sampled ones are converted and kept (as with a count), never the whole clip. The clip equals
+    the one sampled from every decoded frame."""
+    import tracemalloc
+
+    av = pytest.importorskip("av")
+    from mlx_qwen3vl import video as vid
+
+    path, n, size = tmp_path / "long.mkv", 480, 64
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("ffv1", rate=24)
+        stream.width = stream.height = size
+        stream.pix_fmt = "gray"
+        for i in range(n):
+            frame = np.full((size, size), i % 251, np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="gray")))
+        container.mux(stream.encode())
+    with av.open(str(path)) as c:
+        assert c.streams.video[0].frames == 0
+        every = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+    want = vid.clip_from_frames(every, 24, True, processor.video_config)
+    del every
+    assert vid.probe_video(path).frames == n and vid.probe_video(path, max_frames=10).frames == 11
+    tracemalloc.start()
+    clip = vid.read_video_file(path, None, True, processor.video_config)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert clip.indices == want.indices and len(clip.indices) == n // 24 * 2
+    assert all(np.array_equal(a, b) for a, b in zip(clip.frames, want.frames))
+    assert peak < 3 * len(clip.frames) * size * size * 3  # the kept frames (and change), not all n

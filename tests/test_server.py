@@ -66,10 +66,10 @@ def _free_port():
 
 
 class Server:
-    def __init__(self, *args, model=None):
+    def __init__(self, *args, model=None, env=None):
         self.port = _free_port()
         # The BLAS thread count the server would restart itself with (--blas-threads 1), set here.
-        env = {**os.environ, "PYTHONPATH": str(ROOT), **dict.fromkeys(BLAS_ENV, "1")}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **dict.fromkeys(BLAS_ENV, "1"), **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlx_qwen3vl.server", "--model", str(model or FIXTURES / CHECKPOINT), "--port",
              str(self.port), *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -116,7 +116,7 @@ class Server:
 @pytest.fixture(scope="module")
 def server():
     s = Server("--api-key", KEY, "--max-body-bytes", "1000000", "--allowed-local-media-path", str(MEDIA),
-               "--log-level", "info")
+               "--allow-media-host", "127.0.0.1", "--log-level", "info")  # the media test's helper serves on it
     yield s
     s.stop()
 

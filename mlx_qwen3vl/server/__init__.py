@@ -3,7 +3,9 @@
     app.py       routes, API key, body limit, CORS, error bodies, server-sent events
     protocol.py  request validation, response and chunk formats
     prompts.py   a request → model inputs (media policy, chat template, tools, grammar)
-    fetch.py     image / video URLs → bytes or allowed local files
+    limits.py    what one request may cost, checked before decoding (pixels, frames)
+    fetch.py     image / video URLs → bytes or allowed local files (checked hosts, one deadline)
+    connections.py  below the app: connection cap, read deadlines, stopping on SIGTERM / SIGINT
     engine.py    the model thread: continuous batching, prefill with cached prefixes and features
     cache.py     the media-aware prefix cache and the vision-feature cache
     tools.py     <tool_call> blocks → OpenAI tool_calls
@@ -12,18 +14,20 @@
 
 
 def build_server(model, processor, *, model_id="model", api_key=None, max_body_bytes=64 << 20, cors_origins=None,
-                 media_policy=None, **engine_kwargs):
+                 media_policy=None, limits=None, grammar_timeout_s=None, bound_host=None, **engine_kwargs):
     """(model, processor) → (Starlette app, engine); the engine's model thread is already running."""
     from .app import create_app
     from .engine import Engine
     from .fetch import MediaPolicy
     from .grammar import GrammarFactory
+    from .limits import DEFAULT_GRAMMAR_TIMEOUT_S
     from .prompts import PromptBuilder
 
     engine = Engine(model, processor, **engine_kwargs)
     tok = processor.tokenizer
-    grammars = GrammarFactory(tok, model.config.text_config.vocab_size, tok.eos_token_id)
-    builder = PromptBuilder(engine, media_policy or MediaPolicy(), grammars)
+    grammars = GrammarFactory(tok, model.config.text_config.vocab_size, tok.eos_token_id,
+                              timeout_s=grammar_timeout_s or DEFAULT_GRAMMAR_TIMEOUT_S)
+    builder = PromptBuilder(engine, media_policy or MediaPolicy(), grammars, limits)
     app = create_app(engine, builder, model_id=model_id, api_key=api_key, max_body_bytes=max_body_bytes,
-                     cors_origins=cors_origins)
+                     cors_origins=cors_origins, bound_host=bound_host)
     return app, engine

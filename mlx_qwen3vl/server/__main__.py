@@ -6,41 +6,112 @@ import sys
 import traceback
 
 GB = 1 << 30
+KEY_ENV = "MLX_QWEN3VL_API_KEY"
+
+
+class _Help(argparse.HelpFormatter):
+    """Every option's help ends with its default (or says it itself)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not action.option_strings or "(default" in text or "(required" in text or action.default is argparse.SUPPRESS:
+            return text
+        default = action.default
+        shown = "off" if default is False else "none" if default in (None, []) else "%(default)s"
+        return f"{text} (default: {shown})"
+
+
+def _positive(kind):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0 or value != value or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m mlx_qwen3vl.server",
+    from .limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
+                         DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_REQUEST_PIXELS,
+                         DEFAULT_MAX_VIDEO_FRAMES)
+
+    p = argparse.ArgumentParser(prog="python -m mlx_qwen3vl.server", formatter_class=_Help,
                                 description="OpenAI-compatible chat-completions server for Qwen3-VL.")
-    p.add_argument("--model", required=True, help="local checkpoint folder or Hugging Face repo id")
+    p.add_argument("--model", required=True, help="local checkpoint folder or Hugging Face repo id (required)")
     p.add_argument("--served-model-name", default=None, help="the id /v1/models reports (default: --model)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--api-key", default=os.environ.get("MLX_QWEN3VL_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $MLX_QWEN3VL_API_KEY, else no key)")
-    p.add_argument("--max-body-bytes", type=int, default=64 << 20, help="request size limit (default 64 MiB)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="port to bind")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' (default: ${KEY_ENV} if set, else no key: then only "
+                        "requests naming this machine as Host, and no cross-origin ones, are served)")
+    p.add_argument("--max-body-bytes", type=_positive(int), default=64 << 20, help="request size limit in bytes")
     p.add_argument("--cors-allow-origin", action="append", default=[], metavar="ORIGIN",
-                   help="allow browser requests from ORIGIN (repeatable; '*' for any); CORS is off by default")
+                   help="allow browser requests from ORIGIN (repeatable; '*' for any)")
     p.add_argument("--allowed-local-media-path", action="append", default=[], metavar="DIR",
-                   help="serve file:// image/video URLs from under DIR (repeatable); off by default")
+                   help="serve file:// image/video URLs from under DIR (repeatable)")
     p.add_argument("--no-http-media", action="store_true", help="refuse http(s) image/video URLs")
-    p.add_argument("--media-timeout", type=float, default=10.0, help="seconds to fetch one http(s) URL")
-    p.add_argument("--max-media-bytes", type=int, default=64 << 20, help="size cap of one fetched URL")
-    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
-    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 503")
-    p.add_argument("--max-tokens", type=int, default=512, help="default answer limit when a request sets none")
+    p.add_argument("--allow-media-host", action="append", default=[], metavar="HOST|CIDR",
+                   help="also fetch http(s) media from this host name, address or network (repeatable); by "
+                        "default loopback, private, link-local, multicast and reserved addresses are refused")
+    p.add_argument("--media-timeout", type=_positive(float), default=10.0,
+                   help="seconds for the whole fetch of one http(s) URL (DNS, connect, redirects, every byte)")
+    p.add_argument("--max-media-bytes", type=_positive(int), default=64 << 20, help="size cap of one fetched URL")
+    p.add_argument("--max-media-fetches", type=_positive(int), default=8,
+                   help="http(s) fetches in flight at once; a request needing another gets 503")
+    p.add_argument("--max-request-pixels", type=_positive(int), default=DEFAULT_MAX_REQUEST_PIXELS,
+                   help="pixels one request may bring: each image as stored, and all images as resized plus "
+                        "sampled video frames as decoded; a request's min_pixels / max_pixels may not exceed it")
+    p.add_argument("--max-video-frames", type=_positive(int), default=DEFAULT_MAX_VIDEO_FRAMES,
+                   help="frames one video may hold (from its headers, before decoding)")
+    p.add_argument("--grammar-timeout", type=_positive(float), default=DEFAULT_GRAMMAR_TIMEOUT_S,
+                   help="seconds a json_schema or forced tool call may take to compile")
+    p.add_argument("--max-connections", type=_positive(int), default=DEFAULT_MAX_CONNECTIONS,
+                   help="open connections; more are answered 503 and closed")
+    p.add_argument("--header-timeout", type=_positive(float), default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="seconds for a request's headers to arrive (the first from the connection's start)")
+    p.add_argument("--body-timeout", type=_positive(float), default=DEFAULT_BODY_TIMEOUT_S,
+                   help="seconds for a request's body to arrive after its headers")
+    p.add_argument("--keep-alive-timeout", type=_positive(float), default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+                   help="seconds an idle connection stays open between requests")
+    p.add_argument("--max-batch", type=_positive(int), default=8, help="requests decoded together")
+    p.add_argument("--max-queue", type=_positive(int), default=64, help="waiting requests before answering 503")
+    p.add_argument("--max-tokens", type=_positive(int), default=512,
+                   help="default answer limit when a request sets none")
     p.add_argument("--prefix-cache-gb", type=float, default=2.0, help="memory for cached KV prefixes")
     p.add_argument("--vision-cache-gb", type=float, default=0.5, help="memory for cached vision features")
-    p.add_argument("--prefill-step-size", type=int, default=2048)
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
+    p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens computed per step")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="compute dtype (default: float32 on the CPU, the checkpoint's on a GPU)")
     p.add_argument("--parallel", choices=["tensor", "pipeline"], default="tensor",
-                   help="under mlx.launch: split every layer over the ranks (tensor, default) or give each rank "
+                   help="under mlx.launch: split every layer over the ranks (tensor) or give each rank "
                         "a range of layers (pipeline); ignored in one process")
     p.add_argument("--blas-threads", default="1", metavar="auto|N",
-                   help="BLAS (MKL / OpenBLAS) threads; 1 by default: with the HTTP and model threads "
-                        "beside it, spinning BLAS threads slowed decode up to 100x on a busy 2-core machine; "
-                        "auto: the CPU path's policy (every core while no other process wants them)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+                   help="BLAS (MKL / OpenBLAS) threads; with the HTTP and model threads beside it, spinning "
+                        "BLAS threads slowed decode up to 100x on a busy 2-core machine; auto: the CPU path's "
+                        "policy (every core while no other process wants them)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level")
     return p
+
+
+def _api_key(args):
+    """The key from --api-key or the environment; an empty or blank one is an error, not 'no key'."""
+    if args.api_key is not None:
+        key, name = args.api_key, "--api-key"
+    elif os.environ.get(KEY_ENV) is not None:
+        key, name = os.environ[KEY_ENV], f"${KEY_ENV}"
+    else:
+        return None, None
+    if not key:
+        return None, f"{name} is empty; pass a key, or leave it out to serve this machine only without one"
+    if not (key.isascii() and key.isprintable()) or " " in key:
+        return None, f"{name} must be printable ASCII without spaces (it is compared with the Bearer token)"
+    return key, None
 
 
 BLAS_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")  # what tests set for in-process references
@@ -48,13 +119,20 @@ BLAS_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")  # wha
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    api_key, problem = _api_key(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401
 
         from .. import load
         from ..errors import Qwen3VLError
+        from ..hub import resolve_model_path
         from . import build_server
-        from .fetch import MediaPolicy
+        from .connections import check_file_limit, serve
+        from .fetch import MediaPolicy, check_allowed_hosts
+        from .limits import Limits
     except ImportError as e:
         print(f"error: {e.name} is missing; install the server extra: pip install 'mlx-qwen3vl[server]'",
               file=sys.stderr)
@@ -63,6 +141,10 @@ def main(argv=None):
         if not os.path.isdir(d):
             print(f"error: --allowed-local-media-path {d!r} is not a directory", file=sys.stderr)
             return 2
+    bad = check_allowed_hosts(args.allow_media_host)
+    if bad is not None:
+        print(f"error: --allow-media-host {bad!r} is not a host name, an address or a network (CIDR)", file=sys.stderr)
+        return 2
     from .. import distributed
 
     group = distributed.world()  # under `mlx.launch -n N`: rank 0 serves, every rank computes
@@ -70,7 +152,8 @@ def main(argv=None):
         from ..cpu import threads
 
         threads.configure(args.blas_threads, "--blas-threads")  # set at run time: no restart needed
-        model, processor = load(args.model, dtype=args.dtype, parallel=args.parallel)
+        path = resolve_model_path(args.model, "--model")
+        model, processor = load(path, dtype=args.dtype, parallel=args.parallel)
     except Qwen3VLError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -88,23 +171,32 @@ def main(argv=None):
         processor = processor.local  # the HTTP side reads media here, for every rank
         engine_kwargs["replicas"] = Leader(group)
         where = f" (rank 0 of {group.size()}, pid {os.getpid()}, {args.parallel} parallel)"
+    problem = check_file_limit(args.max_connections)  # after load: mlx-lm lowers the limit when imported
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     policy = MediaPolicy(allow_http=not args.no_http_media, http_timeout_s=args.media_timeout,
-                         max_media_bytes=args.max_media_bytes, allowed_local_paths=args.allowed_local_media_path)
+                         max_media_bytes=args.max_media_bytes, allowed_local_paths=args.allowed_local_media_path,
+                         allowed_hosts=args.allow_media_host, max_fetches=args.max_media_fetches)
+    limits = Limits(max_request_pixels=args.max_request_pixels, max_video_frames=args.max_video_frames)
     app, engine = build_server(
-        model, processor, model_id=args.served_model_name or args.model, api_key=args.api_key,
-        max_body_bytes=args.max_body_bytes, cors_origins=args.cors_allow_origin, media_policy=policy,
-        **engine_kwargs)
+        model, processor, model_id=args.served_model_name or args.model, api_key=api_key,
+        max_body_bytes=args.max_body_bytes, cors_origins=args.cors_allow_origin, media_policy=policy, limits=limits,
+        grammar_timeout_s=args.grammar_timeout, bound_host=args.host, **engine_kwargs)
     print(f"[mlx_qwen3vl] serving {args.model} on http://{args.host}:{args.port}/v1{where}", file=sys.stderr,
           flush=True)
+    run = dict(host=args.host, port=args.port, log_level=args.log_level, max_connections=args.max_connections,
+               header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+               keep_alive_timeout=args.keep_alive_timeout, on_stop=app.state.stop)
     if group is None:
         try:
-            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+            serve(app, **run)  # returns once SIGTERM / SIGINT has stopped it: a success
         finally:
             engine.close()
         return 0
 
-    # Stopped on request (Ctrl-C, SIGTERM) is a success: uvicorn re-raises the signal after its
-    # graceful shutdown, and a rank dying of it would make mlx.launch report a failure and kill the
+    # Stopped on request (Ctrl-C, SIGTERM) is a success (serve returns); these handlers cover a
+    # signal outside serve: a rank dying of it would make mlx.launch report a failure and kill the
     # other ranks while they end on their own.
     def stopped(sig, frame):
         raise SystemExit(0)
@@ -113,7 +205,7 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, stopped)
     status = 1
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        serve(app, **run)
         status = 0
     except SystemExit as e:  # the signal above (0), or uvicorn's own exit (1: the port was taken)
         status = e.code if isinstance(e.code, int) else int(e.code is not None)

@@ -1,4 +1,5 @@
-"""The HTTP layer (Starlette): routes, API key, body limit, CORS, OpenAI error bodies, SSE."""
+"""The HTTP layer (Starlette): routes, API key, body limit, Host / Origin checks, CORS, OpenAI
+error bodies, SSE, and ending running requests when the server stops."""
 
 import asyncio
 import contextlib
@@ -12,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
@@ -25,19 +26,85 @@ def _error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int) -> bytearray:
     too_big = APIError(413, f"the request body is larger than this server's limit of {limit} bytes; send "
                        "smaller images (or start the server with a larger --max-body-bytes)", code="body_too_large")
     length = request.headers.get("content-length")
     if length and length.isdigit() and int(length) > limit:
         raise too_big
-    chunks, n = [], 0
-    async for chunk in request.stream():
-        n += len(chunk)
-        if n > limit:
-            raise too_big
-        chunks.append(chunk)
-    return b"".join(chunks)
+    body = bytearray()  # one buffer: a list of chunks joined at the end held the body twice
+    try:
+        async for chunk in request.stream():
+            if len(body) + len(chunk) > limit:
+                raise too_big
+            body += chunk
+    except ClientDisconnect:  # gone (or closed by a read deadline): nobody reads the answer
+        raise APIError(400, "the client went away before its body arrived", code="client_disconnected") from None
+    return body
+
+
+def _parse_json(raw: bytearray):
+    """The body as JSON (UTF-8, RFC 8259). The raw bytes are released before parsing: a large body
+    is held at most twice (its text, then what is parsed from it)."""
+    try:
+        text = raw.decode("utf-8-sig")  # a leading BOM is tolerated, as json.loads(bytes) did
+        raw.clear()
+        body = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, f"the request body is nested deeper than {P.MAX_JSON_DEPTH} levels",
+                       code="too_deep") from None
+    P.check_json(body)
+    return body
+
+
+LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def _host_name(host: str) -> str:
+    """A Host header's name, without port or IPv6 brackets, lower-cased."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+class LocalOnly:
+    """With no API key, the server answers only this machine's own names: a `Host` header naming
+    another (a DNS-rebinding page that resolves its own name to 127.0.0.1) is refused, and so is a
+    browser request from another origin (a page the user visits posting `text/plain` to
+    127.0.0.1) unless --cors-allow-origin names it. Same-origin requests (the server's own pages)
+    and clients that send no Origin (SDKs, curl) are served. A pure ASGI middleware: streams pass
+    through untouched."""
+
+    def __init__(self, app, bound_host=None, cors_origins=()):
+        self.app = app
+        # No Host at all is an HTTP/1.0 client, never a browser (which always names the page's host).
+        self.names = {"", *LOCAL_NAMES, *([_host_name(bound_host)] if bound_host else [])}
+        self.origins = set(cors_origins or ())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        host = headers.get("host", "")
+        server = scope.get("server") or ("",)
+        if _host_name(host) not in self.names | {str(server[0]).lower()}:
+            return await _refuse(scope, receive, send, 421, f"Host {host[:100]!r} does not name this server; with no "
+                                 "--api-key it answers only requests for localhost, 127.0.0.1, ::1 or its own "
+                                 "address", "forbidden_host")
+        origin = headers.get("origin")
+        if origin is not None and origin.lower() != f"{scope.get('scheme', 'http')}://{host}".lower() \
+                and origin not in self.origins and "*" not in self.origins:
+            return await _refuse(scope, receive, send, 403, f"cross-origin request from {origin[:100]!r} refused; "
+                                 "start the server with --cors-allow-origin ORIGIN to allow it", "forbidden_origin")
+        await self.app(scope, receive, send)
+
+
+async def _refuse(scope, receive, send, status, message, code):
+    body = {"error": {"message": message, "type": "permission_error", "param": None, "code": code}}
+    await JSONResponse(body, status_code=status)(scope, receive, send)
 
 
 async def _disconnected(request: Request):
@@ -50,7 +117,18 @@ def _sse(obj) -> str:
 
 
 def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None, max_body_bytes: int = 64 << 20,
-               cors_origins=None) -> Starlette:
+               cors_origins=None, bound_host=None) -> Starlette:
+    running = set()  # handles of the requests being answered (ended with an error when the server stops)
+    stopping = []
+
+    def stop():
+        """The server is stopping (on the event loop): refuse new requests, end running ones with
+        an error event (and free their rows)."""
+        stopping.append(True)
+        for handle in list(running):
+            handle.cancel()
+            handle.queue.put_nowait({"type": "error", "error": _shutting_down()})
+
     def check_auth(request: Request):
         if api_key is None:
             return
@@ -74,20 +152,25 @@ def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None,
 
     async def chat_completions(request: Request):
         check_auth(request)
-        raw = await _read_body(request, max_body_bytes)
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+        if stopping:
+            raise _shutting_down()
+        body = _parse_json(await _read_body(request, max_body_bytes))
         req = P.parse_chat_request(body)
+        del body
         prepared = await run_in_threadpool(builder.build, req)
+        if stopping:
+            raise _shutting_down()
         handle = engine.submit(prepared, asyncio.get_running_loop())
+        running.add(handle)
         cid, name = P.completion_id(), req.model or model_id
         parse_tools = bool(req.tools) and req.tool_choice != "none"
         if req.stream:
             return StreamingResponse(_stream(handle, req, cid, name, parse_tools), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _complete(request, handle, cid, name, parse_tools)
+        try:
+            return await _complete(request, handle, cid, name, parse_tools)
+        finally:
+            running.discard(handle)
 
     async def _complete(request, handle, cid, name, parse_tools):
         watcher = asyncio.ensure_future(_disconnected(request))
@@ -156,10 +239,13 @@ def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None,
                     use = P.usage(ev["prompt_tokens"], ev["completion_tokens"], ev["cached_tokens"])
                     yield _sse(P.chunk(cid, name, use=use, choices=False))
                 break
-            yield "data: [DONE]\n\n"
+        except Exception as e:  # noqa: BLE001 — the headers are sent: end the stream with an error event
+            yield _sse(_as_error(e).body())
         finally:
+            running.discard(handle)
             if not finished:  # client gone (or an error): free the batch slot
                 handle.cancel()
+        yield "data: [DONE]\n\n"
 
     async def api_error(request, exc: APIError):
         return _error_response(exc)
@@ -170,20 +256,35 @@ def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None,
                                        "param": None, "code": None}}, status_code=exc.status_code)
 
     async def internal_error(request, exc: Exception):
-        return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
+        return _error_response(_as_error(exc))
 
     middleware = []
+    if api_key is None:
+        middleware.append(Middleware(LocalOnly, bound_host=bound_host, cors_origins=cors_origins))
     if cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                                      allow_headers=["Authorization", "Content-Type"]))
     engine.started = getattr(engine, "started", time.time())
-    return Starlette(
+    app = Starlette(
         routes=[Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
                 Route("/v1/chat/completions", chat_completions, methods=["POST"])],
         middleware=middleware,
         exception_handlers={APIError: api_error, HTTPException: http_error, Exception: internal_error},
         lifespan=_lifespan(engine),
     )
+    app.state.stop = stop
+    return app
+
+
+def _shutting_down():
+    return APIError(503, "the server is shutting down; this request was not finished", code="server_shutdown",
+                    headers={"Retry-After": "5"})
+
+
+def _as_error(e) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    return APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
 
 
 def _lifespan(engine):

@@ -5,6 +5,7 @@ llguidance was picked over xgrammar (which needs torch, not a runtime dependency
 outlines-core; its mask is computed per token on the CPU (see benchmarks/README.md, "Server").
 """
 
+import concurrent.futures
 import json
 import threading
 
@@ -15,13 +16,19 @@ from .protocol import APIError
 
 # Compact JSON (no free whitespace): a model cannot pad its answer with blanks until the limit.
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Compiles run here (llguidance drops the GIL while it builds a matcher), so a request can stop
+# waiting at its deadline; llguidance's own fuel limits end the compile itself soon after.
+_compiler = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="mlx_qwen3vl-grammar")
 
 
 class GrammarFactory:
-    """Compiles grammars for one tokenizer; the llguidance tokenizer is built once, lazily."""
+    """Compiles grammars for one tokenizer; the llguidance tokenizer is built once, lazily.
+    `timeout_s`: how long a request may wait for its grammar (queueing included), else a 400;
+    None (ranks replaying rank 0's requests, which must compile what rank 0 accepted): no limit."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int, timeout_s=None):
         self.tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, eos_token_id
+        self.timeout_s = timeout_s
         self._lltok = None
         self._lock = threading.Lock()
 
@@ -49,9 +56,20 @@ class GrammarFactory:
         to other ranks, which compile their own."""
         if spec is None:
             return []
+        self._llg_tokenizer()  # built once, outside any request's deadline
         if spec[0] == "json_schema":
-            return [self.json_schema(spec[1])]
-        return [self.tool_call(spec[1], spec[2])]
+            compile_, param = (lambda: self.json_schema(spec[1])), "response_format"
+        else:
+            compile_, param = (lambda: self.tool_call(spec[1], spec[2])), "tool_choice"
+        if self.timeout_s is None:
+            return [compile_()]
+        future = _compiler.submit(compile_)
+        try:
+            return [future.result(timeout=self.timeout_s)]
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise APIError(400, f"'{param}' did not compile within {self.timeout_s:g} s (the server's "
+                           "--grammar-timeout); send a simpler schema", param=param, code="grammar_timeout") from None
 
     def json_schema(self, schema: dict, param="response_format"):
         import llguidance

@@ -11,6 +11,7 @@ from ..errors import Qwen3VLError
 from ..prompt_cache import media_keys
 from .engine import Prepared
 from .fetch import resolve_image, resolve_video
+from .limits import Limits, check_media, check_pixel_options
 from .protocol import APIError, ChatRequest
 
 
@@ -55,15 +56,18 @@ def convert_messages(messages, policy, temp_files):
 
 
 class PromptBuilder:
-    def __init__(self, engine, policy, grammars):
+    def __init__(self, engine, policy, grammars, limits=None):
         self.engine, self.policy, self.grammars = engine, policy, grammars
+        self.limits = limits or Limits()
         self.processor = engine.processor
         self._lock = threading.Lock()  # one tokenizer / processor call at a time
 
     def build(self, req: ChatRequest) -> Prepared:
         temp_files = []
+        check_pixel_options(req, self.limits)
         try:
             messages, images, videos = convert_messages(req.messages, self.policy, temp_files)
+            check_media(images, videos, req, self.processor, self.limits)  # before any decoding
             tools = req.tools if req.tool_choice != "none" else None
             with self._lock:
                 try:

@@ -13,7 +13,13 @@ from typing import Any, Dict, List, Optional
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 16
+MAX_STOP_CHARS = 256  # each stop string is searched for after every token
 MAX_TOP_LOGPROBS = 20
+MAX_JSON_DEPTH = 64  # nesting of the request body (a JSON schema included)
+# The chat template switches a request may set: they change how the conversation is rendered and
+# nothing else (the Qwen3-VL templates read these). Anything else the template or the processor
+# would take (tokenize, images, videos, chat_template, ...) could reach files, URLs or memory.
+TEMPLATE_SWITCHES = {"add_vision_id": bool, "enable_thinking": bool}
 
 
 class APIError(Exception):
@@ -79,6 +85,47 @@ def _number(body, name, lo=None, hi=None, *, integer=False, lo_open=False, defau
         hi_s = "" if hi is None else f"<= {hi}"
         raise _invalid(name, f"'{name}' is {value}; it must be {' and '.join(s for s in (lo_s, hi_s) if s)}")
     return value
+
+
+def check_json(body, limit=MAX_JSON_DEPTH):
+    """A parsed body nested at most `limit` deep, with no string that is not valid Unicode (a lone
+    surrogate, which JSON's \\ud800 escape can carry, fails later when the text is encoded).
+    Iterative: a deep body must not exhaust the stack here either."""
+    stack = [(body, 1, None)]
+    while stack:
+        value, depth, where = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise _invalid(where, f"'{where or 'the body'}' holds a lone surrogate (\\ud800-\\udfff without "
+                                   "its pair); send valid Unicode text", "invalid_text") from None
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > limit:
+            raise _invalid(where, f"the request body is nested deeper than {limit} levels", "too_deep")
+        if isinstance(value, dict):
+            for k, v in value.items():
+                stack.append((k, depth, where))
+                stack.append((v, depth + 1, f"{where}.{k}" if where else k))
+        else:
+            stack.extend((v, depth + 1, f"{where or ''}[{i}]") for i, v in enumerate(value))
+
+
+def _template_switches(kwargs):
+    if not isinstance(kwargs, dict):
+        raise _invalid("chat_template_kwargs", "'chat_template_kwargs' must be an object", "invalid_type")
+    for key, value in kwargs.items():
+        param = f"chat_template_kwargs.{key}"
+        kind = TEMPLATE_SWITCHES.get(key)
+        if kind is None:
+            raise _invalid(param, f"'chat_template_kwargs' may not set {key!r}; this server takes only "
+                           + ", ".join(sorted(TEMPLATE_SWITCHES)), "unsupported_template_kwarg")
+        if not isinstance(value, kind):
+            raise _invalid(param, f"'{param}' must be true or false", "invalid_type")
+    return dict(kwargs)
 
 
 def _check_content(i, message):
@@ -180,6 +227,8 @@ def parse_chat_request(body) -> ChatRequest:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
         raise _invalid("stop", f"'stop' must be a non-empty string or a list of at most {MAX_STOP} of them")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise _invalid("stop", f"each 'stop' string must be at most {MAX_STOP_CHARS} characters")
     top_k = _number(body, "top_k", -1, integer=True, default=0)
     top_logprobs = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True, default=0)
     if top_logprobs and not body.get("logprobs"):
@@ -204,13 +253,18 @@ def parse_chat_request(body) -> ChatRequest:
     mm = body.get("mm_processor_kwargs") or {}
     if not isinstance(mm, dict):
         raise _invalid("mm_processor_kwargs", "'mm_processor_kwargs' must be an object", "invalid_type")
+    for key in mm:
+        if key not in ("min_pixels", "max_pixels"):
+            raise _invalid(f"mm_processor_kwargs.{key}", f"'mm_processor_kwargs' may not set {key!r}; this server "
+                           "takes only min_pixels, max_pixels", "unsupported_processor_kwarg")
     pixels = {k: _number(body, k, 1, integer=True, default=_number(mm, k, 1, integer=True))
               for k in ("min_pixels", "max_pixels")}
     if pixels["min_pixels"] and pixels["max_pixels"] and pixels["min_pixels"] > pixels["max_pixels"]:
         raise _invalid("min_pixels", "'min_pixels' is larger than 'max_pixels'")
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise _invalid("chat_template_kwargs", "'chat_template_kwargs' must be an object", "invalid_type")
+    if body.get("chat_template") is not None:
+        raise _invalid("chat_template", "'chat_template' cannot be sent; this server renders with its checkpoint's "
+                       "template (switches go in 'chat_template_kwargs')", "unsupported_field")
+    kwargs = _template_switches(body.get("chat_template_kwargs") or {})
     return ChatRequest(
         messages=messages, sampling=sampling, model=model, stream=bool(body.get("stream")),
         include_usage=bool(stream_options.get("include_usage")), tools=tools or None,
