@@ -116,7 +116,7 @@ def test_one_answer_for_every_prompt(tmp_path):
     model, processor = M.load(write_scripted_checkpoint(tmp_path, "[523, 87]"))
     video = np.load(FIXTURES / "media" / "video_16x72x100.npy")[:8]
     tools = [{"type": "function", "function": {"name": "click", "parameters": {"type": "object"}}}]
-    for kwargs in ({"prompt": "hi"}, {"prompt": "What happens?", "videos": [video], "video_fps": 8.0},
+    for kwargs in ({"prompt": "hi"}, {"prompt": "What happens?", "videos": [video], "source_fps": 8.0},
                    {"prompt": "Press OK.", "images": [PICTURE], "chat_template_kwargs": {"tools": tools}}):
         check(run(model, processor, **kwargs), "[523, 87]")
 
