@@ -6,14 +6,18 @@ the tiny checkpoint."""
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from mlx_qwen3vl import agent, eval_grounding
-from mlx_qwen3vl import ground as ground_cli
+from mlx_qwen3vl import agent
+from mlx_qwen3vl.agent import eval_grounding
+from mlx_qwen3vl.agent import ground_cli
 from mlx_qwen3vl.agent import (Action, Step, computer_use_messages, computer_use_system_prompt, grounding_messages,
                                grounding_prompt, navigation_messages, navigation_prompt, parse_action,
                                parse_grounding, parse_point, to_pixel)
@@ -696,3 +700,13 @@ def test_agent_loop_example_context_overflow_is_one_line(capsys):
 def test_action_to_dict_is_json_ready():
     a = Action("Drag", {"start": (1, 2), "end": (3, 4)}, think="t")
     assert json.loads(json.dumps(a.to_dict()))["args"] == {"start": [1, 2], "end": [3, 4]}
+
+
+def test_old_command_paths_still_run():
+    """The grounding commands moved into the agent package; `python -m mlx_qwen3vl.ground` and
+    `python -m mlx_qwen3vl.eval_grounding` (what the README and people's scripts say) still run them."""
+    for module, prog in (("mlx_qwen3vl.ground", "ground"), ("mlx_qwen3vl.eval_grounding", "eval_grounding")):
+        p = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+        assert p.returncode == 0, p.stderr
+        assert "--instruction" in p.stdout if prog == "ground" else "--data" in p.stdout

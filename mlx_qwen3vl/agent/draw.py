@@ -1,0 +1,55 @@
+"""Pictures of answers: the point and box drawn on the screenshot, and a visible mark when
+there is no point."""
+
+from typing import Optional
+
+
+def annotate(image, point=None, box=None, path=None, note=None):
+    """Draw `box` (outline) and `point` (ringed dot with a crosshair) on a copy of the image (RGB
+    array or PIL image), and `note` (e.g. "no point found") as a red banner across the top, so a
+    picture of an answer without a point never passes for the plain screenshot. Returns the PIL
+    image, also written to `path` as PNG when given."""
+    import numpy as np
+    from PIL import Image, ImageDraw, ImageFont
+
+    im = Image.fromarray(np.asarray(image)) if not isinstance(image, Image.Image) else image.convert("RGB").copy()
+    draw = ImageDraw.Draw(im)
+    line = max(2, round(min(im.size) / 200))
+    if box:
+        draw.rectangle(box, outline=(0, 200, 0), width=line)
+    if point:
+        x, y = point
+        r = max(6, round(min(im.size) / 40))
+        draw.line([(x - 2 * r, y), (x + 2 * r, y)], fill=(255, 255, 255), width=line)
+        draw.line([(x, y - 2 * r), (x, y + 2 * r)], fill=(255, 255, 255), width=line)
+        draw.ellipse([x - r, y - r, x + r, y + r], outline=(255, 0, 0), width=line)
+        d = max(2, r // 3)
+        draw.ellipse([x - d, y - d, x + d, y + d], fill=(255, 0, 0), outline=(255, 255, 255))
+    if note:
+        try:
+            font = ImageFont.load_default(size=max(9, min(28, im.height // 24)))
+        except (TypeError, OSError, ImportError):  # Pillow < 10.1 or no FreeType: the fixed bitmap font
+            font = ImageFont.load_default()
+        room = im.width - 4 * line
+        rows = [""]  # the note's words wrapped to the width
+        for word in note.split():
+            wider = f"{rows[-1]} {word}".strip()
+            if rows[-1] and font.getlength(wider) > room:
+                rows.append(word)
+            else:
+                rows[-1] = wider
+        text = "\n".join(rows)
+        left, top, right, bottom = draw.multiline_textbbox((2 * line, line), text, font=font)
+        draw.rectangle([0, 0, im.width - 1, bottom + line], fill=(200, 0, 0))
+        draw.multiline_text((2 * line, line), text, fill=(255, 255, 255), font=font)
+        draw.rectangle([0, 0, im.width - 1, im.height - 1], outline=(200, 0, 0), width=line)
+    if path is not None:
+        im.save(path, format="PNG")
+    return im
+
+
+def missing_point_note(status: str) -> Optional[str]:
+    """What an annotated picture says when the answer gave no point (None when it gave one)."""
+    return {"refused": "no point: the model says the target is absent",
+            "malformed": "no point found: the answer could not be read"}.get(status)
+

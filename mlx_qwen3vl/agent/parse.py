@@ -1,0 +1,346 @@
+"""Answers → points, boxes and actions in pixels of the original screenshot.
+
+Qwen3-VL (and UI-Venus-1.5, built on it) answers in coordinates relative to the image, 0-1000 on
+each axis, whatever size the processor resized the image to (`min_pixels` / `max_pixels`). Every
+parser here maps them to pixels of the ORIGINAL image (as loaded: EXIF orientation applied) by one
+rule, `to_pixel`:
+
+    pixel = floor(v / 1000 * size), clamped to [0, size - 1]
+
+i.e. the pixel whose extent holds the relative position (1000, the far edge, is the last pixel),
+computed exactly (no float rounding). A box's centre is taken in relative coordinates first and
+mapped by the same rule. Values outside 0-1000 are a malformed answer, except the UI-Venus refusal
+`[-1,-1]`.
+"""
+
+import ast
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+from typing import Optional, Tuple
+
+from ..errors import InputError
+
+SCALE = 1000  # Qwen3-VL's relative coordinate range
+
+# ---------------------------------------------------------------------------------------------
+# Coordinates
+# ---------------------------------------------------------------------------------------------
+def _number(v) -> Optional[Fraction]:
+    """A finite number (or numeric string) as an exact fraction; None otherwise."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    try:
+        return Fraction(str(v).strip()) if isinstance(v, str) else Fraction(v)
+    except (ValueError, TypeError, ZeroDivisionError):
+        return None
+
+
+def to_pixel(v, size: int) -> int:
+    """A 0-1000 relative coordinate → pixel index on an axis of `size` pixels:
+    floor(v / 1000 * size), clamped to [0, size - 1], computed exactly."""
+    f = _number(v)
+    if f is None:
+        raise InputError(f"coordinate {v!r} is not a number")
+    return max(0, min(size - 1, math.floor(f * size / SCALE)))
+
+
+def _in_range(*vals) -> bool:
+    return all(v is not None and 0 <= v <= SCALE for v in vals)
+
+
+def _pair(value, width, height) -> Optional[Tuple[int, int]]:
+    """(x, y) relative → pixels; None unless two numbers within 0-1000."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        return None
+    x, y = (_number(v) for v in value)
+    return (to_pixel(x, width), to_pixel(y, height)) if _in_range(x, y) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Grounding answers
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Grounding:
+    """A grounding answer in the original image's pixels.
+
+    status: "ok" (a point, and a box when the answer gave one), "refused" (the model said the
+    target is absent: UI-Venus' [-1,-1], Qwen's empty JSON list [], or a computer_use
+    `terminate`), "malformed" (no usable coordinates: neither a point nor a refusal)."""
+
+    point: Optional[Tuple[int, int]]
+    box: Optional[Tuple[int, int, int, int]]
+    status: str
+    answer: str
+
+
+_NUM = r"(-?\d+(?:\.\d+)?)"
+_SEP = r"\s*,\s*"
+# [x,y] / (x,y), [x1,y1,x2,y2] / (x1,y1,x2,y2), and two points [x1,y1],[x2,y2].
+_GROUP = re.compile(r"[\[(]\s*" + _NUM + _SEP + _NUM + r"(?:" + _SEP + _NUM + _SEP + _NUM + r")?\s*[\])]")
+_SECOND_POINT = re.compile(r"\s*,?\s*[\[(]\s*" + _NUM + _SEP + _NUM + r"\s*[\])]")
+# <point>x, y</point> / <point>x y</point>, <bbox>x1 y1 x2 y2</bbox> (commas or spaces)
+_LOOSE_SEP = r"(?:\s*,\s*|\s+)"
+_POINT_TAG = re.compile(r"<point>\s*" + _NUM + _LOOSE_SEP + _NUM + r"\s*</point>")
+_BOX_TAG = re.compile(r"<bbox>\s*" + _LOOSE_SEP.join([_NUM] * 4) + r"\s*</bbox>")
+_TAG = {tag: re.compile(rf"<{tag}>(.*?)(?:</{tag}>|$)", re.S) for tag in ("think", "action", "conclusion", "answer")}
+_THINK_BLOCK = re.compile(r"<think>.*?(?:</think>|$)", re.S)
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+_EMPTY_JSON_LIST = re.compile(r"\s*(?:```(?:json)?\s*)?\[\s*\]\s*(?:```)?\s*")
+_JSON_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')
+_JSON_KEYS = ("bbox_2d", "point_2d", "bbox", "point", "box", "coordinate")
+REFUSAL = [-1, -1]
+
+
+def _tag(text, tag):
+    m = _TAG[tag].search(text)
+    return m.group(1).strip() if m else None
+
+
+def without_reasoning(text: str) -> str:
+    """The answer with its reasoning left out: `<think>...</think>` blocks (an unclosed one runs to
+    the end), and everything before a lone `</think>` (thinking templates open the tag in the prompt)."""
+    text = _THINK_BLOCK.sub(" ", text)
+    return text.rsplit("</think>", 1)[-1]
+
+
+def _json_coordinates(body):
+    """The numbers under the first bbox_2d / point_2d (or bbox, point, ...) key of the first JSON
+    value in `body` that has one (Qwen's `[{"bbox_2d": [...], "label": "..."}]`); None without one."""
+    def first(value):
+        if isinstance(value, dict):
+            for key in _JSON_KEYS:
+                if key in value:
+                    return value[key]
+            return None
+        if isinstance(value, list):
+            for item in value:
+                found = first(item)
+                if found is not None:
+                    return found
+        return None
+
+    decoder = json.JSONDecoder()
+    for m in re.finditer(r"[\[{]", body):
+        try:
+            value, _ = decoder.raw_decode(body, m.start())
+        except ValueError:
+            continue
+        found = first(value)
+        if found is not None:
+            return found
+    return None
+
+
+def _ground_box(nums, width, height, answer) -> Grounding:
+    x1, y1, x2, y2 = nums
+    if not _in_range(*nums):
+        return Grounding(None, None, "malformed", answer)
+    x1, x2 = sorted((x1, x2))
+    y1, y2 = sorted((y1, y2))
+    box = (to_pixel(x1, width), to_pixel(y1, height), to_pixel(x2, width), to_pixel(y2, height))
+    centre = (to_pixel((x1 + x2) / 2, width), to_pixel((y1 + y2) / 2, height))
+    return Grounding(centre, box, "ok", answer)
+
+
+def _ground_numbers(nums, width, height, answer) -> Grounding:
+    """Two numbers (a point, or [-1,-1]) or four (a box) → Grounding; anything else is malformed."""
+    if len(nums) == 4:
+        return _ground_box(nums, width, height, answer)
+    if len(nums) == 2 and nums == REFUSAL:
+        return Grounding(None, None, "refused", answer)
+    if len(nums) == 2 and _in_range(*nums):
+        return Grounding((to_pixel(nums[0], width), to_pixel(nums[1], height)), None, "ok", answer)
+    return Grounding(None, None, "malformed", answer)
+
+
+def parse_grounding(text: str, width: int, height: int) -> Grounding:
+    """Any grounding answer → Grounding in pixels of a `width` x `height` image.
+
+    Understood: `[x,y]` / `(x,y)`; a box `[x1,y1,x2,y2]` or two corners `[x1,y1],[x2,y2]` (point
+    = the box centre); `<point>x, y</point>` and `<bbox>x1 y1 x2 y2</bbox>`; Qwen's
+    `{"bbox_2d": [...]}` / `{"point_2d": [...]}` JSON (first object; its strings, such as a label,
+    are never read as coordinates); UI-Venus actions such as `Click(box=(x,y))` (inside <action>
+    when present); a `computer_use` tool call's `coordinate`. `[-1,-1]`, an empty JSON list and a
+    `terminate` call are refusals. The reasoning (`<think>...</think>`) is never read, and an
+    answer holding both a refusal and coordinates is ambiguous: malformed."""
+    answer = text if isinstance(text, str) else ""
+    body = without_reasoning(answer)
+    if _EMPTY_JSON_LIST.fullmatch(body):
+        return Grounding(None, None, "refused", answer)
+    call = _TOOL_CALL.search(body)
+    if call:
+        args = _tool_arguments(call.group(1))
+        if args is None:
+            return Grounding(None, None, "malformed", answer)
+        if args.get("action") == "terminate":
+            return Grounding(None, None, "refused", answer)
+        point = _pair(args.get("coordinate"), width, height)
+        return Grounding(point, None, "ok" if point else "malformed", answer)
+    body = _tag(body, "action") or _tag(body, "answer") or body
+    for tag in (_POINT_TAG, _BOX_TAG):
+        m = tag.search(body)
+        if m:
+            return _ground_numbers([_number(g) for g in m.groups()], width, height, answer)
+    found = _json_coordinates(body)
+    if found is not None:
+        nums = [_number(v) for v in found] if isinstance(found, list) else []
+        return _ground_numbers(nums, width, height, answer)
+    body = _JSON_STRING.sub(lambda s: " " * len(s.group()), body)  # a quoted label is no coordinate
+    groups = [[_number(g) for g in m.groups() if g is not None] for m in _GROUP.finditer(body)]
+    if not groups:
+        return Grounding(None, None, "malformed", answer)
+    if REFUSAL in groups and any(g != REFUSAL for g in groups):
+        return Grounding(None, None, "malformed", answer)  # a point and a refusal: which one?
+    nums = groups[0]
+    if len(nums) == 2 and nums != REFUSAL:
+        second = _SECOND_POINT.match(body, _GROUP.search(body).end())
+        if second:
+            nums = nums + [_number(g) for g in second.groups()]
+    return _ground_numbers(nums, width, height, answer)
+
+
+def parse_point(text: str, width: int, height: int) -> Optional[Tuple[int, int]]:
+    """The point an answer names, in pixels of the original `width` x `height` image; None for a
+    refusal (`[-1,-1]`) or an answer without usable 0-1000 coordinates. See parse_grounding."""
+    return parse_grounding(text, width, height).point
+
+# ---------------------------------------------------------------------------------------------
+# Actions
+# ---------------------------------------------------------------------------------------------
+# UI-Venus action names (1.5 mobile / web grammar and the 2.x additions), by lower-case spelling.
+VENUS_ACTIONS = {n.lower(): n for n in (
+    "Click", "DoubleClick", "TripleClick", "RightClick", "MiddleClick", "LongPress", "Hover", "Drag", "Scroll",
+    "Swipe", "Type", "Hotkey", "Launch", "LaunchApp", "Wait", "Finished", "CallUser", "Answer", "PressBack",
+    "PressHome", "PressEnter", "PressRecent", "GetScreenshot", "KeyDown", "KeyUp", "MouseDown", "MouseUp")}
+_VENUS_POINT_ARGS = ("box", "point", "start", "end")
+_TOOL_POINT_ARGS = ("coordinate", "coordinate2", "start_coordinate")
+_CALL = re.compile(r"^\s*([A-Za-z_]\w*)\s*\((.*)\)\s*$", re.S)
+
+
+@dataclass
+class Action:
+    """One agent action with its coordinates in pixels of the original screenshot.
+
+    name: the UI-Venus action (`Click`, `Scroll`, ...) or the computer-use / mobile-use action
+    (`left_click`, `type`, ...); args: its arguments (coordinate arguments as (x, y) pixel tuples);
+    tool: "computer_use" / "mobile_use" for tool calls, None for UI-Venus actions; think /
+    conclusion: the <think> / <conclusion> text; action_text: the action as written."""
+
+    name: str
+    args: dict = field(default_factory=dict)
+    tool: Optional[str] = None
+    think: Optional[str] = None
+    conclusion: Optional[str] = None
+    action_text: str = ""
+
+    @property
+    def point(self) -> Optional[Tuple[int, int]]:
+        """Where the action acts: its box / point / coordinate / start, in pixels (None if none)."""
+        for key in ("box", "point", "coordinate", "start"):
+            if key in self.args:
+                return self.args[key]
+        return None
+
+    def to_dict(self) -> dict:
+        """JSON-ready: coordinate tuples become lists."""
+        out = asdict(self)
+        out["args"] = {k: list(v) if isinstance(v, tuple) else v for k, v in self.args.items()}
+        return out
+
+
+def _tool_arguments(payload) -> Optional[dict]:
+    try:
+        call = json.loads(payload)
+        args = call.get("arguments", {})
+        args = json.loads(args) if isinstance(args, str) else args
+    except (ValueError, AttributeError):
+        return None
+    return args if isinstance(args, dict) else None
+
+
+def _literal_args(params: str) -> Optional[dict]:
+    """`key=literal, ...` parsed without evaluating anything; None if not such a list."""
+    try:
+        node = ast.parse(f"f({params})", mode="eval").body
+        if node.args:
+            return None
+        return {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg}
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+        return None
+
+
+_LOOSE_ARG = re.compile(r"(\w+)\s*=\s*(\([^)]*\)|\[[^\]]*\]|'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|[^,]+)")
+
+
+def _loose_args(params: str) -> dict:
+    """Fallback for answers that are not valid Python (e.g. `Type(content='it's')`): a lone
+    string argument keeps everything between its outer quotes; other values are read one by one."""
+    m = re.fullmatch(r"\s*(\w+)\s*=\s*(['\"])(.*)\2\s*", params, re.S)
+    if m:
+        return {m.group(1): m.group(3)}
+    out = {}
+    for key, value in _LOOSE_ARG.findall(params):
+        value = value.strip()
+        parsed = _literal_args(f"v={value}")
+        out[key] = parsed["v"] if parsed else value.strip("'\"")
+    return out
+
+
+def parse_action(text: str, width: int, height: int) -> Optional[Action]:
+    """An agent answer → Action with coordinates in pixels of the original `width` x `height`
+    screenshot (0-1000 relative, mapped by `to_pixel`); None when no known action can be read or a
+    coordinate argument is not two numbers in 0-1000 (a malformed answer, never a guessed one).
+
+    Understood: UI-Venus `<think>..</think><action>Name(key=value, ...)</action><conclusion>..`
+    answers (the bare call too), for Click, DoubleClick, LongPress, Hover, Drag, Scroll (start/end
+    or direction), Swipe, Type, Hotkey, Launch, Wait, Finished, CallUser, Answer, PressBack /
+    Home / Enter / Recent and the rest of VENUS_ACTIONS; and Qwen3-VL `<tool_call>` JSON for
+    `computer_use` / `mobile_use` (coordinate, coordinate2 mapped). Nothing is ever evaluated."""
+    if not isinstance(text, str):
+        return None
+    think, conclusion = _tag(text, "think"), _tag(text, "conclusion")
+    call = _TOOL_CALL.search(text)
+    if call:
+        args = _tool_arguments(call.group(1))
+        try:
+            tool = json.loads(call.group(1)).get("name")
+        except (ValueError, AttributeError):
+            tool = None
+        if args is None or not isinstance(args.get("action"), str):
+            return None
+        mapped = {}
+        for key, value in args.items():
+            if key in _TOOL_POINT_ARGS:
+                value = _pair(value, width, height)
+                if value is None:
+                    return None
+            mapped[key] = value
+        name = mapped.pop("action")
+        return Action(name, mapped, tool=tool, think=think, conclusion=conclusion, action_text=call.group(1))
+    action_text = _tag(text, "action")
+    if action_text is None:  # a bare call, possibly after free text
+        found = [line for line in text.strip().splitlines() if _CALL.match(line)]
+        action_text = found[-1].strip() if found else text.strip()
+    m = _CALL.match(action_text)
+    if not m or m.group(1).lower() not in VENUS_ACTIONS:
+        return None
+    name, params = VENUS_ACTIONS[m.group(1).lower()], m.group(2).strip()
+    args = {} if not params else _literal_args(params)
+    if args is None:
+        args = _loose_args(params)
+    mapped = {}
+    for key, value in args.items():
+        if key in _VENUS_POINT_ARGS:
+            if value in ((), [], "", None):  # UI-Venus writes Scroll(start=(), end=()) for "none"
+                continue
+            value = _pair(value, width, height)
+            if value is None:
+                return None
+        mapped[key] = value
+    return Action(name, mapped, think=think, conclusion=conclusion, action_text=action_text)
+
