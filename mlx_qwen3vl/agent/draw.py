@@ -1,20 +1,25 @@
-"""Pictures of answers: the point and box drawn on the screenshot, and a visible mark when
-there is no point."""
+"""Pictures of answers: the point and box drawn on the screenshot (and two-stage grounding's
+zoom window), and a visible mark when there is no point."""
 
 from typing import Optional
 
+WINDOW_COLOUR = (0, 120, 255)
 
-def annotate(image, point=None, box=None, path=None, note=None):
-    """Draw `box` (outline) and `point` (ringed dot with a crosshair) on a copy of the image (RGB
-    array or PIL image), and `note` (e.g. "no point found") as a red banner across the top, so a
-    picture of an answer without a point never passes for the plain screenshot. Returns the PIL
-    image, also written to `path` as PNG when given."""
+
+def annotate(image, point=None, box=None, path=None, note=None, window=None):
+    """Draw `window` (two-stage grounding's crop, a blue outline: x1, y1, x2, y2 inclusive), `box`
+    (green outline) and `point` (ringed dot with a crosshair) on a copy of the image (RGB array or
+    PIL image), and `note` (e.g. "no point found") as a red banner across the top, so a picture of
+    an answer without a point never passes for the plain screenshot. Returns the PIL image, also
+    written to `path` as PNG when given."""
     import numpy as np
     from PIL import Image, ImageDraw, ImageFont
 
     im = Image.fromarray(np.asarray(image)) if not isinstance(image, Image.Image) else image.convert("RGB").copy()
     draw = ImageDraw.Draw(im)
     line = max(2, round(min(im.size) / 200))
+    if window:
+        draw.rectangle(window, outline=WINDOW_COLOUR, width=line)
     if box:
         draw.rectangle(box, outline=(0, 200, 0), width=line)
     if point:

@@ -1,6 +1,6 @@
 """`python -m mlx_qwen3vl.eval_grounding`: ScreenSpot / ScreenSpot-Pro style grounding accuracy.
 
-    python -m mlx_qwen3vl.eval_grounding --model PATH --data screenspot.jsonl [--limit N]
+    python -m mlx_qwen3vl.eval_grounding --model PATH --data screenspot.jsonl [--limit N] [--zoom [FRACTION]]
 
 Each JSONL record: `image` (or ScreenSpot-Pro's `img_filename`; a path relative to the JSONL's
 folder unless absolute), `instruction`,
@@ -15,6 +15,11 @@ the data, named after it, the model and the format); rerunning with the same --o
 it stopped. Each result names the sample it scores (a digest of its image, instruction, box, ...)
 and the settings that produced it, so results of other data or other settings are refused, naming
 what differs. The report (JSON) goes to stdout.
+
+`--zoom` evaluates two-stage grounding (mlx_qwen3vl.agent.zoom): each sample's pass 1 on the
+screenshot, then pass 2 on a window around its point. Pass 1 is the one-pass run (the same prompt),
+so one report gives both side by side: overall, per type and per platform, with the samples pass 2
+fixed and broke and the extra seconds per sample it cost. The fraction is one of the settings.
 """
 
 import hashlib
@@ -24,10 +29,12 @@ import sys
 import time
 from typing import Callable, List, Optional
 
-from . import GROUNDING_FORMATS, grounding_messages, parse_grounding
+from . import (GROUNDING_FORMATS, ZOOM_FRACTION, choose, covers, crop, grounding_messages, parse_grounding,
+               zoom_fraction, zoom_window)
 from ..cli import FLAGS, Parser, check_max_tokens, check_media_flags, run
 from ..errors import InputError, Qwen3VLError
 from ..media import load_image
+from ..processor import image_budget
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,14 +110,62 @@ def inside(point, bbox) -> bool:
     return x1 <= x <= x2 and y1 <= y <= y2
 
 
-def score(record, answer: str, width: int, height: int) -> dict:
-    """One sample's result line: the parsed answer and whether it is right."""
-    g = parse_grounding(answer, width, height)
-    correct = g.status == "refused" if record["negative"] else (g.point is not None and inside(g.point, record["bbox"]))
+def judge(record, g) -> bool:
+    """A Grounding is right: a refusal on a negative, a point inside the box on a positive."""
+    return g.status == "refused" if record["negative"] else (g.point is not None and inside(g.point, record["bbox"]))
+
+
+def _row(record, g, width, height) -> dict:
     return {"index": record["index"], "sample": record.get("sample"), "id": record["id"],
             "instruction": record["instruction"], "type": record["type"], "platform": record["platform"],
-            "negative": record["negative"], "bbox": record["bbox"], "image_size": [width, height], "answer": answer,
-            "point": list(g.point) if g.point else None, "status": g.status, "correct": bool(correct)}
+            "negative": record["negative"], "bbox": record["bbox"], "image_size": [width, height], "answer": g.answer,
+            "point": list(g.point) if g.point else None, "status": g.status, "correct": bool(judge(record, g))}
+
+
+def score(record, answer: str, width: int, height: int, window=None) -> dict:
+    """One sample's result line: the parsed answer and whether it is right (`window`: the answer
+    is about that crop of the image, as parse_grounding reads it)."""
+    return _row(record, parse_grounding(answer, width, height, window=window), width, height)
+
+
+def _pass(record, g, seconds) -> dict:
+    return {"answer": g.answer, "status": g.status, "point": list(g.point) if g.point else None,
+            "correct": bool(judge(record, g)), "seconds": round(seconds, 6)}
+
+
+def zoom_rows(batch: List[dict], answers: List[str], seconds: float, predictor, fraction, min_pixels: int = 0):
+    """Result lines of two-stage grounding for a batch whose pass 1 `answers` are known (`seconds`
+    per sample): pass 2 runs, as one predictor call, on the window of each sample whose pass 1
+    gave a point (unless the window is the whole screenshot); each line is the chosen answer's
+    (agent.zoom.choose), with both passes under "zoom"."""
+    firsts, windows, asks = [], [], []
+    for i, (r, answer) in enumerate(zip(batch, answers)):
+        height, width = r["pixels"].shape[:2]
+        g = parse_grounding(answer, width, height)
+        window = zoom_window(g.relative, width, height, fraction, min_pixels) if g.status == "ok" else None
+        firsts.append(g)
+        windows.append(window)
+        if window is not None and not covers(window, width, height):
+            asks.append(i)
+    second, second_seconds = {}, 0.0
+    if asks:
+        tic = time.perf_counter()
+        got = predictor([dict(batch[i], pixels=crop(batch[i]["pixels"], windows[i]), window=windows[i]) for i in asks])
+        second_seconds = (time.perf_counter() - tic) / len(asks)
+        second = dict(zip(asks, got))
+    rows = []
+    for i, (r, first, window) in enumerate(zip(batch, firsts, windows)):
+        height, width = r["pixels"].shape[:2]
+        passes, final, used = [_pass(r, first, seconds)], first, 1
+        if i in second:
+            g = parse_grounding(second[i], width, height, window=window)
+            passes.append(_pass(r, g, second_seconds))
+            final, used = choose(first, g)
+        row = _row(r, final, width, height)
+        row["zoom"] = {"fraction": float(fraction), "window": list(window.box) if window else None, "pass": used,
+                       "passes": passes}
+        rows.append(row)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,7 +174,7 @@ def score(record, answer: str, width: int, height: int) -> dict:
 # The flag each setting is given by, for the message naming a setting that differs.
 SETTING_FLAGS = {"model": "--model", "format": "--format", "refusal": "refusal clause (--no-refusal)",
                  "min_pixels": "--min-pixels", "max_pixels": "--max-pixels", "max_tokens": "--max-tokens",
-                 "dtype": "--dtype"}
+                 "dtype": "--dtype", "zoom": "--zoom"}
 
 
 def _settings_differ(found, wanted) -> str:
@@ -186,6 +241,34 @@ def summarize(results: List[dict]) -> dict:
     return report
 
 
+def summarize_zoom(results: List[dict], fraction) -> dict:
+    """Two-stage results: one-pass (pass 1 alone) and two-pass accuracy side by side, overall, on
+    positives / negatives, per type and per platform; how often pass 2 ran and was used; the samples
+    it fixed and broke; seconds per sample of each."""
+    one_rows = [dict(r, correct=r["zoom"]["passes"][0]["correct"], status=r["zoom"]["passes"][0]["status"])
+                for r in results]
+    one, two = summarize(one_rows), summarize(results)
+
+    def side(a, b):
+        return {"samples": a["samples"], "one_pass": a["accuracy"], "two_pass": b["accuracy"]}
+
+    ran = sum(len(r["zoom"]["passes"]) == 2 for r in results)
+    used = sum(r["zoom"]["pass"] == 2 for r in results)
+    n = max(1, len(results))
+    first_s = sum(r["zoom"]["passes"][0]["seconds"] for r in results) / n
+    extra_s = sum(p["seconds"] for r in results for p in r["zoom"]["passes"][1:]) / n
+    return {"fraction": float(fraction), "one_pass": one, "two_pass": two,
+            "side_by_side": {"all": side(one, two), "positive": side(one["positive"], two["positive"]),
+                             "negative": side(one["negative"], two["negative"]),
+                             "by_type": {k: side(v, two["by_type"][k]) for k, v in one["by_type"].items()},
+                             "by_platform": {k: side(v, two["by_platform"][k]) for k, v in one["by_platform"].items()}},
+            "second_pass": {"ran": ran, "used": used, "fell_back": ran - used, "not_run": len(results) - ran},
+            "changed": {"fixed": sum(r["correct"] and not o["correct"] for r, o in zip(results, one_rows)),
+                        "broken": sum(o["correct"] and not r["correct"] for r, o in zip(results, one_rows))},
+            "seconds_per_sample": {"one_pass": round(first_s, 6), "two_pass": round(first_s + extra_s, 6),
+                                   "extra": round(extra_s, 6)}}
+
+
 # ---------------------------------------------------------------------------------------------
 # Running
 # ---------------------------------------------------------------------------------------------
@@ -211,14 +294,20 @@ class ModelPredictor:
 
 def evaluate(records: List[dict], predictor: Callable[[List[dict]], List[str]], output: str, *,
              limit: Optional[int] = None, batch_size: int = 1, progress: bool = True,
-             settings: Optional[dict] = None) -> dict:
+             settings: Optional[dict] = None, zoom=None, window_min_pixels: int = 0) -> dict:
     """Run `predictor` on the records not yet in `output` (the first `limit` of them), appending
     one result line per sample as its batch finishes; return the report over those records.
 
     `predictor(samples) -> answers` gets dicts with the record fields plus `pixels` (the loaded
     RGB array); ModelPredictor wraps a model, and a test can pass any function. `settings` (what
     produced the answers: model, format, ...) is stored with each result, and a resumed file must
-    have been written with the same."""
+    have been written with the same.
+
+    `zoom` (a window fraction): two-stage grounding (zoom_rows); the predictor is called a second
+    time per batch with the crops, each sample's `pixels` the crop and `window` its Window (left,
+    top, width, height in the screenshot's pixels), at least `window_min_pixels` pixels. The
+    report then also carries "zoom" (summarize_zoom), its main figures being the two-pass ones."""
+    fraction = None if zoom is None else zoom_fraction(zoom)
 
     done = read_results(output, records, settings)
     records = records[:limit] if limit is not None else records
@@ -235,10 +324,15 @@ def evaluate(records: List[dict], predictor: Callable[[List[dict]], List[str]], 
         with open(output, "a", encoding="utf-8") as out:
             for s in range(0, len(todo), max(1, batch_size)):
                 batch = [dict(r, pixels=load_image(r["image"])) for r in todo[s: s + max(1, batch_size)]]
+                tic_batch = time.perf_counter()
                 answers = predictor(batch)
-                for r, answer in zip(batch, answers):
-                    height, width = r["pixels"].shape[:2]
-                    done[r["index"]] = result = dict(score(r, answer, width, height), settings=settings)
+                if fraction is None:
+                    rows = [score(r, a, r["pixels"].shape[1], r["pixels"].shape[0]) for r, a in zip(batch, answers)]
+                else:
+                    rows = zoom_rows(batch, answers, (time.perf_counter() - tic_batch) / len(batch), predictor,
+                                     fraction, window_min_pixels)
+                for r, row in zip(batch, rows):
+                    done[r["index"]] = result = dict(row, settings=settings)
                     out.write(json.dumps(result, ensure_ascii=False) + "\n")
                 out.flush()
                 if bar is not None:
@@ -247,7 +341,10 @@ def evaluate(records: List[dict], predictor: Callable[[List[dict]], List[str]], 
         if bar is not None:
             bar.close()
     seconds = time.perf_counter() - tic
-    report = summarize([done[r["index"]] for r in records])
+    results = [done[r["index"]] for r in records]
+    report = summarize(results)
+    if fraction is not None:
+        report["zoom"] = summarize_zoom(results, fraction)
     report.update(evaluated_now=len(todo), resumed=len(records) - len(todo),
                   samples_per_s=round(len(todo) / seconds, 3) if todo and seconds > 0 else None,
                   results=output)
@@ -262,14 +359,15 @@ def model_identity(model: Optional[str]) -> Optional[str]:
     return model
 
 
-def default_output(data: str, model: Optional[str], format: str) -> str:
-    """<data name>.<model name>.<format>.results.jsonl beside the data: a rerun from any folder
-    finds (and resumes) it, and another model or format gets a file of its own."""
+def default_output(data: str, model: Optional[str], format: str, zoom=None) -> str:
+    """<data name>.<model name>.<format>[.zoom<fraction>].results.jsonl beside the data: a rerun
+    from any folder finds (and resumes) it, and another model, format or zoom gets a file of its own."""
     folder, name = os.path.split(os.path.abspath(data))
     stem = os.path.splitext(name)[0]
     if model:
         stem += "." + (os.path.basename(os.path.normpath(model)) or "model").replace("/", "_")
-    return os.path.join(folder, f"{stem}.{format}.results.jsonl")
+    suffix = "" if zoom is None else f".zoom{float(zoom):g}"
+    return os.path.join(folder, f"{stem}.{format}{suffix}.results.jsonl")
 
 
 def build_parser():
@@ -284,6 +382,9 @@ def build_parser():
     p.add_argument("--limit", type=int, default=None, help="only the first N records")
     p.add_argument("--format", choices=GROUNDING_FORMATS, default="venus")
     p.add_argument("--no-refusal", action="store_true", help="venus format: no [-1,-1] clause in the prompt")
+    p.add_argument("--zoom", nargs="?", const=float(ZOOM_FRACTION), type=float, metavar="FRACTION",
+                   help="two-stage grounding: also ask on a window around each first point, FRACTION of the "
+                        f"screenshot's sides (default {float(ZOOM_FRACTION)}); reports one and two passes side by side")
     p.add_argument("--batch-size", type=int, default=None,
                    help="samples per batch (default: 8 on a GPU, 1 on the CPU, where batching does not pay)")
     p.add_argument(FLAGS["max_tokens"], type=int, default=128)
@@ -317,14 +418,18 @@ def _main(args, predictor):
         raise InputError(f"--limit {args.limit}: give a positive number of records")
     if args.batch_size is not None and args.batch_size < 1:
         raise InputError(f"--batch-size {args.batch_size}: give a positive number")
+    zoom = None if args.zoom is None else zoom_fraction(args.zoom, "--zoom")
     records = read_records(args.data)
     settings = None
     if predictor is None or args.model:
         settings = {"model": model_identity(args.model), "format": args.format, "refusal": not args.no_refusal,
                     "min_pixels": args.min_pixels, "max_pixels": args.max_pixels, "max_tokens": args.max_tokens,
                     "dtype": args.dtype}
-    output = args.output or default_output(args.data, args.model, args.format)
+    if zoom is not None:  # a one-pass run's settings stay as they were: its files still resume
+        settings = dict(settings or {}, zoom=float(zoom))
+    output = args.output or default_output(args.data, args.model, args.format, zoom)
     batch_size = args.batch_size
+    window_min_pixels = args.min_pixels or 0  # a given predictor stands in for the model: only the flag
     if predictor is None:
         if not args.model:
             raise InputError("give --model: the checkpoint to evaluate")
@@ -337,6 +442,7 @@ def _main(args, predictor):
         check_max_tokens(args.max_tokens)
         check_media_flags(path, args.min_pixels, args.max_pixels)
         model, processor = load(path, dtype=args.dtype)
+        window_min_pixels = image_budget(processor.image_config, args.min_pixels, args.max_pixels)[0]
         predictor = ModelPredictor(model, processor, args.format, not args.no_refusal, args.min_pixels,
                                    args.max_pixels, args.max_tokens)
         if batch_size is None:
@@ -344,7 +450,8 @@ def _main(args, predictor):
     if not args.output:
         print(f"results: {output} (--output to choose)", file=sys.stderr)
     report = evaluate(records, predictor, output, limit=args.limit, batch_size=batch_size or 1,
-                      progress=not args.no_progress, settings=settings)
+                      progress=not args.no_progress, settings=settings, zoom=zoom,
+                      window_min_pixels=window_min_pixels)
     if args.report:
         with open(args.report, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)

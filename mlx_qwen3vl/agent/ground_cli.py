@@ -1,12 +1,14 @@
 """`python -m mlx_qwen3vl.ground`: where is the element on this screenshot? One JSON object out.
 
     python -m mlx_qwen3vl.ground --model PATH --image shot.png --instruction "the Apply button" \
-        [--format venus|qwen|computer_use] [--annotate out.png]
+        [--format venus|qwen|computer_use] [--zoom [FRACTION]] [--annotate out.png]
 
 The point (and box, if the answer gave one) is in pixels of the image as given, whatever
 --min-pixels / --max-pixels did to it for the model (an answer without a point is drawn as a red
-"no point" banner) (see mlx_qwen3vl.agent.to_pixel for the
-rounding). `--answer TEXT` skips the model and parses / draws an answer obtained elsewhere.
+"no point" banner) (see mlx_qwen3vl.agent.to_pixel for the rounding). `--zoom` asks twice: on
+the screenshot, then on a window around the first point (FRACTION of each side, 0.5 by default;
+see mlx_qwen3vl.agent.zoom); the JSON's "zoom" holds both passes, and --annotate draws the
+window too. `--answer TEXT` skips the model and parses / draws an answer obtained elsewhere.
 """
 
 import json
@@ -14,7 +16,8 @@ import os
 import sys
 import tempfile
 
-from . import GROUNDING_FORMATS, GroundingResult, annotate, ground, missing_point_note, parse_grounding
+from . import (GROUNDING_FORMATS, ZOOM_FRACTION, GroundingResult, annotate, ground, missing_point_note,
+               parse_grounding, zoom_fraction)
 from .. import cli
 from ..cli import FLAGS, Parser, check_max_tokens, check_media_flags
 from ..errors import InputError
@@ -32,7 +35,11 @@ def build_parser():
                         "or Qwen3-VL computer_use tool call")
     p.add_argument("--no-refusal", action="store_true",
                    help="venus format: leave out the clause that allows [-1,-1] for an absent target")
-    p.add_argument("--annotate", metavar="OUT.png", help="write the screenshot with the point / box drawn")
+    p.add_argument("--zoom", nargs="?", const=float(ZOOM_FRACTION), type=float, metavar="FRACTION",
+                   help="two-stage grounding: ask again on a window around the first point, FRACTION of the "
+                        f"screenshot's width and height (default {float(ZOOM_FRACTION)}); costs a second pass")
+    p.add_argument("--annotate", metavar="OUT.png",
+                   help="write the screenshot with the point / box (and the zoom window) drawn")
     p.add_argument("--answer", help="parse this answer instead of running a model")
     p.add_argument(FLAGS["max_tokens"], type=int, default=128)
     p.add_argument(FLAGS["min_pixels"], type=int, default=None)
@@ -69,6 +76,10 @@ def run(args) -> dict:
         raise InputError(f"--annotate {args.annotate!r} is the input screenshot; write the drawing elsewhere")
     if args.answer is None and not args.model:
         raise InputError("give --model to run a model, or --answer to parse an answer you already have")
+    if args.zoom is not None:
+        zoom_fraction(args.zoom, "--zoom")
+        if args.answer is not None:
+            raise InputError("--zoom runs the model a second time, on the crop; it cannot go with --answer")
     if args.answer is None:
         from ..hub import resolve_model_path
 
@@ -85,12 +96,12 @@ def run(args) -> dict:
 
         model, processor = load(args.model, dtype=args.dtype)
         result = ground(model, processor, rgb, args.instruction, format=args.format,
-                        allow_refusal=not args.no_refusal, min_pixels=args.min_pixels,
+                        allow_refusal=not args.no_refusal, zoom=args.zoom, min_pixels=args.min_pixels,
                         max_pixels=args.max_pixels, max_tokens=args.max_tokens)
     out = {"instruction": args.instruction, **result.to_dict()}
     if args.annotate:
         note = None if result.point else missing_point_note(result.status)
-        write_png_atomically(annotate(rgb, result.point, result.box, note=note), args.annotate)
+        write_png_atomically(annotate(rgb, result.point, result.box, note=note, window=result.window), args.annotate)
         out["annotated"] = args.annotate
     return out
 

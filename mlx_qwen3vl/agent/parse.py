@@ -11,6 +11,10 @@ i.e. the pixel whose extent holds the relative position (1000, the far edge, is 
 computed exactly (no float rounding). A box's centre is taken in relative coordinates first and
 mapped by the same rule. Values outside 0-1000 are a malformed answer, except the UI-Venus refusal
 `[-1,-1]`.
+
+An answer about a crop of the screenshot (two-stage grounding's second pass) is read with the
+crop's `Window`: its coordinates, relative to the crop, are carried into coordinates relative to
+the whole screenshot, exactly (`from_window`), and only then mapped by the same rule, once.
 """
 
 import ast
@@ -19,7 +23,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 from ..errors import InputError
 
@@ -49,6 +53,48 @@ def to_pixel(v, size: int) -> int:
     return max(0, min(size - 1, math.floor(f * size / SCALE)))
 
 
+class Window(NamedTuple):
+    """A crop of a screenshot, in its pixels: the crop's first column and row, and its size."""
+
+    left: int
+    top: int
+    width: int
+    height: int
+
+    @property
+    def box(self) -> Tuple[int, int, int, int]:
+        """(x1, y1, x2, y2): the crop's first and last pixel on each axis, as boxes are given."""
+        return (self.left, self.top, self.left + self.width - 1, self.top + self.height - 1)
+
+
+def from_window(v, offset: int, extent: int, size: int) -> Fraction:
+    """A 0-1000 coordinate relative to a window of `extent` pixels starting at pixel `offset` →
+    0-1000 relative to the whole axis of `size` pixels, exactly: (1000 * offset + v * extent) / size."""
+    return (SCALE * offset + Fraction(v) * extent) / size
+
+
+class _Frame:
+    """Where an answer's 0-1000 coordinates live: the whole width x height image, or a Window of it."""
+
+    def __init__(self, width: int, height: int, window: Optional[Window] = None):
+        self.width, self.height = width, height
+        self.window = Window(0, 0, width, height) if window is None else Window(*window)
+        w = self.window
+        if not (w.width >= 1 and w.height >= 1 and 0 <= w.left and w.left + w.width <= width
+                and 0 <= w.top and w.top + w.height <= height):
+            raise InputError(f"window {tuple(w)} (left, top, width, height) does not lie within the "
+                             f"{width}x{height} image")
+
+    def relative(self, x, y) -> Tuple[Fraction, Fraction]:
+        """Window-relative (x, y) → relative to the whole image (the identity without a window)."""
+        w = self.window
+        return from_window(x, w.left, w.width, self.width), from_window(y, w.top, w.height, self.height)
+
+    def pixel(self, x, y) -> Tuple[int, int]:
+        rx, ry = self.relative(x, y)
+        return to_pixel(rx, self.width), to_pixel(ry, self.height)
+
+
 def _in_range(*vals) -> bool:
     return all(v is not None and 0 <= v <= SCALE for v in vals)
 
@@ -58,7 +104,9 @@ def _pair(value, width, height) -> Optional[Tuple[int, int]]:
     if not isinstance(value, (list, tuple)) or len(value) != 2:
         return None
     x, y = (_number(v) for v in value)
-    return (to_pixel(x, width), to_pixel(y, height)) if _in_range(x, y) else None
+    if not _in_range(x, y):
+        return None
+    return to_pixel(x, width), to_pixel(y, height)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,12 +118,15 @@ class Grounding:
 
     status: "ok" (a point, and a box when the answer gave one), "refused" (the model said the
     target is absent: UI-Venus' [-1,-1], Qwen's empty JSON list [], or a computer_use
-    `terminate`), "malformed" (no usable coordinates: neither a point nor a refusal)."""
+    `terminate`), "malformed" (no usable coordinates: neither a point nor a refusal).
+    relative: the point in exact 0-1000 coordinates of the whole image (None without a point);
+    where two-stage grounding centres its window."""
 
     point: Optional[Tuple[int, int]]
     box: Optional[Tuple[int, int, int, int]]
     status: str
     answer: str
+    relative: Optional[Tuple[Fraction, Fraction]] = None
 
 
 _NUM = r"(-?\d+(?:\.\d+)?)"
@@ -136,29 +187,29 @@ def _json_coordinates(body):
     return None
 
 
-def _ground_box(nums, width, height, answer) -> Grounding:
+def _ground_box(nums, frame: _Frame, answer) -> Grounding:
     x1, y1, x2, y2 = nums
     if not _in_range(*nums):
         return Grounding(None, None, "malformed", answer)
     x1, x2 = sorted((x1, x2))
     y1, y2 = sorted((y1, y2))
-    box = (to_pixel(x1, width), to_pixel(y1, height), to_pixel(x2, width), to_pixel(y2, height))
-    centre = (to_pixel((x1 + x2) / 2, width), to_pixel((y1 + y2) / 2, height))
-    return Grounding(centre, box, "ok", answer)
+    centre = ((x1 + x2) / 2, (y1 + y2) / 2)
+    return Grounding(frame.pixel(*centre), frame.pixel(x1, y1) + frame.pixel(x2, y2), "ok", answer,
+                     frame.relative(*centre))
 
 
-def _ground_numbers(nums, width, height, answer) -> Grounding:
+def _ground_numbers(nums, frame: _Frame, answer) -> Grounding:
     """Two numbers (a point, or [-1,-1]) or four (a box) → Grounding; anything else is malformed."""
     if len(nums) == 4:
-        return _ground_box(nums, width, height, answer)
+        return _ground_box(nums, frame, answer)
     if len(nums) == 2 and nums == REFUSAL:
         return Grounding(None, None, "refused", answer)
     if len(nums) == 2 and _in_range(*nums):
-        return Grounding((to_pixel(nums[0], width), to_pixel(nums[1], height)), None, "ok", answer)
+        return Grounding(frame.pixel(*nums), None, "ok", answer, frame.relative(*nums))
     return Grounding(None, None, "malformed", answer)
 
 
-def parse_grounding(text: str, width: int, height: int) -> Grounding:
+def parse_grounding(text: str, width: int, height: int, window: Optional[Window] = None) -> Grounding:
     """Any grounding answer → Grounding in pixels of a `width` x `height` image.
 
     Understood: `[x,y]` / `(x,y)`; a box `[x1,y1,x2,y2]` or two corners `[x1,y1],[x2,y2]` (point
@@ -167,7 +218,11 @@ def parse_grounding(text: str, width: int, height: int) -> Grounding:
     are never read as coordinates); UI-Venus actions such as `Click(box=(x,y))` (inside <action>
     when present); a `computer_use` tool call's `coordinate`. `[-1,-1]`, an empty JSON list and a
     `terminate` call are refusals. The reasoning (`<think>...</think>`) is never read, and an
-    answer holding both a refusal and coordinates is ambiguous: malformed."""
+    answer holding both a refusal and coordinates is ambiguous: malformed.
+
+    `window` (a Window, or (left, top, width, height) in the image's pixels): the answer is about
+    that crop of the image; its coordinates are carried into the whole image's, then mapped."""
+    frame = _Frame(width, height, window)
     answer = text if isinstance(text, str) else ""
     body = without_reasoning(answer)
     if _EMPTY_JSON_LIST.fullmatch(body):
@@ -179,17 +234,18 @@ def parse_grounding(text: str, width: int, height: int) -> Grounding:
             return Grounding(None, None, "malformed", answer)
         if args.get("action") == "terminate":
             return Grounding(None, None, "refused", answer)
-        point = _pair(args.get("coordinate"), width, height)
-        return Grounding(point, None, "ok" if point else "malformed", answer)
+        value = args.get("coordinate")
+        nums = [_number(v) for v in value] if isinstance(value, (list, tuple)) and len(value) == 2 else []
+        return _ground_numbers(nums, frame, answer) if nums != REFUSAL else Grounding(None, None, "malformed", answer)
     body = _tag(body, "action") or _tag(body, "answer") or body
     for tag in (_POINT_TAG, _BOX_TAG):
         m = tag.search(body)
         if m:
-            return _ground_numbers([_number(g) for g in m.groups()], width, height, answer)
+            return _ground_numbers([_number(g) for g in m.groups()], frame, answer)
     found = _json_coordinates(body)
     if found is not None:
         nums = [_number(v) for v in found] if isinstance(found, list) else []
-        return _ground_numbers(nums, width, height, answer)
+        return _ground_numbers(nums, frame, answer)
     body = _JSON_STRING.sub(lambda s: " " * len(s.group()), body)  # a quoted label is no coordinate
     groups = [[_number(g) for g in m.groups() if g is not None] for m in _GROUP.finditer(body)]
     if not groups:
@@ -201,7 +257,7 @@ def parse_grounding(text: str, width: int, height: int) -> Grounding:
         second = _SECOND_POINT.match(body, _GROUP.search(body).end())
         if second:
             nums = nums + [_number(g) for g in second.groups()]
-    return _ground_numbers(nums, width, height, answer)
+    return _ground_numbers(nums, frame, answer)
 
 
 def parse_point(text: str, width: int, height: int) -> Optional[Tuple[int, int]]:
