@@ -77,7 +77,7 @@ def decode_step_at(model, ctx):
     def step():
         mx.eval(mx.argmax(gen.decode_step(model, token, cache, pos), -1))
         for c in cache:
-            c.offset -= 1  # the same context every time
+            c.trim(1)  # the same context every time
     return step
 
 

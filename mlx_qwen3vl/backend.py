@@ -35,7 +35,7 @@ class MLXBackend:
 
     @staticmethod
     def make_cache(model):
-        from mlx_lm.models.cache import KVCache
+        from .kv_cache import KVCache  # imports mlx-lm (and transformers): seconds, so on first use
 
         return [KVCache() for _ in model.language_model.layers]
 

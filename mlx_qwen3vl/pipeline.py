@@ -206,7 +206,7 @@ class PipelineTextModel(TextModel):
             return self.norm(h)
         h = mx.distributed.send(h.astype(inputs_embeds.dtype), stage.rank + 1, group=stage.group)
         if cache[-1] is not None:  # evaluating the cache (between prefill chunks) must also send
-            cache[-1].keys = mx.depends(cache[-1].keys, h)
+            cache[-1].depend_on(h)
         return h
 
 

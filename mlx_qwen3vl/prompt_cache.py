@@ -143,7 +143,7 @@ class PromptCache:
 
     def trim(self, keep: int):
         """Drop everything after the first `keep` tokens."""
-        drop = self.cache[0].offset - keep if self.cache else 0
+        drop = self.cache[0].size() - keep if self.cache else 0
         if drop > 0:
             for c in self.cache:
                 c.trim(drop)

@@ -58,7 +58,11 @@ def test_mlx_graph_on_request(how, monkeypatch, on_cpu):
     assert model.backend.describe() == f"mlx graph on {mx.default_device()}; BLAS for MLX: {cpu.blas.describe()}"
     kinds = {type(m) for _, m in model.named_modules()}
     assert not any(k.__module__.startswith("mlx_qwen3vl.cpu") for k in kinds)
-    assert type(model.make_cache()[0]).__module__ == "mlx_lm.models.cache"
+    from mlx_lm.models.cache import KVCache
+    from mlx_qwen3vl import kv_cache
+
+    # The package's cache type (mlx-lm's KVCache with its rows' operations), not the CPU path's.
+    assert type(model.make_cache()[0]) is kv_cache.KVCache and isinstance(model.make_cache()[0], KVCache)
 
 
 @pytest.mark.parametrize("variant", ["bfloat16", "quantized"])

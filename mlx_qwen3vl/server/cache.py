@@ -14,22 +14,10 @@ from typing import List, Optional  # noqa: F401
 
 import mlx.core as mx
 
+from .. import kv_cache
 from ..prompt_cache import reusable_prefix
 
 
-def copy_cache(caches, length: int, fresh):
-    """Batch-1 KV caches (new ones from `fresh()`, the model's make_cache) holding the first
-    `length` positions of `caches`; the source stays intact: the copy writes to its own buffers."""
-    out = fresh()
-    for c, n in zip(caches, out):
-        if length:
-            n.keys, n.values = c.keys[..., :length, :], c.values[..., :length, :]
-            n.offset = length
-    return out
-
-
-def _nbytes(caches) -> int:
-    return sum(c.keys.nbytes + c.values.nbytes for c in caches if c.keys is not None)
 
 
 @dataclass
@@ -89,19 +77,20 @@ class PrefixCache:
         """New batch-1 caches (from `fresh()`) holding the entry's first `length` positions."""
         self.hits += 1
         self.reused_tokens += length
-        return copy_cache(self.entries[eid].caches, length, fresh)
+        return kv_cache.extract(self.entries[eid].caches, 0, length)
 
     def insert(self, tokens: List[int], media: list, caches):
-        if not tokens or caches[0].keys is None:
+        if not tokens or caches[0].empty():
             return
         if any(_extends(e, tokens, media) for e in self.entries.values()):
             return  # an entry already holds all of it
         new = _Entry(tokens, media, caches, 0)
         for eid in [eid for eid, e in self.entries.items() if _extends(new, e.tokens, e.media)]:
             self._drop(eid)  # entries this one extends are redundant
-        mx.eval([(c.keys, c.values) for c in caches])
+        caches = kv_cache.extract(caches, 0, len(tokens))  # sized to the tokens it holds
+        mx.eval(kv_cache.state(caches))
         num, den = self.scale
-        entry = _Entry(tokens, media, caches, _nbytes(caches) * num // den)
+        entry = _Entry(tokens, media, caches, kv_cache.nbytes(caches) * num // den)
         if entry.nbytes > self.max_bytes:
             return
         self.entries[self._next] = entry

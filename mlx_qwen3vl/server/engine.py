@@ -27,17 +27,18 @@ from typing import List, Optional
 import mlx.core as mx
 import numpy as np
 
+from .. import kv_cache
 from ..backend import backend_of
 from ..errors import Qwen3VLError
 from ..generate import decode_step, eos_token_ids
 from ..prompt_cache import media_hashes, media_spans
 from ..sampling import Sampler
-from ..sampling import SamplingParams as LibrarySampling
 from ..model import VisualFeatures
 from ..pipeline import FeatureCounter
 from ..positions import IMAGE, VIDEO
 from .cache import FeatureCache, PrefixCache, pipeline_scale
-from .protocol import APIError, SamplingParams
+from ..sampling import SamplingParams
+from .protocol import APIError
 from .replica import Plan, digest
 
 PIXELS = {IMAGE: ("pixel_values", "image_grid_thw"), VIDEO: ("pixel_values_videos", "video_grid_thw")}
@@ -102,9 +103,9 @@ class _Row:
         self.detok = engine.tokenizer_wrapper.detokenizer
         self.text, self.sent = "", 0
         self.finish: Optional[str] = None
-        self.sampler, self.processors = engine.sampling(p)
+        self.sampler = engine.sampling(p)
         # The tokens so far (prompt + answer), kept only for the processors that read them.
-        self.history = list(p.tokens) if self.sampler.processors or self.processors else None
+        self.history = list(p.tokens) if self.sampler.processors else None
 
 
 class Engine:
@@ -129,7 +130,6 @@ class Engine:
         self._cv = threading.Condition()
         self._rows: List[_Row] = []
         self._cache = None  # per layer, all rows left-padded to one length
-        self._pads: List[int] = []
         self._stopping = False
         self.replicas = replicas  # replica.Leader / Follower on several ranks, else None
         self._ids = itertools.count()
@@ -172,26 +172,15 @@ class Engine:
 
     # ------------------------------------------------------------------ sampling
     def sampling(self, p: Prepared):
-        """(the library's Sampler, extra logits processors) of one request. The Sampler is the one
-        generate() builds for the same settings (repetition penalty, filters, and a random stream of
-        the request's own, from its seed), so a seeded answer equals generate(seed=...)'s whatever
-        requests share the batch; presence / frequency penalties and any grammar follow it."""
-        from mlx_lm.sample_utils import make_logits_processors
-
-        s = p.sampling
-        sampler = Sampler(LibrarySampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-                                          repetition_penalty=s.repetition_penalty, seed=s.seed))
-        extra = make_logits_processors(presence_penalty=s.presence_penalty or None,
-                                       frequency_penalty=s.frequency_penalty or None)
-        return sampler, extra + list(p.processors)
+        """The library's Sampler of one request, the one generate() builds for the same settings
+        (penalties, filters, and a random stream of the request's own, from its seed), so a seeded
+        answer equals generate(seed=...)'s whatever requests share the batch; any grammar follows."""
+        return Sampler(p.sampling, processors=p.processors)
 
     def _sample(self, row: _Row, logits):
         """logits (1, V) → (token (1,), log-probs (1, V)), with the row's processors and random stream."""
         if row.history is not None:
-            history = mx.array(row.history)
-            logits = row.sampler.process(history, logits)
-            for proc in row.processors:
-                logits = proc(history, logits)
+            logits = row.sampler.process(mx.array(row.history), logits)
         logprobs = self.log_softmax(logits)
         return row.sampler(logprobs), logprobs
 
@@ -217,7 +206,7 @@ class Engine:
                         self._failed(e)
                         for row in self._rows:
                             row.handle.emit({"type": "error", "error": _as_api_error(e)})
-                        self._rows, self._cache, self._pads = [], None, []
+                        self._rows, self._cache = [], None
                     self.metrics["decode_s"] += time.perf_counter() - tic
                 self._iteration += 1
         except BaseException as e:
@@ -280,8 +269,8 @@ class Engine:
         """A digest of what every rank must agree on before the next iteration."""
         return digest(self._iteration, self.max_batch, self.prefill_step_size, self.prefix.max_bytes,
                       self.feature_cache_bytes, self.default_max_tokens, self.metrics["errors"],
-                      [(r.id, len(r.tokens), r.tokens[-1]) for r in self._rows], self._pads,
-                      self._cache[0].offset if self._cache else 0,
+                      [(r.id, len(r.tokens), r.tokens[-1]) for r in self._rows],
+                      self._cache[0].padding() if self._cache else [], kv_cache.size(self._cache or []),
                       (list(self.prefix.entries), self.prefix.nbytes, self.prefix.reused_tokens))
 
     # ------------------------------------------------------------------ prefill
@@ -350,25 +339,11 @@ class Engine:
             self._join(row, cache)
 
     def _join(self, row: _Row, caches):
-        length = caches[0].offset
         if self._cache is None:
-            self._cache, self._pads, self._rows = caches, [0], [row]
+            self._cache, self._rows = caches, [row]
             return
-        S = self._cache[0].offset
-        T = max(S, length)
-        for bc, nc in zip(self._cache, caches):
-            parts = []
-            for c, n in ((bc, S), (nc, length)):
-                k, v = c.keys[..., :n, :], c.values[..., :n, :]
-                if T > n:
-                    pad = [(0, 0), (0, 0), (T - n, 0), (0, 0)]
-                    k, v = mx.pad(k, pad), mx.pad(v, pad)
-                parts.append((k, v))
-            bc.keys = mx.concatenate([parts[0][0], parts[1][0]])
-            bc.values = mx.concatenate([parts[0][1], parts[1][1]])
-            bc.offset = T
-        mx.eval([(c.keys, c.values) for c in self._cache])
-        self._pads = [p + T - S for p in self._pads] + [T - length]
+        self._cache = kv_cache.merge([self._cache, caches])
+        mx.eval(kv_cache.state(self._cache))
         self._rows.append(row)
 
     # ------------------------------------------------------------------ decode
@@ -376,10 +351,7 @@ class Engine:
         rows = self._rows
         y = mx.array([r.tokens[-1] for r in rows])
         positions = mx.array([r.position for r in rows])
-        S = self._cache[0].offset
-        key_mask = None
-        if any(self._pads):
-            key_mask = mx.array(np.arange(S + 1)[None, :] >= np.asarray(self._pads)[:, None])
+        key_mask = self._cache[0].key_mask(1)
         logits = decode_step(self.model, y, self._cache, positions, key_mask)
         self.batch_sizes[len(rows)] += 1
         self.metrics["decode_steps"] += 1
@@ -401,23 +373,15 @@ class Engine:
             self._remove(done)
 
     def _remove(self, done: List[int]):
-        S = self._cache[0].offset
         for i in done:
-            pad = self._pads[i]
-            row_cache = _extract(self._cache, i, pad, S, self.model.make_cache)
-            self._finish(self._rows[i], row_cache)
+            self._finish(self._rows[i], kv_cache.extract(self._cache, i))
         keep = [i for i in range(len(self._rows)) if i not in set(done)]
         if not keep:
-            self._rows, self._cache, self._pads = [], None, []
+            self._rows, self._cache = [], None
             return
-        trim = min(self._pads[i] for i in keep)
-        index = mx.array(keep)
-        for c in self._cache:
-            c.keys, c.values = c.keys[index, :, trim:S], c.values[index, :, trim:S]
-            c.offset = S - trim
-        mx.eval([(c.keys, c.values) for c in self._cache])
+        kv_cache.filter_rows(self._cache, keep)
+        mx.eval(kv_cache.state(self._cache))
         self._rows = [self._rows[i] for i in keep]
-        self._pads = [self._pads[i] - trim for i in keep]
 
     # ------------------------------------------------------------------ output
     def _emit(self, row: _Row, token: int, logprobs):
@@ -468,7 +432,7 @@ class Engine:
         if row.finish != "cancelled":
             row.handle.emit({"type": "done", "finish_reason": row.finish, "prompt_tokens": p.prompt_tokens,
                              "completion_tokens": len(row.tokens), "cached_tokens": row.cached})
-        self.prefix.insert(tokens[:caches[0].offset], p.media, caches)
+        self.prefix.insert(tokens[:kv_cache.size(caches)], p.media, caches)
 
 
 def _settle(model):
@@ -482,15 +446,6 @@ def _settle(model):
             elif hasattr(value, "__dict__") and not isinstance(value, type):
                 arrays += [a for a in vars(value).values() if isinstance(a, mx.array)]
     mx.eval(arrays, model.parameters())
-
-
-def _extract(caches, i, pad, S, fresh):
-    out = fresh()
-    for c, n in zip(caches, out):
-        n.keys = mx.contiguous(c.keys[i:i + 1, :, pad:S])
-        n.values = mx.contiguous(c.values[i:i + 1, :, pad:S])
-        n.offset = S - pad
-    return out
 
 
 def _as_api_error(e) -> APIError:

@@ -23,7 +23,7 @@ from typing import List, Optional
 import mlx.core as mx
 import numpy as np
 
-from .protocol import SamplingParams
+from ..sampling import SamplingParams
 
 
 class OutOfStep(RuntimeError):
