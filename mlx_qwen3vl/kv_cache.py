@@ -48,6 +48,10 @@ class KVCache(mlx_lm_cache.KVCache):
     def batch_size(self) -> int:
         return 0 if self.keys is None else _first(self.keys).shape[0]
 
+    def capacity(self) -> int:
+        """Positions the buffers have room for."""
+        return 0 if self.keys is None else _first(self.keys).shape[2]
+
     def padding(self) -> List[int]:
         return list(self.left_padding) if self.left_padding else [0] * self.batch_size
 

@@ -8,8 +8,8 @@ import threading
 import numpy as np
 
 from ..errors import Qwen3VLError
-from ..prompt_cache import media_keys
-from .engine import Prepared
+from ..spans import media_keys
+from .prepared import Prepared
 from .fetch import resolve_image, resolve_video
 from .protocol import APIError, ChatRequest
 
