@@ -4,7 +4,7 @@
 
 Measured in one process, the variants interleaved (the machine may be shared): matrix-vector and
 matrix-matrix products over the decoder's real weights through MLX (cblas_sgemm of whatever BLAS
-cpu/blas.py loaded) and through numpy's own BLAS; a decode step at two context lengths; one
+blas.py loaded) and through numpy's own BLAS; a decode step at two context lengths; one
 decoder layer over a 256-token prefill chunk. Each backend variant is a model of its own over the
 same weight arrays (loaded once). Medians of `--reps`; seconds.
 """
@@ -84,7 +84,7 @@ def decode_step_at(model, ctx):
 def main(argv=None):
     from harness.measure import decode_bytes_per_token, dump, machine_info
     from harness.presets import PRESETS, build_preset
-    from mlx_qwen3vl.cpu import blas as _blas
+    from mlx_qwen3vl import blas as _blas
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="2b", choices=list(PRESETS))

@@ -5,13 +5,14 @@
     print(generate(model, processor, "Describe this image.", images=["examples/screenshot.png"]).text)
 """
 
-from .cpu import blas  # noqa: F401  (loads an optimized BLAS, so it must run before mlx.core is imported)
+from . import blas  # noqa: F401  (loads an optimized BLAS, so it must run before mlx.core is imported)
 import os
 
 # Only transformers' tokenizer and chat template are used, never torch: its "PyTorch was not
 # found" advisory (printed on import) is noise on every run. mlx-lm sets the same.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+from .engine import Done, Engine, Failed, Request, Token  # noqa: E402
 from .generate import GenerationResponse, GenerationResult, batch_generate, generate, stream_generate  # noqa: E402
 from .prompt_cache import ChatSession, PromptCache  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
@@ -21,7 +22,8 @@ from .weights import load_model  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["load", "generate", "stream_generate", "batch_generate", "ChatSession", "PromptCache",
-           "SamplingParams", "GenerationResult", "GenerationResponse", "Processor", "load_model"]
+           "SamplingParams", "GenerationResult", "GenerationResponse", "Processor", "load_model",
+           "Engine", "Request", "Token", "Done", "Failed"]
 
 
 def load(path_or_hub_id, dtype=None, backend=None, parallel="tensor"):

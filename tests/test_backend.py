@@ -9,7 +9,7 @@ import mlx.nn as nn
 import pytest
 
 from conftest import FIXTURES, case_inputs, load_fixture_model
-from mlx_qwen3vl import cpu, language, vision
+from mlx_qwen3vl import blas, cpu, language, vision
 from mlx_qwen3vl.backend import MLX, backend_of
 from mlx_qwen3vl.errors import ConfigError
 from mlx_qwen3vl.weights import load_model
@@ -37,8 +37,8 @@ def test_float32_on_cpu_gets_the_cpu_path(monkeypatch, on_cpu):
     model = load_model(FIXTURES / "tiny-a")
     assert isinstance(model.backend, cpu.CPUBackend) and backend_of(model) is model.backend
     assert model.backend.eager and "cpu path" in model.backend.describe()
-    assert f"numpy's BLAS: {cpu.blas.numpy_blas()}" in model.backend.describe()  # the CPU path's GEMMs
-    assert f"BLAS for MLX: {cpu.blas.describe()}" in model.backend.describe()  # what MLX's matmuls call
+    assert f"numpy's BLAS: {blas.numpy_blas()}" in model.backend.describe()  # the CPU path's GEMMs
+    assert f"BLAS for MLX: {blas.describe()}" in model.backend.describe()  # what MLX's matmuls call
     assert type(model.language_model) is cpu.layers.TextModel
     assert all(type(layer.self_attn) is cpu.layers.Attention for layer in model.language_model.layers)
     assert all(type(block.mlp) is cpu.layers.VisionMLP for block in model.visual.blocks)
@@ -55,7 +55,7 @@ def test_mlx_graph_on_request(how, monkeypatch, on_cpu):
         monkeypatch.setenv("MLX_QWEN3VL_CPU_KERNELS", "mlx")
     model = load_model(FIXTURES / "tiny-a", backend="mlx" if how == "backend" else None)
     assert model.backend is MLX and not model.backend.eager
-    assert model.backend.describe() == f"mlx graph on {mx.default_device()}; BLAS for MLX: {cpu.blas.describe()}"
+    assert model.backend.describe() == f"mlx graph on {mx.default_device()}; BLAS for MLX: {blas.describe()}"
     kinds = {type(m) for _, m in model.named_modules()}
     assert not any(k.__module__.startswith("mlx_qwen3vl.cpu") for k in kinds)
     from mlx_lm.models.cache import KVCache

@@ -201,7 +201,7 @@ def machine_info():
         pass
     import mlx.core as mx
 
-    from mlx_qwen3vl.cpu import blas as _blas
+    from mlx_qwen3vl import blas as _blas
 
     gpu = None
     try:
