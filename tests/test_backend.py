@@ -103,3 +103,17 @@ def test_backends_share_the_module_classes_they_replace(on_cpu):
     assert isinstance(fast.visual, vision.VisionModel)
     x = case_inputs("text")
     assert mx.array_equal(fast(**x).argmax(-1), pure(**x).argmax(-1))
+
+
+def test_importing_the_package_loads_no_backend_nor_mlx_lm():
+    """`import mlx_qwen3vl` (in a fresh process) loads nothing of cpu/ (nor the C extension) and
+    neither mlx-lm nor transformers (seconds of startup): they come with the first model."""
+    import subprocess
+    import sys
+
+    code = ("import sys, mlx_qwen3vl; print(sorted(m for m in sys.modules if m.startswith("
+            "('mlx_qwen3vl.cpu', 'mlx_lm', 'transformers', 'torch'))))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]"

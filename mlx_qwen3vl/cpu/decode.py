@@ -12,6 +12,8 @@ queued (KVCache.queue) and evaluated with the next step's inputs, in one sync. M
 benchmarks/README.md, "What bounds each figure".
 """
 
+import importlib
+
 import mlx.core as mx
 import numpy as np
 
@@ -21,8 +23,8 @@ from .kernels import matmul_t, np_rms_scale, np_rotate, np_silu_mul
 
 NATIVE_INTERFACE = 1  # _decode.c's INTERFACE: the calls decode_tokens makes into it
 
-try:
-    from . import _decode as native
+try:  # by name: the extension is a file of this package, not a module that imports it back
+    native = importlib.import_module(f"{__package__}._decode")
 except ImportError:  # built without a C compiler: NumpyOps runs instead
     native = None
 if getattr(native, "INTERFACE", None) != NATIVE_INTERFACE:  # built from an older _decode.c

@@ -1,9 +1,11 @@
 """The engine on several ranks (`mlx.launch -n N -- python -m mlx_qwen3vl.server`): a replicated
 state machine. Rank 0 serves HTTP; before each engine iteration it broadcasts the iteration's
 inputs (the requests it admits, with their token ids, pixel arrays, sampling settings and a seed
-drawn here; the rows whose clients went away; or the order to stop), and every rank then runs the
-same deterministic iteration (admission, prefill, decode, sampling, stop decisions), so the
-collectives inside the sharded model line up. Other ranks never read media or bind a port.
+drawn here; the requests whose clients went away or that passed their time limit, by this rank's
+clock; or the order to stop), and every rank then hands them to its engine and runs the same
+deterministic step (admission, the prefill items its FLOP budget allows, decode, sampling, stop
+decisions), so the collectives inside the sharded model line up. Other ranks never read media or
+bind a port.
 
 Each broadcast also carries every rank's digest of its engine state (settings, rows, tokens so far,
 cache length): ranks that drift apart stop with one clear error instead of hanging in mismatched
