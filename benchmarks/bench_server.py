@@ -215,6 +215,7 @@ def prefix_lookup(args):
     (reusable_prefix per entry: the lookup before the index). Entries hold tiny caches: only the
     lookup is measured. In process, no server."""
     sys.path.insert(0, str(ROOT))
+    import mlx_qwen3vl  # noqa: F401  (before mlx.core: it loads the optimized BLAS)
     import mlx.core as mx
 
     from mlx_qwen3vl.engine.caches import PrefixCache

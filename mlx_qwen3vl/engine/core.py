@@ -154,8 +154,8 @@ class Engine:
 
     max_batch: rows decoded together. prefill_step_size: most prompt tokens per decoder chunk.
     prefill_budget: prefill work per step while rows decode, in prompt-token equivalents
-      (a prompt token through the decoder; vision work counted by its FLOPs); None: every
-      waiting request that fits is prefilled whole before the next decode step.
+      (a prompt token through the decoder; vision work counted by its FLOPs); None: one waiting
+      request is prefilled whole per step (as is any while nothing decodes).
     prefix_cache_bytes / feature_cache_bytes: the shared caches (0: off).
     kv_budget_bytes: KV cache the running and prefilling rows may take, "auto" (auto_kv_budget)
       or None (no limit); a request waits until it fits, and one that never can is refused.
@@ -490,7 +490,9 @@ class Engine:
         return j
 
     def _prefill(self, events):
-        """Prefill work of this step → (FLOPs spent, budget held to or None)."""
+        """Prefill work of this step → (FLOPs spent, budget held to or None). A request prefilled
+        whole (nothing decoding, or no budget) ends the step's prefill: its first token goes out
+        with this step's events, not after the next request's prefill too."""
         spent, held = 0.0, None
         evaluate = "async" if self.lookahead else True
         while True:
@@ -498,18 +500,20 @@ class Engine:
             if j is None:
                 break
             budget = self.budget_flops if (self.batch.rows and self.budget_flops) else None
+            if budget is not None:
+                held = budget
+                if spent >= budget:
+                    break
             try:
                 if budget is None:
                     j.job.advance(None)
                 else:
-                    held = budget
-                    if spent >= budget:
-                        break
                     spent += j.job.advance(budget - spent, force_first=spent == 0, evaluate=evaluate)
-                if j.job.done:
-                    self.jobs.remove(j)
-                    self._complete(j, events)
-                elif budget is not None:
+                if not j.job.done:
+                    break
+                self.jobs.remove(j)
+                self._complete(j, events)
+                if budget is None:
                     break
             except Exception as e:  # noqa: BLE001 — this request fails, the others go on
                 if j in self.jobs:

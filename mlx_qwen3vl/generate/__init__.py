@@ -320,8 +320,8 @@ REQUEST_KEYS = {"prompt", "messages", "images", "videos", "video_fps", "system",
 
 def batch_generate(model, processor, requests, *, sampling: Optional[SamplingParams] = None, prefill_step_size=2048,
                    min_pixels=None, max_pixels=None, **sampling_kwargs) -> List[GenerationResult]:
-    """Several requests decoded together (one Engine run to completion, every prompt prefilled
-    before the rows decode); each result equals that request run alone with generate(),
+    """Several requests decoded together (one Engine run to completion, each prompt prefilled
+    whole as it joins the running rows); each result equals that request run alone with generate(),
     sampling included (each request draws from its own random stream, seeded by its `seed`).
 
     A request is a dict with `prompt=` or `messages=` and optionally images, videos, video_fps,
