@@ -104,8 +104,8 @@ class StepRecord:
 
 
 class _Waiting:
-    def __init__(self, request, sampler, deadline):
-        self.request, self.sampler, self.deadline = request, sampler, deadline
+    def __init__(self, request, sampler):
+        self.request, self.sampler = request, sampler
 
 
 class _Job:
@@ -195,7 +195,6 @@ class Engine:
         self.waiting: collections.deque = collections.deque()
         self.jobs: List[_Job] = []  # prefilling, in order (the first is the one being worked on)
         self._cancels = {}  # id → reason, applied at the next step
-        self._events: list = []  # events raised outside a step (refusals), handed out by the next
         self._ids = itertools.count()
         self._deadlines = {}
         self.metrics = collections.Counter()
@@ -229,7 +228,7 @@ class Engine:
         sampler = Sampler(request.params, processors=request.processors)
         limit = request.time_limit if request.time_limit is not None else self.max_request_seconds
         deadline = None if limit is None else self.clock() + limit
-        self.waiting.append(_Waiting(request, sampler, deadline))
+        self.waiting.append(_Waiting(request, sampler))
         if deadline is not None:
             self._deadlines[request.id] = deadline
         self.metrics["requests"] += 1
@@ -256,7 +255,7 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.batch.rows or self.jobs or self.waiting or self._cancels or self._events)
+        return bool(self.batch.rows or self.jobs or self.waiting or self._cancels)
 
     def stats(self) -> dict:
         return {"running": len(self.batch), "prefilling": len(self.jobs), "waiting": len(self.waiting),
@@ -282,7 +281,7 @@ class Engine:
             yield from self.step()
 
     def _step(self) -> list:
-        events, self._events = self._events, []
+        events = []
         if self.check_time_limits and self._deadlines:
             for rid in self.expired():
                 self.cancel(rid, "time_limit")
@@ -322,7 +321,8 @@ class Engine:
             except Exception as e:  # noqa: BLE001
                 self._fail_batch(e, events)
         self.log.append(StepRecord(got, spent, budget, tuple(j.id for j in self.jobs)))
-        if len(self.log) % 256 == 0:
+        self.metrics["steps"] += 1
+        if self.metrics["steps"] % 256 == 0:
             mx.clear_cache()
         return events
 
