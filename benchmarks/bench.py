@@ -115,7 +115,7 @@ def main(argv=None):
         return 0
 
     import mlx_qwen3vl
-    from mlx_qwen3vl.cpu import blas as _blas
+    from mlx_qwen3vl import blas as _blas
     from mlx_qwen3vl.config import ModelConfig
     from mlx_qwen3vl.hub import resolve_model_path
 

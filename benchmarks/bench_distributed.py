@@ -201,10 +201,10 @@ def vision_worker(spec):
 
 def worker(spec_path):
     # mlx_qwen3vl before mlx.core: the package loads MKL for MLX's cblas calls only if it comes
-    # first (cpu/blas.py). The other order left every rank on netlib's reference BLAS (9 against
+    # first (blas.py). The other order left every rank on netlib's reference BLAS (9 against
     # 210 GFLOP/s for a 1024² float32 matmul here): 2B's 448² image on 2 ranks ran past 460 s.
     import mlx_qwen3vl as M
-    from mlx_qwen3vl.cpu import blas
+    from mlx_qwen3vl import blas
 
     if blas.describe().startswith("reference"):
         print(f"[bench-dist] warning: MLX runs on {blas.describe()}", file=sys.stderr, flush=True)

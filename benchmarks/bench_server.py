@@ -1,11 +1,17 @@
 """Agent traffic against an OpenAI-compatible server: N concurrent conversations of T turns, each
-turn resending the whole history plus a new screenshot, greedy. Reports total throughput and
-per-turn latency (and cached prompt tokens where the server reports them), for our server and
-mlx-vlm's on the same checkpoint. "ours-2ranks" is our server under `mlx.launch -n 2 --backend
-ring` over 127.0.0.1 (rank 0 serving HTTP, the model split over both ranks).
+turn resending the whole history plus a new screenshot, greedy, streamed. Reports total
+throughput, per-turn latency, time to first token and the gaps between tokens of running streams
+(p50 / p99 / max: how long a stream stalls while another request's screenshot is prefilled), and
+cached prompt tokens where the server reports them, for our server and mlx-vlm's on the same
+checkpoint. "ours-2ranks" is our server under `mlx.launch -n 2 --backend ring` over 127.0.0.1
+(rank 0 serving HTTP, the model split over both ranks). `--server-root DIR` serves from another
+checkout of this repo (e.g. main, for a before / after).
 
     python benchmarks/bench_server.py --model tests/fixtures/mlxvlm-float --servers ours,mlx-vlm
     python benchmarks/bench_server.py --servers ours,ours-2ranks
+    python benchmarks/bench_server.py --model tests/fixtures/tiny-a --servers ours --size 1280x720 --turns 3 \
+        --server-root /work/main --out before.json
+    python benchmarks/bench_server.py --prefix-lookup   # prefix-cache lookup time at 100/1000/5000 entries
 
 `--refused` instead sends our server (default flags) the over-budget and forbidden requests of
 issue #26 one by one and records its RSS and peak RSS (Linux /proc) after each; `--server-root`
@@ -40,10 +46,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start(server, model, port, max_batch):
+def start(server, model, port, max_batch, root=ROOT, extra=()):
     if server.startswith("ours"):
         cmd = [sys.executable, "-m", "mlx_qwen3vl.server", "--model", model, "--port", str(port),
-               "--max-batch", str(max_batch)]
+               "--max-batch", str(max_batch), *extra]
         if server == "ours-2ranks":
             sys.path.insert(0, str(ROOT))
             from mlx_qwen3vl.distributed import local_launch_command
@@ -51,9 +57,9 @@ def start(server, model, port, max_batch):
             cmd = local_launch_command(2, cmd)
     else:
         cmd = [sys.executable, "-m", "mlx_vlm.server", "--model", model, "--port", str(port)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(root)}
     # Its own session: stopping it stops mlx.launch's ranks too.
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     ready, log = threading.Event(), []
 
@@ -93,22 +99,38 @@ def conversation(client, model_id, c, turns, size, max_tokens, seed):
             {"type": "image_url", "image_url": {"url": screenshot(rng, size)}},
             {"type": "text", "text": f"Task {c}, step {t}: open the settings and lower the brightness."}]})
         tic = time.perf_counter()
-        r = client.chat.completions.create(model=model_id, messages=messages, max_tokens=max_tokens, temperature=0)
+        # Streamed, with logprobs, so every token arrives as a chunk of its own (its time is known).
+        stamps, text, usage = [], "", None
+        for chunk in client.chat.completions.create(model=model_id, messages=messages, max_tokens=max_tokens,
+                                                    temperature=0, stream=True, logprobs=True,
+                                                    stream_options={"include_usage": True}):
+            if chunk.usage:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                n = len(choice.logprobs.content) if choice.logprobs and choice.logprobs.content else 0
+                stamps += [time.perf_counter()] * n
+                text += choice.delta.content or ""
         latency = time.perf_counter() - tic
-        details = getattr(r.usage, "prompt_tokens_details", None)
-        out.append({"conversation": c, "turn": t, "latency_s": latency, "prompt_tokens": r.usage.prompt_tokens,
-                    "completion_tokens": r.usage.completion_tokens,
+        details = getattr(usage, "prompt_tokens_details", None)
+        out.append({"conversation": c, "turn": t, "latency_s": latency, "prompt_tokens": usage.prompt_tokens,
+                    "completion_tokens": usage.completion_tokens,
                     "cached_tokens": getattr(details, "cached_tokens", None) if details else None,
-                    "answer": r.choices[0].message.content})
-        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+                    "ttft_s": stamps[0] - tic if stamps else None,
+                    "gaps_s": [b - a for a, b in zip(stamps, stamps[1:])], "answer": text})
+        messages.append({"role": "assistant", "content": text})
     return out
+
+
+def percentile(values, q):
+    return float(np.percentile(values, q)) if values else None
 
 
 def run(server, args):
     import openai
 
     port = free_port()
-    proc, log = start(server, args.model, port, args.max_batch)
+    proc, log = start(server, args.model, port, args.max_batch, root=Path(args.server_root),
+                      extra=args.server_args.split() if args.server_args else ())
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=3600)
         model_id = args.model
@@ -131,7 +153,11 @@ def run(server, args):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
     by_turn = [[r["latency_s"] for r in turns if r["turn"] == t] for t in range(args.turns)]
+    gaps = sum((r["gaps_s"] for r in turns), [])
+    ttft = [r["ttft_s"] for r in turns if r["ttft_s"] is not None]
     return {
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "gap_p50_s": percentile(gaps, 50), "gap_p99_s": percentile(gaps, 99), "gap_max_s": max(gaps, default=None),
         "server": server, "wall_s": wall, "requests": len(turns),
         "completion_tokens": sum(r["completion_tokens"] for r in turns),
         "prompt_tokens": sum(r["prompt_tokens"] for r in turns),
@@ -292,10 +318,16 @@ def main():
     p.add_argument("--size", default="320x200", help="screenshot WxH")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server-root", default=str(ROOT), help="the checkout whose server runs (default: this one)")
+    p.add_argument("--server-args", default="", help="extra flags for our server, e.g. '--prefill-budget 0'")
+    p.add_argument("--prefix-lookup", action="store_true",
+                   help="instead: prefix-cache lookup time at 100/1000/5000 entries, index against a linear scan")
+    p.add_argument("--refused", action="store_true", help="instead: the refused-request RSS run (issue #26)")
     p.add_argument("--out", default=None)
-    p.add_argument("--refused", action="store_true", help="the refused-request RSS run instead (issue #26)")
-    p.add_argument("--server-root", default=None, help="with --refused: the checkout whose server runs")
     args = p.parse_args()
+    if args.prefix_lookup:
+        args.out = args.out or str(ROOT / "benchmarks/results/prefix-lookup.json")
+        return prefix_lookup(args)
     if args.refused:
         args.out = args.out or str(ROOT / "benchmarks/results/server-refused.json")
         return refused_requests(args)
@@ -314,7 +346,8 @@ def main():
             lat = " ".join(f"{x:.2f}" for x in r["median_latency_by_turn_s"])
             print(f"{server:8s} wall {r['wall_s']:.1f}s  {r['requests_per_s']:.2f} req/s  "
                   f"{r['completion_tok_per_s']:.1f} tok/s  prompt {r['prompt_tokens']} (cached {r['cached_tokens']})  "
-                  f"median latency per turn [{lat}] s")
+                  f"median latency per turn [{lat}] s  TTFT p50 {r['ttft_p50_s']:.3f} p99 {r['ttft_p99_s']:.3f} s  "
+                  f"gap p50 {r['gap_p50_s']:.4f} p99 {r['gap_p99_s']:.4f} max {r['gap_max_s']:.3f} s")
     answers = {r["server"]: [t["answer"] for t in r["turns"]] for r in results if "turns" in r}
     if "ours" in answers and "ours-2ranks" in answers:
         same = answers["ours"] == answers["ours-2ranks"]
@@ -322,6 +355,74 @@ def main():
     meta = {"argv": sys.argv[1:], "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"), "machine": platform.platform(), "cpus": os.cpu_count(),
             "load_avg": os.getloadavg(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+
+
+def prefix_lookup(args):
+    """The prefix cache's lookup against 100 / 1000 / 5000 entries: agent-like prompts (a shared
+    system prompt, a screenshot, a distinct task), timed for a request matching one entry's
+    prompt and for one matching none, through the index and through a scan of every entry
+    (reusable_prefix per entry: the lookup before the index). Entries hold tiny caches: only the
+    lookup is measured. In process, no server."""
+    sys.path.insert(0, str(ROOT))
+    import mlx_qwen3vl  # noqa: F401  (before mlx.core: it loads the optimized BLAS)
+    import mlx.core as mx
+
+    from mlx_qwen3vl.engine.caches import PrefixCache
+    from mlx_qwen3vl.kv_cache import KVCache
+    from mlx_qwen3vl.positions import IMAGE
+    from mlx_qwen3vl.spans import reusable_prefix
+
+    rng = np.random.default_rng(args.seed)
+    system = rng.integers(10, 400, 300).tolist()
+    image_tokens = 256
+
+    def prompt(k):
+        """(tokens, media, inputs) of prompt k: the system prompt, a 256-token screenshot, 40 task tokens."""
+        ids = system + [409] + [412] * image_tokens + [410] + rng.integers(10, 400, 40).tolist()
+        types = np.zeros((1, len(ids)), np.int64)
+        types[0, len(system) + 1:len(system) + 1 + image_tokens] = IMAGE
+        h = f"{k:064x}"
+        media = [(IMAGE, len(system) + 1, len(system) + 1 + image_tokens, h)]
+        # spans.media_hashes reads the hashes from the inputs when they are there (no pixels needed)
+        inputs = {"input_ids": np.array([ids]), "mm_token_type_ids": types, "image_grid_thw": np.array([[1, 32, 32]]),
+                  "media_hashes": [h]}
+        return ids, media, inputs
+
+    results = []
+    for n in (100, 1000, 5000):
+        cache = PrefixCache(1 << 40)
+        held = []
+        for k in range(n):
+            ids, media, inputs = prompt(k)
+            kv = KVCache()
+            kv.update_and_fetch(*[mx.zeros((1, 1, len(ids), 1))] * 2)
+            cache.insert(ids + [7], media, [kv])
+            held.append((ids + [7], media))
+        hit = prompt(n // 2)
+        hit = (held[n // 2][0][:-1], held[n // 2][1], {**hit[2], "input_ids": np.array([held[n // 2][0][:-1] + [5]])})
+        miss = prompt(n + 1)
+        row = {"entries": n}
+        for name, (_, _, inputs) in (("hit", hit), ("miss", miss)):
+            reps = 50
+            tic = time.perf_counter()
+            for _ in range(reps):
+                got = cache.lookup(inputs)[1]
+            row[f"index_{name}_ms"] = (time.perf_counter() - tic) / reps * 1e3
+            reps = max(1, 2000 // n)
+            tic = time.perf_counter()
+            for _ in range(reps):
+                want = max(reusable_prefix(t, m, inputs) for t, m in held)
+            row[f"scan_{name}_ms"] = (time.perf_counter() - tic) / reps * 1e3
+            assert got == want, (n, name, got, want)
+            row[f"{name}_reused_tokens"] = got
+        results.append(row)
+        print(f"{n:5d} entries: index hit {row['index_hit_ms']:.3f} ms, miss {row['index_miss_ms']:.3f} ms; "
+              f"linear scan hit {row['scan_hit_ms']:.1f} ms, miss {row['scan_miss_ms']:.1f} ms "
+              f"(reused {row['hit_reused_tokens']} / {row['miss_reused_tokens']} tokens)")
+    meta = {"argv": sys.argv[1:], "machine": platform.platform(), "cpus": os.cpu_count(),
+            "load_avg": os.getloadavg(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    out = Path(args.out)
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 
 Measured in one process, the variants interleaved (the machine may be shared): matrix-vector and
 matrix-matrix products over the decoder's real weights through MLX (cblas_sgemm of whatever BLAS
-cpu/blas.py loaded) and through numpy's own BLAS; a decode step at two context lengths; one
+blas.py loaded) and through numpy's own BLAS; a decode step at two context lengths; one
 decoder layer over a 256-token prefill chunk. Each backend variant is a model of its own over the
 same weight arrays (loaded once). Medians of `--reps`; seconds.
 """
@@ -77,14 +77,14 @@ def decode_step_at(model, ctx):
     def step():
         mx.eval(mx.argmax(gen.decode_step(model, token, cache, pos), -1))
         for c in cache:
-            c.offset -= 1  # the same context every time
+            c.trim(1)  # the same context every time
     return step
 
 
 def main(argv=None):
     from harness.measure import decode_bytes_per_token, dump, machine_info
     from harness.presets import PRESETS, build_preset
-    from mlx_qwen3vl.cpu import blas as _blas
+    from mlx_qwen3vl import blas as _blas
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="2b", choices=list(PRESETS))

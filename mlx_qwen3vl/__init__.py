@@ -5,8 +5,10 @@
     print(generate(model, processor, "Describe this image.", images=["examples/screenshot.png"]).text)
 """
 
+from . import blas  # noqa: F401  (loads an optimized BLAS, so it must run before mlx.core is imported)
+
 try:
-    from .cpu import blas  # noqa: F401  (loads an optimized BLAS, so it must run before mlx.core is imported)
+    import mlx.core  # noqa: F401, E402
 except ImportError as e:  # Linux: the `mlx` wheel alone has no backend library (mlx-cpu or mlx-cuda-13 adds it)
     if "libmlx" not in str(e):
         raise
@@ -20,6 +22,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from .errors import (ConfigError, ContextLengthError, InputError, ModelNotFoundError, Qwen3VLError,  # noqa: E402
                      WeightsError)
+from .engine import Done, Engine, Failed, Request, Token  # noqa: E402
 from .generate import GenerationResponse, GenerationResult, batch_generate, generate, stream_generate  # noqa: E402
 from .prompt_cache import ChatSession, PromptCache  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
@@ -30,7 +33,8 @@ from .weights import load_model  # noqa: E402
 __version__ = "0.1.0"
 __all__ = ["load", "generate", "stream_generate", "batch_generate", "ChatSession", "PromptCache",
            "SamplingParams", "GenerationResult", "GenerationResponse", "Processor", "load_model",
-           "Qwen3VLError", "InputError", "ConfigError", "WeightsError", "ModelNotFoundError", "ContextLengthError"]
+           "Qwen3VLError", "InputError", "ConfigError", "WeightsError", "ModelNotFoundError", "ContextLengthError",
+           "Engine", "Request", "Token", "Done", "Failed"]
 
 
 def load(path_or_hub_id, dtype=None, backend=None, parallel="tensor"):

@@ -30,7 +30,8 @@ def build_parser():
     p.add_argument("--image", nargs="+", default=[], metavar="IMAGE", help="image paths, URLs or data URLs")
     p.add_argument("--video", nargs="+", default=[], metavar="VIDEO", help="video files (needs the `video` extra)")
     p.add_argument("--system", default=None, help="system message")
-    types = {"max_tokens": int, "top_k": int, "repetition_context_size": int, "seed": int}
+    types = {"max_tokens": int, "top_k": int, "repetition_context_size": int, "seed": int,
+             "presence_context_size": int, "frequency_context_size": int}
     for f in _sampling_fields():
         if f.name == "stop":
             p.add_argument(f.metadata["flag"], nargs="+", default=None, help=f.metadata["help"])

@@ -35,14 +35,14 @@ class MLXBackend:
 
     @staticmethod
     def make_cache(model):
-        from mlx_lm.models.cache import KVCache
+        from .kv_cache import KVCache  # imports mlx-lm (and transformers): seconds, so on first use
 
         return [KVCache() for _ in model.language_model.layers]
 
     def describe(self) -> str:
         if mx.default_device().type != mx.DeviceType.cpu:
             return f"mlx graph on {mx.default_device()}"
-        from .cpu import blas  # on the CPU, MLX's matmuls run on the BLAS cpu/blas.py loaded (or not)
+        from . import blas  # on the CPU, MLX's matmuls run on the BLAS blas.py loaded (or not)
 
         return f"mlx graph on {mx.default_device()}; BLAS for MLX: {blas.describe()}"
 
@@ -76,6 +76,17 @@ def cpu_path_fits(model) -> str:
     return ""
 
 
+def plain_graph_on_cpu(model):
+    """A model just built (weights.empty_model, before any backend): on MLX's CPU device, its
+    activations in the exp-based forms that device computes fastest (activations.py; the CPU path,
+    if installed later, replaces them with its own); elsewhere unchanged. Returns the model."""
+    if mx.default_device().type == mx.DeviceType.cpu:
+        from . import activations
+
+        activations.install(model)
+    return model
+
+
 def install(model, backend=None):
     """Put a backend in place on a loaded model, once; returns the model.
 
@@ -93,6 +104,6 @@ def install(model, backend=None):
             raise ConfigError(f"the CPU path cannot run this model: {why_not}; load it in float32 on the CPU "
                               "or use backend='mlx'")
         return model
-    from . import cpu
+    from . import cpu  # the CPU path (numpy + C) is imported only for a model that runs on it
 
     return cpu.install(model, ops=None if choice in ("auto", "mlx") else choice)

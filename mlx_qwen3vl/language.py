@@ -1,8 +1,6 @@
 """The Qwen3 decoder of Qwen3-VL: q/k RMSNorm on the head dim, GQA, SwiGLU, interleaved mRoPE, and
 DeepStack (vision features from early ViT blocks added after the first decoder layers)."""
 
-from functools import partial
-
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -43,15 +41,6 @@ class Attention(nn.Module):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
 
 
-@partial(mx.compile, shapeless=True)
-def swiglu(gate, up):
-    """silu(gate) * up = gate * sigmoid(gate) * up as one fused kernel, the sigmoid as
-    1 / (1 + exp(-gate)) in float32: MLX's CPU backend computes exp about 1.5x faster than its
-    sigmoid (benchmarks/README), and rounding it to the input dtype keeps nn.silu's bf16 result."""
-    sigmoid = 1 / (1 + mx.exp(-gate.astype(mx.float32)))
-    return gate * sigmoid.astype(gate.dtype) * up
-
-
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -60,7 +49,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def __call__(self, x):
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def make_mlp(config: TextConfig, index: int) -> nn.Module:

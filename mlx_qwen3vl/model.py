@@ -145,7 +145,7 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         embeds = prepared.inputs_embeds[:, start:end]
         positions = prepared.position_ids[:, :, start:end]
         deepstack = [d[:, start:end] for d in prepared.deepstack]
-        offset = cache[0].offset if cache else 0
+        offset = cache[0].size() if cache else 0
         mask = self.make_mask(attention_mask, end - start, offset + end - start)
         return self.language_model(embeds, positions, mask, cache, deepstack)
 
@@ -165,12 +165,12 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         """Full-prompt forward → logits (B, L, vocab); `media`: prepare_inputs' pixel, grid and
         token-type arguments, by name. With a non-empty `cache`, pass `position_ids` ((3, B, L), or
         (B,) first positions of a text-only chunk); see generate.py."""
-        if cache is not None and cache[0].offset > 0:
+        if cache is not None and cache[0].size() > 0:
             if position_ids is None:
                 raise InputError("position_ids are required when continuing from a non-empty cache")
             ids = mx.array(np.asarray(input_ids))
             embeds = self.language_model.embed_tokens(ids)
-            mask = self.make_mask(attention_mask, ids.shape[1], cache[0].offset + ids.shape[1])
+            mask = self.make_mask(attention_mask, ids.shape[1], cache[0].size() + ids.shape[1])
             return self.logits(self.language_model(embeds, position_ids, mask, cache))
         prepared = self.prepare_inputs(input_ids, attention_mask, **media)
         return self.logits(self.decode_hidden(prepared, attention_mask, cache))

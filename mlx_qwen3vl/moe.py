@@ -12,7 +12,6 @@ hub's fused `experts.gate_up_proj` / `experts.down_proj` onto them.
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwitchGLU
 
 from .config import TextConfig
 from .errors import InputError
@@ -34,6 +33,9 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
+        # mlx-lm is imported when an MoE model is built: importing it pulls in transformers (seconds).
+        from mlx_lm.models.switch_layers import SwitchGLU
+
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.switch_mlp = SwitchGLU(config.hidden_size, config.moe_intermediate_size, config.num_experts)
 

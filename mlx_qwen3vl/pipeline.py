@@ -137,6 +137,17 @@ class FeatureCounter(nn.Module):
         zeros = mx.zeros((sum(layout.merged_sizes), self.out_dim), self.out_dtype)
         return zeros, [zeros for _ in c.deepstack_visual_indexes]
 
+    # The tower's item-by-item interface (vision.VisionModel.start / run / finish): the same items
+    # are planned here (vision.plan_vision), and none does any work.
+    def start(self, pixel_values, grid_thw):
+        return self(pixel_values, grid_thw)
+
+    def run(self, run, item):
+        return []
+
+    def finish(self, run):
+        return run
+
 
 def _from_last_stage(stage: Stage, compute, x, width: int, dtype):
     """compute(x) of the last stage on every rank: one all_sum, the other ranks adding exact zeros
@@ -206,7 +217,7 @@ class PipelineTextModel(TextModel):
             return self.norm(h)
         h = mx.distributed.send(h.astype(inputs_embeds.dtype), stage.rank + 1, group=stage.group)
         if cache[-1] is not None:  # evaluating the cache (between prefill chunks) must also send
-            cache[-1].keys = mx.depends(cache[-1].keys, h)
+            cache[-1].depend_on(h)
         return h
 
 

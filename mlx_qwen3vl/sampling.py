@@ -36,13 +36,23 @@ _CHECKS = {
     "seed": (lambda v: v is None or (_int(v) and 0 <= v < 2**63), "an integer in [0, 2**63)"),
     "stop": (lambda v: v is None or isinstance(v, str) and v != "" or (
         isinstance(v, (list, tuple)) and all(isinstance(s, str) and s for s in v)), "a non-empty string or a list of them"),
+    "presence_penalty": (lambda v: v is None or _finite(v), "a number (0 or none = off)"),
+    "presence_context_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "frequency_penalty": (lambda v: v is None or _finite(v), "a number (0 or none = off)"),
+    "frequency_context_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "ignore_eos": (lambda v: isinstance(v, bool), "True or False"),
+    "logprobs": (lambda v: isinstance(v, bool), "True or False"),
+    "top_logprobs": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
 }
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling and length settings of one request (mlx-lm's names and meanings)."""
+    """Sampling, length and output settings of one request (mlx-lm's names and meanings), for
+    every entry point: generate / stream_generate / batch_generate, ChatSession, the engine, the
+    CLI (each field with a flag) and the server, whose protocol validates JSON into one. The
+    defaults are the library's (greedy, 256 tokens); the server sets its own (OpenAI's
+    temperature 1.0, its --max-tokens)."""
 
     max_tokens: int = field(default=256, metadata={"flag": "--max-tokens", "help": "most tokens to generate"})
     temperature: float = field(default=0.0, metadata={"flag": "--temp", "help": "sampling temperature; 0 = greedy"})
@@ -58,10 +68,23 @@ class SamplingParams:
         "flag": "--seed", "help": "seed of this request's random stream; none = drawn from MLX's global one"})
     stop: Union[None, str, Sequence[str]] = field(default=None, metadata={
         "flag": "--stop", "help": "stop strings (besides the checkpoint's EOS tokens), not part of the answer"})
+    presence_penalty: Optional[float] = field(default=None, metadata={
+        "flag": "--presence-penalty", "help": "subtracted from the logits of tokens already in the context; "
+                                              "0 or none = off"})
+    presence_context_size: int = field(default=20, metadata={
+        "flag": "--presence-context-size", "help": "how many recent tokens the presence penalty sees"})
+    frequency_penalty: Optional[float] = field(default=None, metadata={
+        "flag": "--frequency-penalty", "help": "subtracted once per occurrence in the context; 0 or none = off"})
+    frequency_context_size: int = field(default=20, metadata={
+        "flag": "--frequency-context-size", "help": "how many recent tokens the frequency penalty sees"})
     # Benchmarks need answers of an exact length; EOS tokens then count as ordinary tokens (their
     # text included), and stop strings and max_tokens still end the answer.
     ignore_eos: bool = field(default=False, metadata={
         "flag": "--ignore-eos", "help": "generate past the checkpoint's EOS tokens (exact-length answers)"})
+    # What each token's event carries besides the token: its log-probability is always there (the
+    # library's results keep it); the `top_logprobs` likeliest alternatives only when asked.
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self):
         check_sampling({f.name: getattr(self, f.name) for f in fields(self)})
@@ -93,17 +116,22 @@ def check_sampling(values: dict, name=lambda field_name: field_name):
 
 
 class Sampler:
-    """One request's token choice: mlx-lm's repetition penalty and top-p / min-p / top-k filters,
-    then a categorical draw with this request's own random key (split once per token)."""
+    """One request's token choice: mlx-lm's logits processors (repetition, presence and frequency
+    penalties, then `processors`, e.g. a grammar's mask), its top-p / min-p / top-k filters, then
+    a categorical draw with this request's own random key (split once per token)."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, processors: Sequence = ()):
         # mlx_lm is imported on first use: importing it pulls in transformers (seconds of startup).
         from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
         penalty = params.repetition_penalty
+        # mlx-lm's order: repetition, presence, frequency; then any of the request's own (grammar).
         self.processors = make_logits_processors(
             repetition_penalty=penalty if penalty not in (None, 1.0) else None,
-            repetition_context_size=params.repetition_context_size)
+            repetition_context_size=params.repetition_context_size,
+            presence_penalty=params.presence_penalty or None, presence_context_size=params.presence_context_size,
+            frequency_penalty=params.frequency_penalty or None,
+            frequency_context_size=params.frequency_context_size) + list(processors)
         self.temperature = float(params.temperature)
         self.greedy = self.temperature == 0
         self.filters = []
@@ -120,7 +148,7 @@ class Sampler:
         self.key = None if self.greedy else mx.random.key(seed)
 
     def process(self, history, logits):
-        """logits (1, V) after the repetition penalty over `history` (this request's tokens)."""
+        """logits (1, V) after the processors, over `history` (this request's tokens so far)."""
         for proc in self.processors:
             logits = proc(history, logits)
         return logits

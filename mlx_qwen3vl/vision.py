@@ -8,7 +8,7 @@ here (learned grid, rotary) is laid out in that same order.
 
 import math
 from dataclasses import dataclass
-from functools import partial
+from typing import List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -108,32 +108,40 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(dim, dim, bias=True)
 
     def __call__(self, x, cos, sin, segments):
-        n, dim = x.shape
+        q, k, v = self.rotated_qkv(x, cos, sin)
+        outs = [self.windows(q, k, v, start, count, length) for start, count, length in segments]
+        return self.proj(outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0))
+
+    def rotated_qkv(self, x, cos, sin):
+        """x (n, dim) → q, k, v (n, heads, head_dim), q and k rotated (in float32, as transformers)."""
+        n = x.shape[0]
         q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).transpose(1, 0, 2, 3)
         q = apply_rotary(q.astype(mx.float32), cos, sin).astype(x.dtype)
         k = apply_rotary(k.astype(mx.float32), cos, sin).astype(x.dtype)
-        outs = []
-        for start, count, length in segments:
-            end = start + count * length
-            window = lambda a: a[start:end].reshape(count, length, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
-            o = self.attend(window(q), window(k), window(v))
-            outs.append(o.transpose(0, 2, 1, 3).reshape(count * length, -1))  # -1: heads may be sharded
-        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
-        return self.proj(out)
+        return q, k, v
+
+    def windows(self, q, k, v, start, count, length, first=0, last=None):
+        """Attention within `count` consecutive windows of `length` rows from row `start` of q, k, v
+        (rows, heads, head_dim), for the queries [first, last) of each window → (rows, heads *
+        head_dim) in row order. A query sees only its own window's keys, so any split of the
+        queries gives the same rows."""
+        end = start + count * length
+        window = lambda a: a[start:end].reshape(count, length, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
+        queries = window(q)
+        if first or last is not None:
+            queries = queries[:, :, first:last]
+        o = self.attend(queries, window(k), window(v))
+        return o.transpose(0, 2, 1, 3).reshape(-1, o.shape[1] * o.shape[3])  # heads may be sharded
 
     def attend(self, q, k, v):
-        """Unmasked attention within each window, q, k, v (windows, heads, length, head_dim)."""
+        """Unmasked attention within each window, q (windows, heads, queries, head_dim), k / v
+        (windows, heads, length, head_dim)."""
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)
 
 
-@partial(mx.compile, shapeless=True)
 def gelu_tanh(x):
-    """gelu_pytorch_tanh: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), as the equal
-    x / (1 + exp(-2u)): one fused kernel in float32 inside (as torch), x^3 as products and exp
-    instead of tanh, which MLX's CPU backend computes 2.3x faster than nn.gelu_approx
-    (benchmarks/README); within 5e-7 of torch's float32 result."""
-    y = x.astype(mx.float32)
-    return (y / (1 + mx.exp(-2 * math.sqrt(2 / math.pi) * (y + 0.044715 * y * y * y)))).astype(x.dtype)
+    """gelu_pytorch_tanh, in float32 inside as torch computes it."""
+    return nn.gelu_approx(x.astype(mx.float32)).astype(x.dtype)
 
 
 # The blocks' activation, by config name (transformers' ACT2FN names); every published Qwen3-VL,
@@ -207,22 +215,157 @@ class VisionModel(nn.Module):
     def __call__(self, pixel_values: mx.array, grid_thw):
         """pixel_values (N, C*2*16*16), grid_thw (num_images, 3) ->
         (merged (N/4, out_hidden), [DeepStack features (N/4, out_hidden)] in deepstack index order)."""
+        run = self.start(pixel_values, grid_thw)
+        for item in plan_vision(self.config, grid_thw):
+            self.run(run, item)
+        return self.finish(run)
+
+    # --- the same forward as work items (vision_plan), for a caller that spreads it over steps ---
+    def start(self, pixel_values, grid_thw) -> "VisionRun":
         layout = self.layout(grid_thw)
         if pixel_values.shape[0] != layout.interp_indices.shape[0]:
             raise InputError(
                 f"pixel_values has {pixel_values.shape[0]} patches but grid_thw describes "
                 f"{layout.interp_indices.shape[0]}: pass the processor's pixel_values and grid together"
             )
-        dtype = self.patch_embed.proj.weight.dtype
-        x = self.patch_embed(pixel_values.astype(dtype))
-        # The 48x48 learned grid resampled (bilinear, align_corners=True) to this image's grid.
-        table = self.pos_embed.weight
-        pos = (table[layout.interp_indices] * layout.interp_weights[..., None]).sum(axis=1)  # fp32 weights, as transformers
-        x = x + pos.astype(x.dtype)
         cos, sin = self._rotary.cos_sin(layout.hw_positions)
-        deepstack = []
-        for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, layout.segments)
-            if i in self.deepstack_visual_indexes:
-                deepstack.append(self.deepstack_merger_list[self.deepstack_visual_indexes.index(i)](x))
-        return self.merger(x), deepstack
+        return VisionRun(layout, mx.array(pixel_values), cos, sin)
+
+    def run(self, run: "VisionRun", item: "VisionItem") -> list:
+        """Do one work item (in plan order); returns the arrays it produced, for the caller to
+        evaluate when it wants the work done."""
+        phase = (item.stage, item.block)
+        if run.phase != phase:
+            run.close()
+            run.phase = phase
+        a, b = item.start, item.end
+        if item.stage == "embed":
+            dtype = self.patch_embed.proj.weight.dtype
+            x = self.patch_embed(run.pixels[a:b].astype(dtype))
+            # The 48x48 learned grid resampled (bilinear, align_corners=True) to this image's grid.
+            layout = run.layout
+            pos = (self.pos_embed.weight[layout.interp_indices[a:b]] * layout.interp_weights[a:b, :, None]).sum(axis=1)
+            out = [x + pos.astype(x.dtype)]  # fp32 weights, as transformers
+        elif item.stage == "qkv":
+            block = self.blocks[item.block]
+            out = list(block.attn.rotated_qkv(block.norm1(run.x[a:b]), run.cos[a:b], run.sin[a:b]))
+        elif item.stage == "attend":
+            q, k, v = run.qkv
+            out = [self.blocks[item.block].attn.windows(q, k, v, *item.window, a, b)]
+        elif item.stage == "out":
+            block = self.blocks[item.block]
+            x = run.x[a:b] + block.attn.proj(run.o[a:b])
+            out = [x + block.mlp(block.norm2(x))]
+        elif item.stage == "tap":
+            merger = self.deepstack_merger_list[self.deepstack_visual_indexes.index(item.block)]
+            out = [merger(run.x[a:b])]
+        else:  # "merge"
+            out = [self.merger(run.x[a:b])]
+        run.parts.append(out)
+        return out
+
+    def finish(self, run: "VisionRun"):
+        run.close()
+        return run.merged, run.deepstack
+
+
+@dataclass(frozen=True)
+class VisionItem:
+    """One piece of the vision tower's forward over some images. stage "embed" (patch embedding and
+    positions), then per block "qkv" (norm, projection, rotary), "attend" (windows, or a range of
+    one window's queries), "out" (output projection, residual, MLP) and, after a DeepStack tap,
+    "tap" (its merger); last "merge". `start`/`end`: the rows (patches) it covers, or for "attend"
+    its queries within each window of `window` = (first row, windows, window length)."""
+
+    stage: str
+    block: int
+    start: int
+    end: int
+    cost: float  # FLOPs (2 x multiply-adds) of its matmuls and attention
+    window: tuple = ()
+
+
+def plan_vision(config: VisionConfig, grid_thw, budget: Optional[float] = None) -> List[VisionItem]:
+    """The vision tower's forward over images of `grid_thw` as work items, each costing at most
+    `budget` FLOPs where a piece that small exists (one merged token's rows, one query of one
+    window), every stage whole when `budget` is None. A pure function of the config and grids,
+    so every rank (and a pipeline stage without the tower) plans the same items."""
+    grids = _as_grids(grid_thw)
+    m2 = config.spatial_merge_size**2
+    d, inter, out_dim = config.hidden_size, config.intermediate_size, config.out_hidden_size
+    in_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
+    n = sum(t * h * w for t, h, w in grids)
+    segments = []  # as VisionLayout.from_grids: runs of equal windows
+    start = 0
+    for t, h, w in grids:
+        if segments and segments[-1][2] == h * w and segments[-1][0] + segments[-1][1] * h * w == start:
+            segments[-1] = (segments[-1][0], segments[-1][1] + t, h * w)
+        else:
+            segments.append((start, t, h * w))
+        start += t * h * w
+
+    def rows(stage, block, per_row, step=1):
+        if budget is None:
+            return [VisionItem(stage, block, 0, n, per_row * n)]
+        size = max(step, int(budget // per_row) // step * step)
+        return [VisionItem(stage, block, a, min(n, a + size), per_row * (min(n, a + size) - a))
+                for a in range(0, n, size)]
+
+    def attend(block):
+        items = []
+        for first, count, length in segments:
+            per_window = 4.0 * length * length * d  # scores and weighted values
+            if budget is None or per_window * count <= budget:
+                items.append(VisionItem("attend", block, 0, length, per_window * count, (first, count, length)))
+            elif per_window <= budget:
+                k = int(budget // per_window)
+                for j in range(0, count, k):
+                    c = min(k, count - j)
+                    items.append(VisionItem("attend", block, 0, length, per_window * c, (first + j * length, c, length)))
+            else:
+                q = max(1, int(budget // (4.0 * length * d)))
+                for j in range(count):
+                    for a in range(0, length, q):
+                        b = min(length, a + q)
+                        items.append(VisionItem("attend", block, a, b, 4.0 * (b - a) * length * d,
+                                                (first + j * length, 1, length)))
+        return items
+
+    merger = 2.0 * (m2 * d * m2 * d + m2 * d * out_dim) / m2  # per patch row
+    items = rows("embed", -1, 2.0 * in_dim * d)
+    for i in range(config.depth):
+        items += rows("qkv", i, 2.0 * 3 * d * d)
+        items += attend(i)
+        items += rows("out", i, 2.0 * (d * d + 2 * d * inter))
+        if i in config.deepstack_visual_indexes:
+            items += rows("tap", i, merger, m2)
+    return items + rows("merge", -1, merger, m2)
+
+
+class VisionRun:
+    """The state of one forward done item by item: each stage's pieces, joined when the next
+    stage begins."""
+
+    def __init__(self, layout: VisionLayout, pixels, cos, sin):
+        self.layout, self.pixels, self.cos, self.sin = layout, pixels, cos, sin
+        self.phase, self.parts = None, []
+        self.x = self.qkv = self.o = self.merged = None
+        self.deepstack = []
+
+    def close(self):
+        """Join the pieces of the stage just finished into its result."""
+        if self.phase is None:
+            return
+        joined = [p[0] if len(p) == 1 else mx.concatenate(list(p)) for p in zip(*self.parts)]
+        stage = self.phase[0]
+        if stage in ("embed", "out"):
+            self.x = joined[0]
+        elif stage == "qkv":
+            self.qkv = joined
+        elif stage == "attend":
+            self.o = joined[0]
+        elif stage == "tap":
+            self.deepstack.append(joined[0])
+        else:
+            self.merged = joined[0]
+        self.phase, self.parts = None, []

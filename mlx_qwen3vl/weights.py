@@ -22,7 +22,6 @@ load. Loading is strict: every missing, unexpected or mis-shaped weight is repor
 one line.
 """
 
-import json
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -30,14 +29,14 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
+from .backend import plain_graph_on_cpu
+from .checkpoint import _short_list, read_raw_config, read_weights, weight_files  # noqa: F401
 from .config import ModelConfig
 from .errors import ConfigError, WeightsError
 from .model import Qwen3VLForConditionalGeneration
 from .moe import check_device_dtype
 
-QUANTIZED_TYPES = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -69,67 +68,6 @@ FIXED_MODES = {"mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}
 NEVER_QUANTIZED = ("visual.patch_embed.proj", "visual.pos_embed")
 
 
-def _short_list(names, limit=4):
-    names = sorted(names)
-    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
-
-
-def weight_files(path: Path):
-    """The safetensors files of a folder and the index's name → file map (None without an index)."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise WeightsError(f"{index} is not a valid safetensors index ({e})") from None
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (path / f).is_file()]
-        if missing:
-            raise WeightsError(f"{path}: shard(s) listed in the index are missing: {_short_list(missing)}")
-        return [path / f for f in files], weight_map
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise WeightsError(f"{path} has no *.safetensors weights: download or convert the checkpoint first")
-    return files, None
-
-
-def _load_file(f: Path) -> dict:
-    try:
-        return mx.load(str(f))
-    except Exception as e:  # mlx raises RuntimeError/ValueError for truncated or foreign files
-        raise WeightsError(f"{f} could not be read ({str(e).splitlines()[0]}); re-download or re-convert it") from None
-
-
-def read_weights(path: Path, with_files: bool = False, views: bool = False):
-    """All tensors of a folder (lazily loaded; views=True: slices.TensorView's, read by parts
-    later); with_files=True also returns name → file name.
-
-    With an index each name is read from the shard the index places it in (a stray copy in another
-    shard is ignored); without one, a name in two files is an error rather than "the last file wins"."""
-    files, weight_map = weight_files(path)
-    weights, origin = {}, {}
-    if views:
-        from .slices import open_views
-    for f in files:
-        for key, value in (open_views(f) if views else _load_file(f)).items():
-            if weight_map is not None:
-                if weight_map.get(key, f.name) != f.name:
-                    continue  # the index places this tensor in another shard
-            elif key in weights:
-                raise WeightsError(f"{path}: {key} is in both {origin[key]} and {f.name} and there is no "
-                                   "model.safetensors.index.json to say which is right: remove the stray file")
-            weights[key], origin[key] = value, f.name
-    if weight_map is not None:
-        unlisted = set(weight_map) - set(weights)
-        if unlisted:
-            raise WeightsError(f"{path}: weights named in the index are missing from the shards: {_short_list(unlisted)}")
-        not_in_index = set(weights) - set(weight_map)
-        if not_in_index:
-            raise WeightsError(f"{path}: shards hold weights missing from the index: {_short_list(not_in_index)}")
-    return (weights, origin) if with_files else weights
-
-
 def check_dtypes(weights: dict, origin: dict, config: ModelConfig, path: Path):
     """Float tensors must be in the dtype config.json states (or float32, which loses nothing): a
     float16 shard in a bfloat16 folder is a file from another conversion, with another range."""
@@ -144,13 +82,6 @@ def check_dtypes(weights: dict, origin: dict, config: ModelConfig, path: Path):
         raise WeightsError(f"{path}: {_short_list(files)} hold{'s' if len(files) == 1 else ''} {'/'.join(found)} "
                            f"tensors ({_short_list(wrong, 2)}) but config.json says {config.torch_dtype}: the file "
                            "belongs to another checkpoint; re-download or re-convert it")
-
-
-def read_raw_config(path: Path) -> dict:
-    try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}  # ModelConfig.from_pretrained has already reported a missing or broken file
 
 
 def detect_layout(keys) -> str:
@@ -403,10 +334,12 @@ def apply_quantization(model: nn.Module, quantization: dict, weights: dict, layo
 def describe_quantization(model: nn.Module):
     """The `quantization` config section of a quantized model: the most common (group_size, bits,
     mode) as the default, and an entry for each layer that differs; None when nothing is quantized."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear  # mlx-lm imports transformers: on use
+
     layers = {
         path: {"group_size": m.group_size, "bits": m.bits, "mode": m.mode}
         for path, m in model.named_modules()
-        if isinstance(m, QUANTIZED_TYPES)
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear))
     }
     if not layers:
         return None
@@ -489,6 +422,7 @@ def empty_model(config: ModelConfig, weights: dict, layout: str, path: Path, dty
         example = next(k for k in sorted(weights) if k.endswith(".scales"))
         raise WeightsError(f"{path} holds quantized weights ({example}) but its config.json has no quantization "
                            "section: restore the config.json that came with these weights")
+    plain_graph_on_cpu(model)
     model.eval()
     return model
 

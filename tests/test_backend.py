@@ -9,7 +9,7 @@ import mlx.nn as nn
 import pytest
 
 from conftest import FIXTURES, case_inputs, load_fixture_model
-from mlx_qwen3vl import cpu, language, vision
+from mlx_qwen3vl import blas, cpu, language, vision
 from mlx_qwen3vl.backend import MLX, backend_of
 from mlx_qwen3vl.errors import ConfigError
 from mlx_qwen3vl.weights import load_model
@@ -37,8 +37,8 @@ def test_float32_on_cpu_gets_the_cpu_path(monkeypatch, on_cpu):
     model = load_model(FIXTURES / "tiny-a")
     assert isinstance(model.backend, cpu.CPUBackend) and backend_of(model) is model.backend
     assert model.backend.eager and "cpu path" in model.backend.describe()
-    assert f"numpy's BLAS: {cpu.blas.numpy_blas()}" in model.backend.describe()  # the CPU path's GEMMs
-    assert f"BLAS for MLX: {cpu.blas.describe()}" in model.backend.describe()  # what MLX's matmuls call
+    assert f"numpy's BLAS: {blas.numpy_blas()}" in model.backend.describe()  # the CPU path's GEMMs
+    assert f"BLAS for MLX: {blas.describe()}" in model.backend.describe()  # what MLX's matmuls call
     assert type(model.language_model) is cpu.layers.TextModel
     assert all(type(layer.self_attn) is cpu.layers.Attention for layer in model.language_model.layers)
     assert all(type(block.mlp) is cpu.layers.VisionMLP for block in model.visual.blocks)
@@ -55,10 +55,14 @@ def test_mlx_graph_on_request(how, monkeypatch, on_cpu):
         monkeypatch.setenv("MLX_QWEN3VL_CPU_KERNELS", "mlx")
     model = load_model(FIXTURES / "tiny-a", backend="mlx" if how == "backend" else None)
     assert model.backend is MLX and not model.backend.eager
-    assert model.backend.describe() == f"mlx graph on {mx.default_device()}; BLAS for MLX: {cpu.blas.describe()}"
+    assert model.backend.describe() == f"mlx graph on {mx.default_device()}; BLAS for MLX: {blas.describe()}"
     kinds = {type(m) for _, m in model.named_modules()}
     assert not any(k.__module__.startswith("mlx_qwen3vl.cpu") for k in kinds)
-    assert type(model.make_cache()[0]).__module__ == "mlx_lm.models.cache"
+    from mlx_lm.models.cache import KVCache
+    from mlx_qwen3vl import kv_cache
+
+    # The package's cache type (mlx-lm's KVCache with its rows' operations), not the CPU path's.
+    assert type(model.make_cache()[0]) is kv_cache.KVCache and isinstance(model.make_cache()[0], KVCache)
 
 
 @pytest.mark.parametrize("variant", ["bfloat16", "quantized"])
@@ -99,3 +103,17 @@ def test_backends_share_the_module_classes_they_replace(on_cpu):
     assert isinstance(fast.visual, vision.VisionModel)
     x = case_inputs("text")
     assert mx.array_equal(fast(**x).argmax(-1), pure(**x).argmax(-1))
+
+
+def test_importing_the_package_loads_no_backend_nor_mlx_lm():
+    """`import mlx_qwen3vl` (in a fresh process) loads nothing of cpu/ (nor the C extension) and
+    neither mlx-lm nor transformers (seconds of startup): they come with the first model."""
+    import subprocess
+    import sys
+
+    code = ("import sys, mlx_qwen3vl; print(sorted(m for m in sys.modules if m.startswith("
+            "('mlx_qwen3vl.cpu', 'mlx_lm', 'transformers', 'torch'))))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]"

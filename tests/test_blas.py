@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mlx_qwen3vl.cpu import blas
+from mlx_qwen3vl import blas
 
 LINUX = sys.platform.startswith("linux")
 
@@ -17,7 +17,7 @@ LINUX = sys.platform.startswith("linux")
 # serves libmlx.so's cblas_sgemm, and the matmul's value.
 PROBE = r'''
 import ctypes, os, struct
-import mlx_qwen3vl, mlx_qwen3vl.cpu.blas as b, mlx.core as mx
+import mlx_qwen3vl, mlx_qwen3vl.blas as b, mlx.core as mx
 
 
 def got_slot(path, symbol):
@@ -113,7 +113,7 @@ def test_mlx_imported_first_is_one_warning_with_the_fix():
         assert p.returncode == 0, p.stderr
         return p.stderr
 
-    late = stderr("import mlx.core, mlx_qwen3vl, mlx_qwen3vl.cpu.blas as b; print(b.describe())")
+    late = stderr("import mlx.core, mlx_qwen3vl, mlx_qwen3vl.blas as b; print(b.describe())")
     assert late.count("RuntimeWarning") == 1 and "import mlx_qwen3vl first" in late, late
     assert "import mlx_qwen3vl first" not in stderr("import mlx_qwen3vl, mlx.core")
     assert "RuntimeWarning" not in stderr("import mlx.core, mlx_qwen3vl", MLX_QWEN3VL_BLAS="off")

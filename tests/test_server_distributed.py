@@ -582,6 +582,7 @@ def test_pipeline_stages_count_prefixes_alike_and_keep_no_placeholder_features(l
     """In process, each of tiny-a's two stages (2 layers and 1): the same prefix counts the same
     bytes on both (so both keep and evict alike), and the stage without the vision tower, whose
     features are placeholder zeros, keeps none of them (the first stage keeps the real ones)."""
+    from mlx_qwen3vl.engine.prefill import media_features
     from mlx_qwen3vl.pipeline import FeatureCounter, pipeline
     from mlx_qwen3vl.positions import IMAGE
     from mlx_qwen3vl.server.engine import Engine
@@ -601,7 +602,7 @@ def test_pipeline_stages_count_prefixes_alike_and_keep_no_placeholder_features(l
                 c.update_and_fetch(*[mx.zeros((1, 2, 10, 32))] * 2)
             engine.prefix.insert(list(range(10)), [], caches)
             counted.append((len(caches), engine.prefix.nbytes))
-            features = engine._features(IMAGE, inputs, 0)
+            features = media_features(model, inputs, 0, engine.features)[IMAGE]
             assert features.embeds.shape[0] == int((np.asarray(inputs["input_ids"]) == model.config.image_token_id).sum())
             kept.append((isinstance(model.visual, FeatureCounter), engine.features.stats()["entries"]))
         finally:

@@ -13,7 +13,7 @@ from .workloads import AGENT_SYSTEM, WARMUP, agent_turns
 
 def worker_mlx_vlm(args, spec):
     if spec.get("same_blas"):
-        import mlx_qwen3vl.cpu.blas as blas  # the same optimized BLAS as ours, before mlx.core
+        import mlx_qwen3vl.blas as blas  # the same optimized BLAS as ours, before mlx.core
 
         blas_note = blas.describe()
     else:

@@ -10,7 +10,7 @@ from .workloads import AGENT_SYSTEM, WARMUP, agent_turns
 
 
 def worker_ours(args, spec):
-    from mlx_qwen3vl.cpu import blas as _blas  # before mlx.core: it loads the optimized BLAS
+    from mlx_qwen3vl import blas as _blas  # before mlx.core: it loads the optimized BLAS
 
     import mlx.core as mx
     from mlx_qwen3vl.generate import generate_tokens

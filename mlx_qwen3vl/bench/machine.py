@@ -103,7 +103,7 @@ def machine_info():
     """What a result is measured on: chip, OS, memory, Python, MLX, its device and the BLAS."""
     import mlx.core as mx
 
-    from ..cpu import blas as _blas
+    from .. import blas as _blas
 
     info = device_info()
     total = total_memory_bytes()

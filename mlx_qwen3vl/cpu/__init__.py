@@ -1,6 +1,5 @@
 """The Linux CPU path: where MLX's CPU backend is slow, float32 work runs in numpy and C.
 
-    blas     an optimized CBLAS for MLX's own matmuls, loaded before mlx.core (hence first here)
     kernels  numpy linears, attention, activations, log-softmax (MLX arrays in and out)
     decode   one decode token through the whole decoder stack (numpy GEMVs + _decode.c or its
              numpy twin), and the KV cache it writes
@@ -8,9 +7,9 @@
     threads  how many BLAS threads the matmuls use: every core while the machine is quiet, fewer
              while other processes run (MLX_QWEN3VL_BLAS_THREADS / --blas-threads fix it)
 
-backend.install puts this path on a float32 model at load on the CPU; nothing in the model files
-refers to it.
+backend.install imports and puts this path on a float32 model at load on the CPU; `import
+mlx_qwen3vl` loads none of it, and nothing in the model files refers to it. (The optimized BLAS
+that MLX's own matmuls use is the package's blas.py, loaded before mlx.core.)
 """
 
-from . import blas  # noqa: F401  (must run before mlx.core is first imported)
-from .layers import CPUBackend, install  # noqa: E402, F401
+from .layers import CPUBackend, install  # noqa: F401

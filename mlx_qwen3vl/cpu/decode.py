@@ -12,29 +12,37 @@ queued (KVCache.queue) and evaluated with the next step's inputs, in one sync. M
 benchmarks/README.md, "What bounds each figure".
 """
 
+import importlib
+
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models import cache as mlx_lm_cache
 
+from .. import kv_cache
 from .experts import experts_into
 from .kernels import matmul_t, np_rms_scale, np_rotate, np_silu_mul
 
 NATIVE_INTERFACE = 1  # _decode.c's INTERFACE: the calls decode_tokens makes into it
 
-try:
-    from . import _decode as native
+try:  # by name: the extension is a file of this package, not a module that imports it back
+    native = importlib.import_module(f"{__package__}._decode")
 except ImportError:  # built without a C compiler: NumpyOps runs instead
     native = None
 if getattr(native, "INTERFACE", None) != NATIVE_INTERFACE:  # built from an older _decode.c
     native = None
 
 
-class KVCache(mlx_lm_cache.KVCache):
-    """mlx-lm's KVCache, plus the write the decode stack queues for a step: the new key and value
-    go in lazily, without the fetch (KVCache's own indexing costs ~40 us a layer in Python)."""
+class KVCache(kv_cache.KVCache):
+    """The cache type, plus what the decode stack needs: its positions in use as numpy views, and
+    the write it queues for a step (the new key and value go in lazily, without the fetch: the
+    type's own indexing costs ~40 us a layer in Python)."""
 
     def holds_float32(self) -> bool:
-        return self.keys is not None and self.keys.dtype == mx.float32
+        return self.keys is not None and not isinstance(self.keys, tuple) and self.keys.dtype == mx.float32
+
+    def numpy_view(self):
+        """(keys, values, positions in use): the evaluated buffers as numpy arrays, read in place."""
+        return (np.ascontiguousarray(np.asarray(self.keys)), np.ascontiguousarray(np.asarray(self.values)),
+                self.offset)
 
     def queue(self, keys, values, start):
         """update_and_fetch of one position, keys / values (B, Hkv, 1, hd), left lazy; `start` is
@@ -69,7 +77,7 @@ def decode_tokens(text_model, x, position_ids, caches, deepstack_embeds, ops):
     layers = text_model.layers
     cos, sin = text_model.rotary.cos_sin(position_ids, 1)
     # One sync: this step's inputs and the previous step's queued cache writes.
-    mx.eval(x, cos, sin, deepstack_embeds, [(c.keys, c.values) for c in caches])
+    mx.eval(x, cos, sin, deepstack_embeds, kv_cache.state(caches))
     B, _, D = x.shape
     first = layers[0]["self_attn"]
     nq, nkv, hd = first.n_heads, first.n_kv_heads, first.head_dim
@@ -93,8 +101,8 @@ def decode_tokens(text_model, x, position_ids, caches, deepstack_embeds, ops):
         _linear_into(n, attn["v_proj"], flat[:, (nq + nkv) * hd:])
         ops.qk_norm_rope(qkv, nq, nkv, np.asarray(attn["q_norm"]["weight"]), np.asarray(attn["k_norm"]["weight"]),
                          attn["q_norm"].eps, cos, sin)  # q_norm and k_norm: one eps
-        keys, values = (np.ascontiguousarray(np.asarray(a)) for a in (cache.keys, cache.values))
-        ops.attend(qkv, nq, nkv, hd, keys, values, cache.offset, attn.scale, att)
+        keys, values, S = cache.numpy_view()
+        ops.attend(qkv, nq, nkv, hd, keys, values, S, attn.scale, att)
         new_kv[i] = qkv[:, nq:].reshape(B, 2, nkv, hd).swapaxes(0, 1)
         _linear_into(att, attn["o_proj"], delta)
         _rms_norm_into(ops, h, delta, layer["post_attention_layernorm"], n)
@@ -133,9 +141,10 @@ def _queue_cache_writes(caches, new_kv):
     kv = mx.array(new_kv)[..., None, :]  # (layers, 2, B, Hkv, 1, hd)
     starts = {}
     for i, cache in enumerate(caches):
-        if cache.offset not in starts:
-            starts[cache.offset] = mx.array([cache.offset])
-        cache.queue(kv[i, 0], kv[i, 1], starts[cache.offset])
+        S = cache.size()
+        if S not in starts:
+            starts[S] = mx.array([S])
+        cache.queue(kv[i, 0], kv[i, 1], starts[S])
 
 
 class NumpyOps:

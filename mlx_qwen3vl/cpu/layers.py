@@ -12,7 +12,8 @@ import mlx.nn as nn
 import numpy as np
 
 from .. import language, moe, vision
-from . import blas, decode, experts, kernels, threads
+from .. import activations, blas
+from . import decode, experts, kernels, threads
 
 
 class Linear(nn.Linear):
@@ -30,7 +31,7 @@ class Attention(language.Attention):
         return kernels.attention(q, k, v, self.scale, mask)
 
 
-class MLP(language.MLP):
+class MLP(activations.MLP):  # the plain graph's module on the CPU device (a language.MLP)
     def __call__(self, x):
         return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
@@ -49,7 +50,7 @@ class VisionAttention(vision.VisionAttention):
         return kernels.attention(q, k, v, self.head_dim**-0.5)
 
 
-class VisionMLP(vision.VisionMLP):
+class VisionMLP(activations.VisionMLP):
     def __call__(self, x):
         if vision.ACTIVATIONS[self.hidden_act] is not vision.gelu_tanh:  # a config's exact GELU: MLX's
             return super().__call__(x)
@@ -70,6 +71,8 @@ class TextModel(language.TextModel):
 TWINS = {
     language.Attention: Attention,
     language.MLP: MLP,
+    activations.MLP: MLP,  # the plain graph's CPU activations, as weights.empty_model installs them
+    activations.VisionMLP: VisionMLP,
     moe.SparseMoeBlock: SparseMoeBlock,
     vision.VisionAttention: VisionAttention,
     vision.VisionMLP: VisionMLP,

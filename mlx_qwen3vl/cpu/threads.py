@@ -114,7 +114,7 @@ def blas_libraries():
 
 class BlasPool:
     """Sets the thread count of every BLAS library loaded in the process (numpy's OpenBLAS, the MKL
-    of cpu/blas.py, and any loaded later: scipy brings its own OpenBLAS) through threadpoolctl, only
+    of blas.py, and any loaded later: scipy brings its own OpenBLAS) through threadpoolctl, only
     when it changes. The libraries are looked up again at each change (~2 ms, at most once per
     Policy interval), so one loaded after the first forward is not left at its default count."""
 
@@ -149,7 +149,7 @@ def mkl_threads_elsewhere() -> "int | None":
     import ctypes
     import threading
 
-    from . import blas
+    from .. import blas
 
     if "mkl" not in os.path.basename(blas.describe()):
         return None

@@ -1,14 +1,14 @@
-"""The token loop: chunked prefill, KV-cached decode, sampling, streaming and batching.
+"""The entry points: a prompt or conversation → inputs (render_prompt, encode_prompt), and
+generate / stream_generate / batch_generate, each an Engine (engine/) run to completion.
 
-The pieces follow gpt-fast's shape: `prefill` (vision once, then the prompt in chunks),
-`decode_step` (one token through the cache) and `sample`, composed by `generate_step`. Reuse
-across turns lives in prompt_cache.py, sampling settings in sampling.py, the CLI in __main__.py
-(`python -m mlx_qwen3vl`; `python -m mlx_qwen3vl.generate` runs the same through
-generate/__main__.py: a package, so runpy finds the loop already imported by the package's
-`generate` function without a warning).
+`generate_step` is the token loop of one fixed batch with a cache the caller keeps (gpt-fast's
+shape: engine.prefill, then decode_step and sample per token), for the model's own tests and
+benchmarks. Reuse across turns lives in prompt_cache.py, sampling settings in sampling.py, the
+CLI in __main__.py (`python -m mlx_qwen3vl`; `python -m mlx_qwen3vl.generate` runs the same
+through generate/__main__.py: a package, so runpy finds the loop already imported by the
+package's `generate` function without a warning).
 """
 
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional
@@ -17,10 +17,13 @@ import mlx.core as mx
 import numpy as np
 
 from ..backend import backend_of
+from ..engine import (AnswerText, Done, Engine, Failed, Request, decode_step, eos_token_ids, prefill,  # noqa: F401
+                      sample, token_bytes)
+from ..engine.prefill import _mask_or_none
 from ..errors import ContextLengthError, InputError
 from ..processor import renamed_source_fps
-from ..prompt_cache import PromptCache, media_after
-from ..sampling import FIELD_NAMES, Sampler, SamplingParams
+from ..prompt_cache import PromptCache
+from ..sampling import FIELD_NAMES, SamplingParams
 
 TEMPLATE_MARKER = "<|im_start|>"
 
@@ -141,90 +144,13 @@ def check_context(model, inputs):
 
 
 # ---------------------------------------------------------------------------------------------
-# Prefill, decode, sample
+# The token loop of one batch (prefill, decode_step and sample live in engine/)
 # ---------------------------------------------------------------------------------------------
 def _generation_stream():
     # mlx_lm is imported on first use: importing it pulls in transformers (seconds of startup).
     from mlx_lm.generate import generation_stream
 
     return generation_stream
-
-
-def prefill(model, inputs, cache, *, start=0, prefill_step_size=2048, on_vision_done=None):
-    """Encode the new images/videos once, then run prompt positions [start, L) through the decoder
-    in chunks of `prefill_step_size`, so activations stay bounded for long prompts.
-
-    `on_vision_done(seconds)`, when given and the prompt has new media, is called with the vision
-    tower's time; it evaluates the features before the prompt (one extra sync), so it is for
-    measuring, not for normal runs.
-
-    Returns (logits of the last position (B, V), next 1D position per sequence (B,)). DeepStack
-    tensors are sliced with the chunk, so features land on the right positions across chunks."""
-    media = media_after(inputs, start)
-    tic = time.perf_counter()
-    image_features = video_features = None
-    if "pixel_values" in media:
-        image_features = model.get_image_features(media["pixel_values"], media["image_grid_thw"])
-    if "pixel_values_videos" in media:
-        video_features = model.get_video_features(media["pixel_values_videos"], media["video_grid_thw"])
-    features = [f for f in (image_features, video_features) if f is not None]
-    if on_vision_done is not None and features:
-        mx.eval([[f.embeds, *f.deepstack] for f in features])
-        on_vision_done(time.perf_counter() - tic)
-    prepared = model.prepare_inputs(
-        inputs["input_ids"], inputs.get("attention_mask"), image_grid_thw=inputs.get("image_grid_thw"),
-        video_grid_thw=inputs.get("video_grid_thw"), mm_token_type_ids=inputs.get("mm_token_type_ids"),
-        image_features=image_features, video_features=video_features,
-        start=start,
-    )
-    mask = _mask_or_none(inputs)
-    n = prepared.inputs_embeds.shape[1]
-    step = max(1, int(prefill_step_size))
-    for s in range(0, n, step):
-        e = min(n, s + step)
-        hidden = model.decode_hidden(prepared, mask, cache, s, e)
-        if e < n:
-            mx.eval([c.state for c in cache])
-            mx.clear_cache()
-    logits = model.logits(hidden[:, -1, :])
-    real = np.asarray(inputs["attention_mask"]).sum(-1) if "attention_mask" in inputs else np.full(
-        logits.shape[0], np.asarray(inputs["input_ids"]).shape[-1])
-    next_positions = prepared.rope_deltas[:, 0] + mx.array(real)
-    return logits, next_positions
-
-
-def _mask_or_none(inputs):
-    """Padding masks matter only for batches that have padding; otherwise use the causal fast path."""
-    mask = inputs.get("attention_mask")
-    if mask is None or np.asarray(mask).all():
-        return None
-    return mx.array(np.asarray(mask))
-
-
-def decode_step(model, tokens, cache, positions, key_mask=None):
-    """tokens (B,) → logits (B, V). Decode tokens are text, so their T = H = W position is the
-    1D `positions` (cache offset + rope delta) and mRoPE reduces to mx.fast.rope with an offset."""
-    embeds = model.language_model.embed_tokens(tokens[:, None])
-    mask = None if key_mask is None else model.make_mask(key_mask, 1, key_mask.shape[1])
-    hidden = model.language_model(embeds, positions, mask, cache)
-    return model.logits(hidden[:, -1, :])
-
-
-def sample(logits, sampler, histories, log_softmax):
-    """logits (B, V) → tokens (B,), log-probs (B, V).
-
-    `sampler` is one function over the batch's log-probs (e.g. mlx-lm's make_sampler), or one
-    `Sampler` per row: each applies its repetition penalty to its own row's history (real tokens
-    only, never the left-padding) and draws from its own random stream."""
-    if callable(sampler):
-        logprobs = log_softmax(logits)
-        return sampler(logprobs), logprobs
-    if any(s.processors for s in sampler):
-        logits = mx.concatenate([s.process(h, logits[b: b + 1]) for b, (s, h) in enumerate(zip(sampler, histories))])
-    logprobs = log_softmax(logits)
-    if all(s.greedy for s in sampler):
-        return mx.argmax(logprobs, axis=-1), logprobs
-    return mx.concatenate([s(logprobs[b: b + 1]) for b, s in enumerate(sampler)]), logprobs
 
 
 def generate_step(model, inputs, cache, *, sampler, max_tokens=256, start=0, prefill_step_size=2048,
@@ -289,80 +215,6 @@ def generate_tokens(model, inputs, cache, **kwargs) -> Iterator[mx.array]:
         yield y
 
 
-# ---------------------------------------------------------------------------------------------
-# Tokens → text
-# ---------------------------------------------------------------------------------------------
-def eos_token_ids(model, processor) -> set:
-    """The checkpoint's EOS ids (generation_config.json) and the tokenizer's."""
-    ids = set(model.config.eos_token_ids)
-    if processor.tokenizer.eos_token_id is not None:
-        ids.add(processor.tokenizer.eos_token_id)
-    return ids
-
-
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-def token_bytes(tokenizer, token: int) -> bytes:
-    """The bytes one token stands for (OpenAI's logprobs `bytes`). A token that is part of a UTF-8
-    character decodes alone to U+FFFD; its own bytes come from the vocabulary instead: byte-level
-    BPE pieces (Qwen's) through mlx-lm's byte table, SentencePiece byte tokens (`<0xB7>`) by value."""
-    from mlx_lm.tokenizer_utils import _byte_decoder
-
-    text = tokenizer.decode([int(token)])
-    if "\ufffd" not in text:
-        return text.encode("utf-8")
-    piece = tokenizer.convert_ids_to_tokens(int(token)) or ""
-    m = _BYTE_TOKEN.fullmatch(piece)
-    if m:
-        return bytes([int(m.group(1), 16)])
-    table = _byte_decoder()
-    if piece and all(c in table for c in piece):
-        return bytes(table[c] for c in piece)
-    return text.encode("utf-8")
-
-
-class AnswerText:
-    """One request's answer as it streams: mlx-lm's streaming detokenizer (multi-byte characters
-    never break), EOS tokens (unless `ignore_eos`) and stop strings end it, max_tokens bounds it. Text that could still
-    turn out to be the start of a stop string is held back until it is decided, so the streamed
-    pieces always add up to the final text."""
-
-    def __init__(self, processor, stop_ids, params: SamplingParams):
-        from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-        self.detok = TokenizerWrapper(processor.tokenizer).detokenizer
-        self.detok.reset()
-        self.stop_ids = frozenset() if params.ignore_eos else stop_ids
-        self.stops, self.max_tokens = params.stop_strings, params.max_tokens
-        self.tokens, self.text, self.pending, self.finish = [], "", "", None
-
-    def _held(self, text):
-        """Length of the longest end of `text` that begins some stop string."""
-        return max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
-                    if text.endswith(s[:k])), default=0)
-
-    def add(self, token: int) -> str:
-        """Take one token; return the text it releases (self.finish says whether it ended)."""
-        self.tokens.append(token)
-        if token in self.stop_ids:
-            self.finish = "stop"
-        else:
-            self.detok.add_token(token)
-        if self.finish is None and len(self.tokens) >= self.max_tokens:
-            self.finish = "length"
-        if self.finish:
-            self.detok.finalize()
-        pending = self.pending + self.detok.last_segment
-        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            pending, self.finish = pending[:min(hits)], "stop"
-        keep = 0 if self.finish else self._held(pending)
-        piece, self.pending = pending[:len(pending) - keep], pending[len(pending) - keep:]
-        self.text += piece
-        return piece
-
-
 def _sampling(sampling, kwargs) -> SamplingParams:
     return SamplingParams.build(sampling, **{k: kwargs.pop(k) for k in list(kwargs) if k in FIELD_NAMES})
 
@@ -384,8 +236,22 @@ def stream_generate(model, processor, prompt=None, *, messages=None, images=None
     the same tokens and the same images and videos, and only the rest is computed. `inputs` takes
     processor outputs instead of a prompt. Videos: `fps` is the sampling rate (frames kept per
     second), `source_fps` the rate of frames passed as a list; `video_fps` is `source_fps`'s
-    deprecated name."""
+    deprecated name. It runs on an Engine of its own (one request)."""
     source_fps = renamed_source_fps(source_fps, video_fps)
+    for piece, _ in _stream(model, processor, prompt, messages=messages, images=images, videos=videos,
+                            fps=fps, source_fps=source_fps, system=system, templated=templated, sampling=sampling,
+                            prefill_step_size=prefill_step_size, min_pixels=min_pixels, max_pixels=max_pixels,
+                            sample_frames=sample_frames, prompt_cache=prompt_cache,
+                            chat_template_kwargs=chat_template_kwargs, inputs=inputs, **sampling_kwargs):
+        yield piece
+
+
+def _stream(model, processor, prompt=None, *, messages=None, images=None, videos=None, fps=None, source_fps=None,
+            video_fps=None, system=None,
+            templated=False, sampling=None, prefill_step_size=2048, min_pixels=None, max_pixels=None,
+            sample_frames=True, prompt_cache=None, chat_template_kwargs=None, inputs=None, **sampling_kwargs):
+    """stream_generate's pieces, each with the engine's Token event it came from."""
+    source_fps = renamed_source_fps(source_fps, video_fps, stacklevel=4)
     params = _sampling(sampling, sampling_kwargs)
     if sampling_kwargs:
         raise TypeError(f"stream_generate got unexpected argument(s) {', '.join(sorted(sampling_kwargs))}")
@@ -399,51 +265,61 @@ def stream_generate(model, processor, prompt=None, *, messages=None, images=None
         raise InputError("stream_generate takes one prompt; use batch_generate for several")
     check_context(model, inputs)
     start = prompt_cache.reuse(inputs) if prompt_cache is not None else 0
-    cache = prompt_cache.cache if prompt_cache is not None else model.make_cache()
-    answer = AnswerText(processor, eos_token_ids(model, processor), params)
+    engine = Engine(model, processor, max_batch=1, prefill_step_size=prefill_step_size)
+    rid = engine.add(Request(inputs, params, cache=prompt_cache.cache if prompt_cache is not None else None,
+                             start=start))
     mx.reset_peak_memory()
     tic = time.perf_counter()
-    timing = {}
+    prompt_s, n, done = None, 0, None
 
     def stats():
-        prompt_s = timing.get("prompt", 1e-9)
-        n = len(answer.tokens)
+        elapsed = time.perf_counter() - tic
         return dict(prompt_tokens=ids.shape[1], cached_tokens=start,
                     prompt_tps=(ids.shape[1] - start) / max(prompt_s, 1e-9), generation_tokens=n,
-                    generation_tps=(n - 1) / max(time.perf_counter() - tic - prompt_s, 1e-9) if n > 1 else 0.0,
+                    generation_tps=(n - 1) / max(elapsed - prompt_s, 1e-9) if n > 1 else 0.0,
                     peak_memory=mx.get_peak_memory() / 1e9)
 
     from mlx_lm.generate import wired_limit
 
-    prefilled = False
     try:
         with wired_limit(model, [_generation_stream()]):
-            for y, logprobs in generate_step(
-                    model, inputs, cache, sampler=[Sampler(params)], max_tokens=params.max_tokens, start=start,
-                    prefill_step_size=prefill_step_size,
-                    on_prefill_done=lambda: timing.setdefault("prompt", time.perf_counter() - tic)):
-                prefilled = True
-                token = int(y.item())
-                piece = answer.add(token)
-                yield GenerationResponse(text=piece, token=token, logprobs=logprobs[0],
-                                         finish_reason=answer.finish, **stats())
-                if answer.finish:
-                    break
+            while done is None:
+                for event in engine.step():
+                    if isinstance(event, Failed):
+                        raise event.error
+                    if isinstance(event, Done):
+                        done = event
+                        continue
+                    if prompt_s is None:
+                        prompt_s = time.perf_counter() - tic
+                    n += 1
+                    yield GenerationResponse(text=event.text, token=event.token, logprobs=event.logprobs,
+                                             finish_reason=event.finish_reason, **stats()), event
     finally:
+        if done is None and engine.busy:  # the caller stopped early: end the request, keep its cache
+            engine.cancel(rid)
+            for event in engine.step():
+                if isinstance(event, Done):
+                    done = event
+        if getattr(model, "group", None) is not None:
+            # A step queued ahead holds collectives on a sharded model: finish it here, so whatever the
+            # caller runs next (on any stream) pairs its collectives with the other ranks' in order.
+            mx.synchronize(_generation_stream())
         if prompt_cache is not None:
-            if prefilled:
-                prompt_cache.record(inputs, answer.tokens)
-            else:  # prefill failed part way: keep what the cache held before it
+            if done is not None and done.cache is not None and done.cache[0].size() >= ids.shape[1]:
+                prompt_cache.cache = done.cache
+                prompt_cache.record(inputs, done.token_ids)
+            else:  # failed, or ended before its prefill: the cache holds what it held before
                 prompt_cache.trim(start)
 
 
 def generate(model, processor, prompt=None, **kwargs) -> GenerationResult:
     """Run to completion; see stream_generate for the arguments."""
     text, tokens, logprobs, last = "", [], [], None
-    for last in stream_generate(model, processor, prompt, **kwargs):
+    for last, event in _stream(model, processor, prompt, **kwargs):
         text += last.text
         tokens.append(last.token)
-        logprobs.append(float(last.logprobs[last.token]))
+        logprobs.append(event.logprob)
     return GenerationResult(text=text, token_ids=tokens, logprobs=logprobs, prompt_tokens=last.prompt_tokens,
                             generation_tokens=last.generation_tokens, prompt_tps=last.prompt_tps,
                             generation_tps=last.generation_tps, peak_memory=last.peak_memory,
@@ -456,9 +332,9 @@ REQUEST_KEYS = {"prompt", "messages", "images", "videos", "fps", "source_fps", "
 
 def batch_generate(model, processor, requests, *, sampling: Optional[SamplingParams] = None, prefill_step_size=2048,
                    min_pixels=None, max_pixels=None, **sampling_kwargs) -> List[GenerationResult]:
-    """Several requests as one left-padded batch with per-sequence rope deltas; each result equals
-    that request run alone with generate(), sampling included (each request draws from its own
-    random stream, seeded by its `seed`).
+    """Several requests decoded together (one Engine run to completion, each prompt prefilled
+    whole as it joins the running rows); each result equals that request run alone with generate(),
+    sampling included (each request draws from its own random stream, seeded by its `seed`).
 
     A request is a dict with `prompt=` or `messages=` and optionally images, videos, fps,
     source_fps (video_fps, deprecated), system, templated (the rules of render_prompt), and any
@@ -466,52 +342,50 @@ def batch_generate(model, processor, requests, *, sampling: Optional[SamplingPar
     base = _sampling(sampling, sampling_kwargs)
     if sampling_kwargs:
         raise TypeError(f"batch_generate got unexpected argument(s) {', '.join(sorted(sampling_kwargs))}")
-    texts, images, videos, fps, source_fps, params = [], [], [], [], [], []
+    prepared = []
     for i, r in enumerate(requests):
         if not isinstance(r, dict) or set(r) - REQUEST_KEYS:
             extra = sorted(set(r) - REQUEST_KEYS) if isinstance(r, dict) else type(r).__name__
             raise InputError(f"request {i + 1}: unexpected {extra}; use keys among {', '.join(sorted(REQUEST_KEYS))}")
-        params.append(SamplingParams.build(base, **{k: r[k] for k in r if k in FIELD_NAMES}))
+        params = SamplingParams.build(base, **{k: r[k] for k in r if k in FIELD_NAMES})
         text, found_i, found_v = render_prompt(processor, r.get("prompt"), messages=r.get("messages"),
                                                images=r.get("images"), videos=r.get("videos"),
                                                system=r.get("system"), templated=r.get("templated", False))
-        texts.append(text)
-        images += found_i
-        videos += found_v
-        fps += [r.get("fps")] * len(found_v)
-        source_fps += [renamed_source_fps(r.get("source_fps"), r.get("video_fps"))] * len(found_v)
-    if not texts:
+        source_fps = renamed_source_fps(r.get("source_fps"), r.get("video_fps"))
+        prepared.append((text, found_i, found_v, r.get("fps"), source_fps, params))
+    if not prepared:
         return []
-    inputs = processor(text=texts, images=images or None, videos=videos or None, fps=fps or None,
-                       source_fps=source_fps or None,
-                       min_pixels=min_pixels, max_pixels=max_pixels, padding=True)
-    check_context(model, inputs)
-    stop_ids = eos_token_ids(model, processor)
-    answers = [AnswerText(processor, stop_ids, p) for p in params]
-    chosen = [[] for _ in answers]
+    engine = Engine(model, processor, max_batch=len(prepared), prefill_step_size=prefill_step_size)
+    ids = []
+    for text, found_i, found_v, fps, source_fps, params in prepared:
+        inputs = processor(text=text, images=found_i or None, videos=found_v or None, fps=fps, source_fps=source_fps,
+                           min_pixels=min_pixels, max_pixels=max_pixels)
+        check_context(model, inputs)
+        ids.append(engine.add(Request(inputs, params)))
     mx.reset_peak_memory()
     tic = time.perf_counter()
-    timing = {}
+    first, done = set(), {}
+    prompt_s = None
     from mlx_lm.generate import wired_limit
 
     with wired_limit(model, [_generation_stream()]):
-        for y, logprobs in generate_step(
-                model, inputs, model.make_cache(), sampler=[Sampler(p) for p in params],
-                max_tokens=max(p.max_tokens for p in params), prefill_step_size=prefill_step_size,
-                on_prefill_done=lambda: timing.setdefault("prompt", time.perf_counter() - tic)):
-            tokens = y.tolist()
-            for b, answer in enumerate(answers):
-                if answer.finish is None:
-                    answer.add(tokens[b])
-                    chosen[b].append(float(logprobs[b, tokens[b]]))
-            if all(a.finish for a in answers):
-                break
+        while engine.busy:
+            for event in engine.step():
+                if isinstance(event, Failed):
+                    raise event.error
+                if isinstance(event, Done):
+                    done[event.id] = event
+                elif event.id not in first:
+                    first.add(event.id)
+                    if len(first) == len(ids):
+                        prompt_s = time.perf_counter() - tic
     total = time.perf_counter() - tic
-    real = np.asarray(inputs["attention_mask"]).sum(-1)
-    generated = sum(len(a.tokens) for a in answers)
+    prompt_s = prompt_s or total
+    results = [done[i] for i in ids]
+    prompt_tokens = sum(d.prompt_tokens for d in results)
+    generated = sum(len(d.token_ids) for d in results)
     return [GenerationResult(
-        text=a.text, token_ids=a.tokens, logprobs=chosen[b], prompt_tokens=int(real[b]),
-        generation_tokens=len(a.tokens), prompt_tps=float(real.sum()) / timing["prompt"],
-        generation_tps=generated / max(total - timing["prompt"], 1e-9),
-        peak_memory=mx.get_peak_memory() / 1e9, finish_reason=a.finish or "length") for b, a in enumerate(answers)]
-
+        text=d.text, token_ids=d.token_ids, logprobs=d.logprobs, prompt_tokens=d.prompt_tokens,
+        generation_tokens=len(d.token_ids), prompt_tps=prompt_tokens / max(prompt_s, 1e-9),
+        generation_tps=generated / max(total - prompt_s, 1e-9), peak_memory=mx.get_peak_memory() / 1e9,
+        finish_reason=d.finish_reason) for d in results]

@@ -6,8 +6,9 @@
     limits.py    what one request may cost, checked before decoding (pixels, frames)
     fetch.py     image / video URLs → bytes or allowed local files (checked hosts, one deadline)
     connections.py  below the app: connection cap, read deadlines, stopping on SIGTERM / SIGINT
-    engine.py    the model thread: continuous batching, prefill with cached prefixes and features
-    cache.py     the media-aware prefix cache and the vision-feature cache
+    prepared.py  a request turned into model inputs, and the HTTP side's handle on it
+    engine.py    the model thread around the library's engine (mlx_qwen3vl.engine): HTTP requests in,
+                 events out; replica.py: the same under mlx.launch
     tools.py     <tool_call> blocks → OpenAI tool_calls
     grammar.py   json_object / json_schema / forced tool calls via llguidance
 """

@@ -84,7 +84,17 @@ def build_parser():
                    help="default answer limit when a request sets none")
     p.add_argument("--prefix-cache-gb", type=float, default=2.0, help="memory for cached KV prefixes")
     p.add_argument("--vision-cache-gb", type=float, default=0.5, help="memory for cached vision features")
-    p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens computed per step")
+    p.add_argument("--prefill-step-size", type=int, default=2048, help="most prompt tokens per decoder chunk")
+    p.add_argument("--prefill-budget", type=int, default=256, metavar="TOKENS",
+                   help="prefill work per decode step while requests decode, in prompt tokens (vision work "
+                        "counted by its FLOPs), so running streams keep getting tokens while a new screenshot "
+                        "is encoded; 0: prefill each request whole before decoding on")
+    p.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="KV cache the running requests may take; a request waits until it fits, one that never "
+                        "can is refused (default: 3/4 of the memory less the weights)")
+    p.add_argument("--max-request-seconds", type=float, default=600.0,
+                   help="a request still generating after this many seconds ends with finish_reason "
+                        "'time_limit' (0: no limit)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="compute dtype (default: float32 on the CPU, the checkpoint's on a GPU)")
     p.add_argument("--parallel", choices=["tensor", "pipeline"], default="tensor",
@@ -137,6 +147,12 @@ def main(argv=None):
         print(f"error: {e.name} is missing; install the server extra: pip install 'mlx-qwen3vl[server]'",
               file=sys.stderr)
         return 2
+    for flag, value, ok in (("--prefill-budget", args.prefill_budget, args.prefill_budget >= 0),
+                            ("--max-request-seconds", args.max_request_seconds, args.max_request_seconds >= 0),
+                            ("--kv-cache-gb", args.kv_cache_gb, args.kv_cache_gb is None or args.kv_cache_gb > 0)):
+        if not ok:
+            print(f"error: {flag} {value} is not allowed; use a number >= 0 (> 0 for --kv-cache-gb)", file=sys.stderr)
+            return 2
     for d in args.allowed_local_media_path:
         if not os.path.isdir(d):
             print(f"error: --allowed-local-media-path {d!r} is not a directory", file=sys.stderr)
@@ -159,7 +175,10 @@ def main(argv=None):
         return 2
     engine_kwargs = dict(max_batch=args.max_batch, max_queue=args.max_queue, default_max_tokens=args.max_tokens,
                          prefix_cache_bytes=int(args.prefix_cache_gb * GB),
-                         feature_cache_bytes=int(args.vision_cache_gb * GB), prefill_step_size=args.prefill_step_size)
+                         feature_cache_bytes=int(args.vision_cache_gb * GB), prefill_step_size=args.prefill_step_size,
+                         prefill_budget=args.prefill_budget,
+                         kv_cache_bytes="auto" if args.kv_cache_gb is None else int(args.kv_cache_gb * GB),
+                         max_request_seconds=args.max_request_seconds or None)
     where = ""
     if group is not None:
         import signal

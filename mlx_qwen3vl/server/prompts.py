@@ -8,8 +8,8 @@ import threading
 import numpy as np
 
 from ..errors import Qwen3VLError
-from ..prompt_cache import media_keys
-from .engine import Prepared
+from ..spans import media_keys
+from .prepared import Prepared
 from .fetch import resolve_image, resolve_video
 from .limits import Limits, check_media, check_pixel_options
 from .protocol import APIError, ChatRequest
@@ -92,8 +92,7 @@ class PromptBuilder:
             raise APIError(400, f"the prompt has {n_prompt} tokens, past this model's context of {context}; "
                            "send fewer or smaller images, or shorter messages", param="messages",
                            code="context_length_exceeded")
-        s = req.sampling
-        max_tokens = min(s.max_tokens or self.engine.default_max_tokens, context - n_prompt)
+        max_tokens = min(req.max_tokens or self.engine.default_max_tokens, context - n_prompt)
         grammar = None
         if req.response_format is not None:
             rf = req.response_format
@@ -102,5 +101,5 @@ class PromptBuilder:
         elif req.tools and (req.tool_choice == "required" or isinstance(req.tool_choice, dict)):
             name = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
             grammar = ["tool_call", req.tools, name]
-        return Prepared(inputs=inputs, tokens=tokens, media=media, sampling=s, max_tokens=max_tokens,
+        return Prepared(inputs=inputs, tokens=tokens, media=media, sampling=req.sampling, max_tokens=max_tokens,
                         grammar=grammar, processors=self.grammars.build(grammar))

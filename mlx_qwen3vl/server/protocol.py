@@ -11,6 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from ..sampling import SamplingParams
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 16
 MAX_STOP_CHARS = 256  # each stop string is searched for after every token
@@ -41,25 +43,10 @@ def _invalid(param, message, code="invalid_value"):
 
 
 @dataclass
-class SamplingParams:
-    max_tokens: Optional[int] = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    seed: Optional[int] = None
-    stop: List[str] = field(default_factory=list)
-    logprobs: bool = False
-    top_logprobs: int = 0
-
-
-@dataclass
 class ChatRequest:
     messages: List[dict]  # OpenAI messages, validated (media URLs still unresolved)
-    sampling: SamplingParams
+    sampling: SamplingParams  # the library's; its max_tokens is set from `max_tokens` once the prompt is known
+    max_tokens: Optional[int] = None  # as the request gave it (none: the server's --max-tokens)
     model: Optional[str] = None
     stream: bool = False
     include_usage: bool = False
@@ -233,8 +220,7 @@ def parse_chat_request(body) -> ChatRequest:
     top_logprobs = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True, default=0)
     if top_logprobs and not body.get("logprobs"):
         raise _invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
-    sampling = SamplingParams(
-        max_tokens=max_tokens,
+    sampling = SamplingParams(  # OpenAI's default temperature (1.0), not the library's greedy one
         temperature=_number(body, "temperature", 0, 2, default=1.0),
         top_p=_number(body, "top_p", 0, 1, lo_open=True, default=1.0),
         top_k=max(top_k, 0),
@@ -266,7 +252,7 @@ def parse_chat_request(body) -> ChatRequest:
                        "template (switches go in 'chat_template_kwargs')", "unsupported_field")
     kwargs = _template_switches(body.get("chat_template_kwargs") or {})
     return ChatRequest(
-        messages=messages, sampling=sampling, model=model, stream=bool(body.get("stream")),
+        messages=messages, sampling=sampling, max_tokens=max_tokens, model=model, stream=bool(body.get("stream")),
         include_usage=bool(stream_options.get("include_usage")), tools=tools or None,
         tool_choice=tool_choice if tools else "none", response_format=_check_response_format(body.get("response_format")),
         chat_template_kwargs=kwargs, **pixels,

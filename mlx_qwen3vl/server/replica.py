@@ -1,9 +1,11 @@
 """The engine on several ranks (`mlx.launch -n N -- python -m mlx_qwen3vl.server`): a replicated
 state machine. Rank 0 serves HTTP; before each engine iteration it broadcasts the iteration's
 inputs (the requests it admits, with their token ids, pixel arrays, sampling settings and a seed
-drawn here; the rows whose clients went away; or the order to stop), and every rank then runs the
-same deterministic iteration (admission, prefill, decode, sampling, stop decisions), so the
-collectives inside the sharded model line up. Other ranks never read media or bind a port.
+drawn here; the requests whose clients went away or that passed their time limit, by this rank's
+clock; or the order to stop), and every rank then hands them to its engine and runs the same
+deterministic step (admission, the prefill items its FLOP budget allows, decode, sampling, stop
+decisions), so the collectives inside the sharded model line up. Other ranks never read media or
+bind a port.
 
 Each broadcast also carries every rank's digest of its engine state (settings, rows, tokens so far,
 cache length): ranks that drift apart stop with one clear error instead of hanging in mismatched
@@ -23,7 +25,8 @@ from typing import List, Optional
 import mlx.core as mx
 import numpy as np
 
-from .protocol import SamplingParams
+from ..sampling import SamplingParams
+from .prepared import Prepared
 
 
 class OutOfStep(RuntimeError):
@@ -39,7 +42,8 @@ class Plan:
     """One engine iteration's inputs, as rank 0 decided them."""
 
     admit: list = field(default_factory=list)  # Handles (ghosts on other ranks), ids set
-    cancel: List[int] = field(default_factory=list)  # ids of running rows whose clients went away
+    cancel: List[int] = field(default_factory=list)  # ids of requests whose clients went away
+    expire: List[int] = field(default_factory=list)  # ids of requests past their time limit (rank 0's clock)
     stop: bool = False
 
 
@@ -92,6 +96,12 @@ class _Replicas:
         buf = np.frombuffer(data, np.uint8) if self.rank == 0 else np.zeros(n, np.uint8)
         return _all_sum(buf, self.group).tobytes()
 
+    def agree_min(self, value: int) -> int:
+        """The smallest of every rank's `value` (e.g. a KV budget from each machine's memory)."""
+        mine = np.zeros(self.size, np.int64)
+        mine[self.rank] = value
+        return int(_all_sum(mine, self.group).min())
+
     def fail(self, error: BaseException):
         """End this rank at once with one clear line: mlx.launch then stops the other ranks."""
         print(f"[mlx_qwen3vl] rank {self.rank} of {self.size}: the model worker failed "
@@ -107,7 +117,7 @@ class Leader(_Replicas):
             p = handle.prepared
             if p.sampling.seed is None:  # drawn here, as the one-process Sampler would draw it
                 p.sampling = dataclasses.replace(p.sampling, seed=int(mx.random.randint(0, 2**31 - 1, ()).item()))
-        data = encode(plan) if plan.admit or plan.cancel else b""
+        data = encode(plan) if plan.admit or plan.cancel or plan.expire else b""
         self._header(len(data), plan.stop, state)
         if data:
             self._payload(data, len(data))
@@ -147,12 +157,10 @@ def encode(plan: Plan) -> bytes:
                          "grammar": p.grammar})
     buf = io.BytesIO()
     np.savez(buf, **arrays)
-    return json.dumps({"admit": requests, "cancel": plan.cancel}).encode() + b"\n" + buf.getvalue()
+    return json.dumps({"admit": requests, "cancel": plan.cancel, "expire": plan.expire}).encode() + b"\n" + buf.getvalue()
 
 
 def decode(data: bytes, grammars) -> Plan:
-    from .engine import Prepared
-
     head, body = data.split(b"\n", 1)
     info = json.loads(head)
     admit = []
@@ -169,4 +177,4 @@ def decode(data: bytes, grammars) -> Plan:
                          sampling=SamplingParams(**r["sampling"]), max_tokens=r["max_tokens"],
                          grammar=r["grammar"], processors=grammars.build(r["grammar"]))
             admit.append(_Ghost(p, r["id"]))
-    return Plan(admit=admit, cancel=info["cancel"])
+    return Plan(admit=admit, cancel=info["cancel"], expire=info.get("expire", []))

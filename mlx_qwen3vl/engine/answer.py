@@ -1,0 +1,77 @@
+"""Tokens → one request's answer text: EOS, stop strings and max_tokens end it, and text that may
+still turn out to start a stop string is held back while streaming; the bytes of one token."""
+
+import re
+
+from ..sampling import SamplingParams
+
+
+def eos_token_ids(model, processor) -> set:
+    """The checkpoint's EOS ids (generation_config.json) and the tokenizer's."""
+    ids = set(model.config.eos_token_ids)
+    if processor.tokenizer.eos_token_id is not None:
+        ids.add(processor.tokenizer.eos_token_id)
+    return ids
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_bytes(tokenizer, token: int) -> bytes:
+    """The bytes one token stands for (OpenAI's logprobs `bytes`). A token that is part of a UTF-8
+    character decodes alone to U+FFFD; its own bytes come from the vocabulary instead: byte-level
+    BPE pieces (Qwen's) through mlx-lm's byte table, SentencePiece byte tokens (`<0xB7>`) by value."""
+    from mlx_lm.tokenizer_utils import _byte_decoder
+
+    text = tokenizer.decode([int(token)])
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    piece = tokenizer.convert_ids_to_tokens(int(token)) or ""
+    m = _BYTE_TOKEN.fullmatch(piece)
+    if m:
+        return bytes([int(m.group(1), 16)])
+    table = _byte_decoder()
+    if piece and all(c in table for c in piece):
+        return bytes(table[c] for c in piece)
+    return text.encode("utf-8")
+
+
+class AnswerText:
+    """One request's answer as it streams: mlx-lm's streaming detokenizer (multi-byte characters
+    never break), EOS tokens (unless `ignore_eos`) and stop strings end it, max_tokens bounds it.
+    Text that could still turn out to be the start of a stop string is held back until it is
+    decided, so the streamed pieces always add up to the final text.
+
+    `detokenizer`: a fresh streaming detokenizer (mlx-lm's TokenizerWrapper(...).detokenizer)."""
+
+    def __init__(self, detokenizer, stop_ids, params: SamplingParams):
+        self.detok = detokenizer
+        self.detok.reset()
+        self.stop_ids = frozenset() if params.ignore_eos else frozenset(stop_ids)
+        self.stops, self.max_tokens = params.stop_strings, params.max_tokens
+        self.tokens, self.text, self.pending, self.finish = [], "", "", None
+
+    def _held(self, text):
+        """Length of the longest end of `text` that begins some stop string."""
+        return max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:k])), default=0)
+
+    def add(self, token: int) -> str:
+        """Take one token; return the text it releases (self.finish says whether it ended)."""
+        self.tokens.append(token)
+        if token in self.stop_ids:
+            self.finish = "stop"
+        else:
+            self.detok.add_token(token)
+        if self.finish is None and len(self.tokens) >= self.max_tokens:
+            self.finish = "length"
+        if self.finish:
+            self.detok.finalize()
+        pending = self.pending + self.detok.last_segment
+        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            pending, self.finish = pending[:min(hits)], "stop"
+        keep = 0 if self.finish else self._held(pending)
+        piece, self.pending = pending[:len(pending) - keep], pending[len(pending) - keep:]
+        self.text += piece
+        return piece

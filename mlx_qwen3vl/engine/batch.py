@@ -1,0 +1,89 @@
+"""The rows being decoded together: one KV cache per layer holding every row, left-padded to a
+common length (kv_cache.KVCache), and per row its next 1D position (cache length + its mRoPE
+rope delta), its sampler (its own processors and random stream) and, for processors that read
+it, its tokens so far."""
+
+from typing import List, Optional
+
+import mlx.core as mx
+
+from .step import decode_step, sample
+
+
+class Row:
+    """One request being decoded (or about to be: its first token comes from its prefill)."""
+
+    def __init__(self, request, sampler, answer, prompt_tokens: int, cached: int, history):
+        self.request, self.id = request, request.id
+        self.sampler, self.answer = sampler, answer
+        self.prompt_tokens, self.cached = prompt_tokens, cached
+        self.history = history  # mx.array of the tokens so far, for processors; None without them
+        self.logprobs: List[float] = []  # of each chosen token
+        self.fresh = False  # its token not yet handed out came from its prefill, not a decode step
+
+    @property
+    def held(self) -> int:
+        """Positions of its cache worth keeping: the prompt and the answer but its last token
+        (which may or may not have been fed; a next turn renders it again anyway)."""
+        return self.prompt_tokens + max(len(self.answer.tokens) - 1, 0)
+
+
+class Batch:
+    """Rows, their caches and the tokens not yet fed (`y`, with their log-probabilities `lp`)."""
+
+    def __init__(self, model, log_softmax):
+        self.model, self.log_softmax = model, log_softmax
+        self.rows: List[Row] = []
+        self.cache: Optional[list] = None
+        self.y = self.lp = self.positions = None
+
+    def __len__(self):
+        return len(self.rows)
+
+    def join(self, row: Row, cache: list, y, lp, position):
+        """Add a prefilled row: its cache (batch 1), first token y (1,), lp (1, V), next position (1,)."""
+        if not self.rows:
+            self.rows, self.cache, self.y, self.lp, self.positions = [row], cache, y, lp, position
+            return
+        self.cache = [type(group[0]).merge(group) for group in zip(self.cache, cache)]
+        self.rows.append(row)
+        self.y = mx.concatenate([self.y, y])
+        self.lp = mx.concatenate([self.lp, lp])
+        self.positions = mx.concatenate([self.positions, position])
+
+    def decode(self):
+        """Feed `y` and sample the next token of every row → (y, lp), left lazy."""
+        rows = self.rows
+        for b, row in enumerate(rows):
+            if row.history is not None:
+                row.history = mx.concatenate([row.history, self.y[b:b + 1]])
+        logits = decode_step(self.model, self.y, self.cache, self.positions, self.cache[0].key_mask(1))
+        self.positions = self.positions + 1
+        return sample(logits, [r.sampler for r in rows], [r.history for r in rows], self.log_softmax)
+
+    def remove(self, indices, keep_caches=()) -> dict:
+        """Take rows out → {index: its cache (a list over layers, holding Row.held positions)}
+        for the indices in `keep_caches`. A row alone hands over the batch's own caches (trimmed,
+        not copied); several rows are each copied out."""
+        indices = set(indices)
+        out = {}
+        if len(self.rows) == 1 and indices == {0}:
+            if 0 in keep_caches:
+                row = self.rows[0]
+                for c in self.cache:
+                    c.trim(c.size() - row.held)
+                out[0] = self.cache
+            self.rows, self.cache, self.y, self.lp, self.positions = [], None, None, None, None
+            return out
+        for i in keep_caches:
+            out[i] = [c.extract(i, self.rows[i].held) for c in self.cache]
+        keep = [i for i in range(len(self.rows)) if i not in indices]
+        if not keep:
+            self.rows, self.cache, self.y, self.lp, self.positions = [], None, None, None, None
+            return out
+        for c in self.cache:
+            c.filter(keep)
+        index = mx.array(keep)
+        self.rows = [self.rows[i] for i in keep]
+        self.y, self.lp, self.positions = self.y[index], self.lp[index], self.positions[index]
+        return out

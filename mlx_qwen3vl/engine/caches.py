@@ -1,0 +1,271 @@
+"""Caches shared by all requests of an engine: KV prefixes keyed by tokens *and* media content,
+found through a radix tree, and vision features keyed by pixels.
+
+Same-size images expand to identical placeholder tokens, so a prefix cache matched on token ids
+alone would hand one screenshot's keys and values to another (issue #19). Each entry keeps its
+token ids and its media keys (kind, span, content hash: spans.media_keys), and a request reuses
+what `spans.reusable_prefix` allows: the common prefix, cut before the first image or video that
+is not the same content at the same place.
+
+The index is a radix tree over each entry's keys: its token ids with the first position of every
+image or video replaced by (kind, content hash, length), so two prompts whose tokens agree but
+whose screenshots differ part at that screenshot. A lookup walks the request's keys once: its cost
+grows with the prompt, never with the number of entries (mlx-lm's PromptTrie keys tokens only).
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from ..spans import media_keys, media_spans
+
+
+def index_keys(tokens, media) -> tuple:
+    """An entry's (or a prompt's) keys: `tokens`, the first position of each medium of `media`
+    (spans.media_keys) replaced by (kind, hash, span length)."""
+    keys = list(tokens)
+    for kind, start, end, h in media:
+        if start < len(keys):
+            keys[start] = (kind, h, end - start)
+    return tuple(keys)
+
+
+def prompt_keys(inputs) -> tuple:
+    return index_keys(np.asarray(inputs["input_ids"])[0].tolist(), media_keys(inputs))
+
+
+def _common(a: tuple, b: tuple) -> int:
+    """Length of the common prefix of two tuples (slice comparisons run in C)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class _Node:
+    __slots__ = ("label", "children", "entries", "ending")
+
+    def __init__(self, label: tuple):
+        self.label = label  # the keys on the edge into this node
+        self.children = {}  # first key of a child's label → child
+        self.entries = set()  # ids of the entries whose keys pass through or end at this node
+        self.ending = set()  # ids of the entries whose keys end exactly here
+
+
+class PrefixIndex:
+    """A radix tree of key sequences (index_keys), each held by one or more entry ids."""
+
+    def __init__(self):
+        self.root = _Node(())
+
+    def longest(self, keys: tuple) -> Tuple[int, Optional[int]]:
+        """(n, entry id): the longest common prefix of `keys` with any held sequence, and an entry
+        holding such a prefix; (0, None) when nothing shares a first key."""
+        node, depth, best = self.root, 0, None
+        while depth < len(keys):
+            child = node.children.get(keys[depth])
+            if child is None:
+                break
+            j = _common(child.label, keys[depth:depth + len(child.label)])
+            depth += j
+            best = child
+            if j < len(child.label):
+                break
+            node = child
+        return (depth, next(iter(best.entries))) if best is not None else (0, None)
+
+    def add(self, keys: tuple, eid: int) -> list:
+        """Hold `keys` under `eid`; returns the ids of entries whose keys are a prefix of them."""
+        node, depth, prefixes = self.root, 0, []
+        node.entries.add(eid)
+        while depth < len(keys):
+            child = node.children.get(keys[depth])
+            if child is None:
+                child = _Node(keys[depth:])
+                node.children[keys[depth]] = child
+                child.entries.add(eid)
+                node, depth = child, len(keys)
+                break
+            j = _common(child.label, keys[depth:depth + len(child.label)])
+            if j < len(child.label):  # split the edge where the keys part
+                middle = _Node(child.label[:j])
+                middle.entries = set(child.entries)
+                child.label = child.label[j:]
+                middle.children[child.label[0]] = child
+                node.children[keys[depth]] = middle
+                child = middle
+            child.entries.add(eid)
+            depth += j
+            node = child
+            prefixes += node.ending
+        node.ending.add(eid)
+        return [e for e in prefixes if e != eid]
+
+    def remove(self, keys: tuple, eid: int):
+        node, depth, path = self.root, 0, []
+        node.entries.discard(eid)
+        while depth < len(keys):
+            child = node.children[keys[depth]]
+            path.append((node, child))
+            child.entries.discard(eid)
+            depth += len(child.label)
+            node = child
+        node.ending.discard(eid)
+        for parent, child in reversed(path):  # prune branches no entry holds any more
+            if not child.entries:
+                del parent.children[child.label[0]]
+
+
+@dataclass
+class _Entry:
+    tokens: List[int]
+    media: list  # spans.media_keys of the tokens
+    keys: tuple
+    caches: list
+    nbytes: int
+
+
+def pipeline_scale(model):
+    """(num, den) that turns this rank's KV bytes into the same count on every rank (see PrefixCache).
+    A pipeline stage holds only its own layers' caches (all layers' are the same shape), so its
+    bytes × all layers / (its layers × ranks) is the whole model's per rank; (1, 1) otherwise:
+    one process, or tensor parallel (every rank holds the same share of every layer)."""
+    stage = getattr(model.language_model, "stage", None)
+    if stage is None:
+        return 1, 1
+    return stage.layers, (stage.end - stage.start) * stage.size
+
+
+class PrefixCache:
+    """KV caches of finished requests (batch 1, sized to the tokens they hold), least recently
+    used first out when over `max_bytes`. `lookup` returns the longest reusable prefix of a request.
+
+    On several ranks every rank must keep and evict the same entries (a rank reusing a shorter
+    prefix would prefill more tokens and pair its collectives wrongly), so an entry counts its
+    bytes × `scale` (num, den): pipeline_scale(model), equal on every rank."""
+
+    def __init__(self, max_bytes: int, scale=(1, 1)):
+        self.max_bytes = max_bytes
+        self.scale = scale
+        self.entries: "OrderedDict[int, _Entry]" = OrderedDict()
+        self.index = PrefixIndex()
+        self.nbytes = 0
+        self._next = 0
+        self.hits = self.misses = self.reused_tokens = 0
+
+    def lookup(self, inputs):
+        """(entry id, reusable length) of an entry that serves the most of the prompt `inputs`
+        (never its last token: its logits start the answer, and never into an image or video),
+        or (None, 0)."""
+        if not self.entries:
+            return None, 0
+        keys = prompt_keys(inputs)
+        n, eid = self.index.longest(keys[:-1])
+        for m in media_spans(inputs):
+            if m.start < n < m.end:
+                n = m.start
+                break
+        if not n:
+            return None, 0
+        self.entries.move_to_end(eid)
+        return eid, n
+
+    def take(self, eid, length: int):
+        """New batch-1 caches holding the entry's first `length` positions."""
+        self.hits += 1
+        self.reused_tokens += length
+        return [c.extract(0, length) for c in self.entries[eid].caches]
+
+    def insert(self, tokens: List[int], media: list, caches):
+        """Keep `caches` (batch 1, holding `tokens` first) as an entry, copied to exactly that many
+        positions. Nothing is kept when an entry already holds all of it; entries it extends go."""
+        if not tokens or caches[0].empty():
+            return
+        keys = index_keys(tokens, media)
+        held, _ = self.index.longest(keys)
+        if held == len(keys):
+            return  # an entry already holds all of it
+        n = len(tokens)
+        caches = [c if c.size() == c.capacity() == n and c.batch_size == 1 and not any(c.padding())
+                  else c.extract(0, n) for c in caches]
+        mx.async_eval([c.state[:2] for c in caches])  # the copy runs beside the next step, not in its way
+        num, den = self.scale
+        nbytes = sum(c.nbytes for c in caches) * num // den
+        if nbytes > self.max_bytes:
+            return
+        eid = self._next
+        self._next += 1
+        self.entries[eid] = _Entry(list(tokens), list(media), keys, caches, nbytes)
+        self.nbytes += nbytes
+        for old in self.index.add(keys, eid):
+            self._drop(old)  # entries this one extends are redundant
+        while self.nbytes > self.max_bytes:
+            self._drop(next(iter(self.entries)))
+
+    def _drop(self, eid):
+        entry = self.entries.pop(eid)
+        self.index.remove(entry.keys, eid)
+        self.nbytes -= entry.nbytes
+
+    def stats(self) -> dict:
+        return {"entries": len(self.entries), "bytes": self.nbytes, "max_bytes": self.max_bytes,
+                "hits": self.hits, "misses": self.misses, "reused_tokens": self.reused_tokens}
+
+
+class FeatureCache:
+    """Vision features (merged embeddings and DeepStack taps) per image / video content hash, so a
+    screenshot seen again outside a reusable prefix (a sliding history window) skips the vision
+    tower. LRU within `max_bytes`.
+
+    `keep=False` (a pipeline stage without the vision tower, whose features are placeholder
+    zeros): no arrays are kept, but the same hashes and byte counts are, so its hits and misses,
+    and with them the prefill items it plans, stay those of the stage that has the tower."""
+
+    def __init__(self, max_bytes: int, keep: bool = True):
+        self.max_bytes = max_bytes
+        self.keep = keep
+        self.items: "OrderedDict[str, list]" = OrderedDict()
+        self.sizes: "OrderedDict[str, int]" = OrderedDict()
+        self.nbytes = 0
+        self.hits = self.misses = 0
+
+    NOT_KEPT = ()  # what `get` returns for a hit when no arrays are kept
+
+    def get(self, h) -> Optional[List[mx.array]]:
+        """The features stored for `h`, NOT_KEPT for a hit of a cache that keeps none, or None."""
+        if h not in self.sizes:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self.sizes.move_to_end(h)
+        if not self.keep:
+            return self.NOT_KEPT
+        self.items.move_to_end(h)
+        return self.items[h]
+
+    def put(self, h, arrays: List[mx.array]):
+        size = sum(a.nbytes for a in arrays)
+        if size > self.max_bytes or h in self.sizes:
+            return
+        self.sizes[h] = size
+        if self.keep:
+            self.items[h] = arrays
+        self.nbytes += size
+        while self.nbytes > self.max_bytes:
+            old, n = self.sizes.popitem(last=False)
+            self.items.pop(old, None)
+            self.nbytes -= n
+
+    def stats(self) -> dict:
+        return {"entries": len(self.items), "bytes": self.nbytes if self.keep else 0, "max_bytes": self.max_bytes,
+                "hits": self.hits, "misses": self.misses}

@@ -1,0 +1,554 @@
+"""The engine: continuous batching over one model, one step at a time.
+
+Requests are added (`add`) and cancelled (`cancel`) at any time; each `step` decodes one token for
+every running row and spends a bounded budget of FLOPs on waiting requests' prefill (vision
+tower work and prompt chunks, engine/prefill.py), so streams keep producing tokens while a new
+screenshot is encoded. It returns the step's events: `Token` per generated token, `Done` when a
+request ends, `Failed` when one cannot be served. Everything is deterministic given the calls,
+so several ranks replaying the same calls run the same steps (server/replica.py).
+"""
+
+import collections
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..backend import backend_of
+from ..errors import ContextLengthError, InputError
+from ..sampling import Sampler, SamplingParams
+from ..spans import media_keys
+from .answer import AnswerText, eos_token_ids
+from .batch import Batch, Row
+from .caches import FeatureCache, PrefixCache, pipeline_scale
+from .prefill import Costs, PrefillJob
+from .step import sample
+
+FINISH_REASONS = ("stop", "length", "time_limit", "cancelled")
+
+
+@dataclass
+class Request:
+    """One prompt to answer. `inputs`: the processor's outputs for it (batch 1).
+
+    `cache` / `start`: the caller's own KV cache (one per layer, model.make_cache()), already
+    holding the first `start` positions of this prompt (PromptCache.reuse decides them); the
+    request then continues it, bypasses the engine's prefix cache, and its Done event hands the
+    cache back holding the prompt and the answer. `time_limit`: seconds from `add` (None: the
+    engine's `max_request_seconds`). `tokens` / `media`: the prompt's ids and spans.media_keys,
+    when the caller has them already."""
+
+    inputs: dict
+    params: SamplingParams = field(default_factory=SamplingParams)
+    processors: Sequence = ()
+    id: Optional[int] = None
+    cache: Optional[list] = None
+    start: int = 0
+    time_limit: Optional[float] = None
+    tokens: Optional[List[int]] = None
+    media: Optional[list] = None
+
+
+@dataclass
+class Token:
+    """A generated token of request `id`: `text` is what it releases of the answer (stop-string
+    hold-back applied, so the pieces add up to the final text), `logprob` its log-probability,
+    `logprobs` the step's log-probabilities over the vocabulary (V,), `top_logprobs` the
+    request's `params.top_logprobs` likeliest [(token, logprob)], best first."""
+
+    id: int
+    token: int
+    text: str
+    logprob: float
+    logprobs: mx.array
+    top_logprobs: list = field(default_factory=list)
+    finish_reason: Optional[str] = None  # "stop" / "length" when this token ended the answer
+
+
+@dataclass
+class Done:
+    """Request `id` ended: finish_reason "stop" (EOS or a stop string), "length" (max_tokens),
+    "time_limit" or "cancelled". `cache`: the request's own cache, when it brought one."""
+
+    id: int
+    finish_reason: str
+    text: str
+    token_ids: List[int]
+    logprobs: List[float]
+    prompt_tokens: int
+    cached_tokens: int
+    cache: Optional[list] = None
+
+
+@dataclass
+class Failed:
+    """Request `id` could not be served (its inputs, its grammar, or a failed step)."""
+
+    id: int
+    error: BaseException
+
+
+@dataclass
+class StepRecord:
+    """The scheduler's own account of one step: the rows that got a token, the prefill FLOPs
+    spent and the budget they were held to (None: not held), the requests prefilling."""
+
+    tokens: tuple
+    prefill_flops: float
+    budget: Optional[float]
+    prefilling: tuple
+
+
+class _Waiting:
+    def __init__(self, request, sampler):
+        self.request, self.sampler = request, sampler
+
+
+class _Job:
+    def __init__(self, waiting, job, cached, prompt_tokens):
+        self.waiting, self.job, self.cached, self.prompt_tokens = waiting, job, cached, prompt_tokens
+
+    @property
+    def id(self):
+        return self.waiting.request.id
+
+
+def kv_bytes_per_token(model) -> int:
+    """KV bytes one position of the whole model's cache takes on each rank (from the config, so
+    every rank counts the same)."""
+    t = model.config.text_config
+    # The keys' dtype is the hidden state's: the embedding's output (a lazy graph, never evaluated).
+    itemsize = model.language_model.embed_tokens(mx.zeros((1, 1), mx.int32)).dtype.size
+    ranks = model.group.size() if getattr(model, "group", None) is not None else 1
+    return 2 * t.num_hidden_layers * t.num_key_value_heads * t.head_dim * itemsize // ranks
+
+
+def auto_kv_budget(model) -> int:
+    """Bytes of KV cache the engine admits by default: 3/4 of the device's memory (a Mac's
+    recommended GPU working set, else the machine's RAM) less the weights."""
+    info = mx.device_info()
+    total = info.get("max_recommended_working_set_size") or info.get("memory_size")
+    if not total:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    weights = sum(v.nbytes for _, v in _leaves(model.parameters()))
+    return max(0, int(0.75 * total) - weights)
+
+
+def _leaves(tree, prefix=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _leaves(v, f"{prefix}{k}.")
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from _leaves(v, f"{prefix}{i}.")
+    elif isinstance(tree, mx.array):
+        yield prefix, tree
+
+
+class Engine:
+    """Continuous batching over `model`: see the module docstring and README ("Python").
+
+    max_batch: rows decoded together. prefill_step_size: most prompt tokens per decoder chunk.
+    prefill_budget: prefill work per step while rows decode, in prompt-token equivalents
+      (a prompt token through the decoder; vision work counted by its FLOPs); None: one waiting
+      request is prefilled whole per step (as is any while nothing decodes).
+    prefix_cache_bytes / feature_cache_bytes: the shared caches (0: off).
+    kv_budget_bytes: KV cache the running and prefilling rows may take, "auto" (auto_kv_budget)
+      or None (no limit); a request waits until it fits, and one that never can is refused.
+    max_request_seconds: time limit of every request (from `add`), None: none.
+    lookahead: queue each decode step before handing out the previous one's tokens (default:
+      when the backend's forward is lazy, i.e. the plain MLX graph).
+    check_time_limits: whether `step` ends requests past their time limit itself (a replicated
+      engine is told by rank 0 instead, `expired`)."""
+
+    def __init__(self, model, processor, *, max_batch=8, prefill_step_size=2048, prefill_budget=None,
+                 prefix_cache_bytes=0, feature_cache_bytes=0, kv_budget_bytes="auto", max_request_seconds=None,
+                 lookahead=None, check_time_limits=True, clock=time.monotonic, stream=None):
+        from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+        if max_batch < 1:
+            raise InputError(f"max_batch = {max_batch} is not allowed; use an integer >= 1")
+        self.model, self.processor = model, processor
+        self.max_batch, self.prefill_step_size = max_batch, max(1, int(prefill_step_size))
+        self.costs = Costs(model.config)
+        self.prefill_budget = prefill_budget
+        self.budget_flops = None if not prefill_budget else prefill_budget * self.costs.token
+        self.context = int(model.config.text_config.max_position_embeddings)
+        backend = backend_of(model)
+        self.lookahead = (not backend.eager) if lookahead is None else lookahead
+        self.eos = eos_token_ids(model, processor)
+        self.tokenizer = TokenizerWrapper(processor.tokenizer)
+        self.prefix = PrefixCache(prefix_cache_bytes, pipeline_scale(model))
+        from ..pipeline import FeatureCounter
+
+        self.features = FeatureCache(feature_cache_bytes, keep=not isinstance(model.visual, FeatureCounter))
+        self.kv_per_token = kv_bytes_per_token(model)
+        self.kv_budget = auto_kv_budget(model) if kv_budget_bytes == "auto" else kv_budget_bytes
+        self.max_request_seconds = max_request_seconds
+        self.check_time_limits, self.clock = check_time_limits, clock
+        self.stream = stream
+        self.batch = Batch(model, backend.log_softmax)
+        self.waiting: collections.deque = collections.deque()
+        self.jobs: List[_Job] = []  # prefilling, in order (the first is the one being worked on)
+        self._cancels = {}  # id → reason, applied at the next step
+        self._ids = itertools.count()
+        self._deadlines = {}
+        self.metrics = collections.Counter()
+        self.batch_sizes = collections.Counter()  # decode steps by the number of rows they gave a token
+        self.log: collections.deque = collections.deque(maxlen=4096)  # StepRecord per step
+
+    # ------------------------------------------------------------------ requests in
+    def add(self, request: Request) -> int:
+        """Queue a request; returns its id. Raises InputError for one that can never be served
+        (a prompt past the context, a KV cache larger than the whole budget)."""
+        inputs = request.inputs
+        ids = np.asarray(inputs["input_ids"])
+        if ids.ndim != 2 or ids.shape[0] != 1:
+            raise InputError("an engine request holds one prompt (input_ids of shape (1, L))")
+        n = int(ids.shape[1])
+        if n >= self.context:
+            raise ContextLengthError(f"the prompt is {n} tokens but the model's context is {self.context} "
+                                     "(max_position_embeddings); shorten it or use fewer or smaller images", n,
+                                     self.context)
+        need = (n + request.params.max_tokens) * self.kv_per_token
+        if self.kv_budget is not None and need > self.kv_budget:
+            raise InputError(f"this request needs {need / 1e9:.2f} GB of KV cache ({n} prompt tokens + "
+                             f"max_tokens {request.params.max_tokens}) but the engine's KV budget is "
+                             f"{self.kv_budget / 1e9:.2f} GB; lower max_tokens or the prompt, or raise the budget")
+        if request.tokens is None:
+            request.tokens = ids[0].tolist()
+        if request.media is None:
+            request.media = media_keys(inputs)
+        if request.id is None:
+            request.id = next(self._ids)
+        # The sampler now: an unseeded one draws its seed from MLX's global stream in add order.
+        sampler = Sampler(request.params, processors=request.processors)
+        limit = request.time_limit if request.time_limit is not None else self.max_request_seconds
+        deadline = None if limit is None else self.clock() + limit
+        self.waiting.append(_Waiting(request, sampler))
+        if deadline is not None:
+            self._deadlines[request.id] = deadline
+        self.metrics["requests"] += 1
+        return request.id
+
+    def cancel(self, rid: int, reason: str = "cancelled"):
+        """End request `rid` at the next step (queued, prefilling or decoding), with Done(reason)."""
+        self._cancels.setdefault(rid, reason)
+
+    def expired(self, now: Optional[float] = None) -> List[int]:
+        """Ids of requests past their time limit (rank 0 of a replicated engine sends these)."""
+        now = self.clock() if now is None else now
+        return [rid for rid, d in self._deadlines.items() if d <= now]
+
+    def fingerprint(self) -> tuple:
+        """What every rank replaying the same calls must agree on (server/replica.py compares it)."""
+        b = self.batch
+        return (self.max_batch, self.prefill_budget, self.kv_budget, self.prefix.max_bytes, self.features.max_bytes,
+                self.metrics["errors"], [(r.id, len(r.answer.tokens), r.answer.tokens[-1:]) for r in b.rows],
+                b.cache[0].padding() if b.cache else [], b.cache[0].size() if b.cache else 0,
+                [(j.id, j.job.spent) for j in self.jobs], [w.request.id for w in self.waiting],
+                (list(self.prefix.entries), self.prefix.nbytes, self.prefix.reused_tokens),
+                (list(self.features.sizes), self.features.hits))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.batch.rows or self.jobs or self.waiting or self._cancels)
+
+    def stats(self) -> dict:
+        return {"running": len(self.batch), "prefilling": len(self.jobs), "waiting": len(self.waiting),
+                "max_batch": self.max_batch, "kv_budget_bytes": self.kv_budget, "kv_bytes_needed": self._kv_need(),
+                **dict(self.metrics),
+                "decode_steps_by_batch_size": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+                "prefix_cache": self.prefix.stats(), "vision_feature_cache": self.features.stats()}
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list:
+        """One iteration: time limits and cancellations, one decode step of every running row,
+        prefill work within the budget, the tokens handed out. Returns its events."""
+        if self.stream is None:
+            from mlx_lm.generate import generation_stream
+
+            self.stream = generation_stream
+        with mx.stream(self.stream):
+            return self._step()
+
+    def run(self):
+        """Step until nothing is left to do, yielding each event."""
+        while self.busy:
+            yield from self.step()
+
+    def _step(self) -> list:
+        events = []
+        if self.check_time_limits and self._deadlines:
+            for rid in self.expired():
+                self.cancel(rid, "time_limit")
+        if self._cancels:
+            self._apply_cancels(events)
+        batch = self.batch
+        pending = None
+        tic = time.perf_counter()
+        if batch.rows:
+            rows = list(batch.rows)
+            fresh = [r.fresh for r in rows]
+            try:
+                if self.lookahead:  # the next step is queued before this one's tokens are read
+                    pending = (rows, batch.y, batch.lp, fresh)
+                    y, lp = batch.decode()
+                    mx.async_eval(y, lp)
+                    batch.y, batch.lp = y, lp
+                    for r in rows:
+                        r.fresh = False
+                else:
+                    y, lp = batch.decode()
+                    mx.eval(y, lp)
+                    batch.y, batch.lp = y, lp
+                    self._emit(rows, y, lp, [False] * len(rows), events)
+            except Exception as e:  # noqa: BLE001 — the batch fails, the engine keeps serving
+                self._fail_batch(e, events)
+                pending = None
+        self.metrics["decode_s"] += time.perf_counter() - tic
+        tic = time.perf_counter()
+        spent, budget = self._prefill(events)
+        self.metrics["prefill_s"] += time.perf_counter() - tic
+        got = tuple(e.id for e in events if isinstance(e, Token))
+        if pending is not None:
+            rows, y, lp, fresh = pending
+            try:
+                got += self._emit(rows, y, lp, fresh, events)
+            except Exception as e:  # noqa: BLE001
+                self._fail_batch(e, events)
+        self.log.append(StepRecord(got, spent, budget, tuple(j.id for j in self.jobs)))
+        self.metrics["steps"] += 1
+        if self.metrics["steps"] % 256 == 0:
+            mx.clear_cache()
+        return events
+
+    # ------------------------------------------------------------------ decode
+    def _emit(self, rows, y, lp, fresh, events) -> tuple:
+        """Hand out tokens y (B,) of `rows` (the batch's rows when y was made); `fresh[b]`: row b's
+        token came from its prefill. Rows that finish leave the batch."""
+        tokens = y.tolist()
+        chosen = mx.take_along_axis(lp, y[:, None], axis=-1)[:, 0].astype(mx.float32).tolist()
+        got = []
+        decoded = 0
+        done = []
+        for b, (row, token) in enumerate(zip(rows, tokens)):
+            decoded += not fresh[b]
+            self._token(row, token, lp[b], events, chosen[b])
+            got.append(row.id)
+            if row.answer.finish:
+                done.append(row)
+        if decoded:
+            self.batch_sizes[decoded] += 1
+            self.metrics["decode_steps"] += 1
+        if done:
+            self._leave(done, events)
+        return tuple(got)
+
+    def _token(self, row: Row, token: int, logprobs, events, logprob=None):
+        piece = row.answer.add(token)
+        logprob = float(logprobs[token]) if logprob is None else logprob
+        row.logprobs.append(logprob)
+        top = []
+        k = row.request.params.top_logprobs
+        if k:
+            lp = np.asarray(logprobs.astype(mx.float32))
+            best = np.argsort(-lp, kind="stable")[:k]
+            top = [(int(t), float(lp[t])) for t in best]
+        events.append(Token(row.id, token, piece, logprob, logprobs, top, row.answer.finish))
+
+    def _leave(self, rows, events, reason=None):
+        """Rows out of the batch: their caches to the prefix cache (or back to their request)."""
+        index = {id(r): i for i, r in enumerate(self.batch.rows)}
+        keep = [index[id(r)] for r in rows if r.request.cache is not None or self.prefix.max_bytes]
+        caches = self.batch.remove([index[id(r)] for r in rows], keep_caches=keep)
+        for row in rows:
+            cache = caches.get(index[id(row)])
+            if cache is not None and row.request.cache is None:
+                self.prefix.insert(row.request.tokens + row.answer.tokens[:-1], row.request.media, cache)
+                cache = None
+            self._finish(row, reason or row.answer.finish, cache, events)
+
+    def _finish(self, row: Row, reason: str, cache, events):
+        self._deadlines.pop(row.id, None)
+        self.metrics["completion_tokens"] += len(row.answer.tokens)
+        if reason in ("cancelled", "time_limit"):
+            self.metrics[reason] += 1
+        a = row.answer
+        events.append(Done(row.id, reason, a.text, list(a.tokens), list(row.logprobs), row.prompt_tokens,
+                           row.cached, cache))
+
+    def _fail_batch(self, error, events):
+        self.metrics["errors"] += 1
+        for row in self.batch.rows:
+            self._deadlines.pop(row.id, None)
+            events.append(Failed(row.id, error))
+        self.batch = Batch(self.model, self.batch.log_softmax)
+
+    # ------------------------------------------------------------------ cancellations
+    def _apply_cancels(self, events):
+        cancels, self._cancels = self._cancels, {}
+        kept = collections.deque()
+        for w in self.waiting:
+            reason = cancels.pop(w.request.id, None)
+            if reason is None:
+                kept.append(w)
+            else:
+                self._end_unstarted(w.request, reason, 0, events)
+        self.waiting = kept
+        for j in list(self.jobs):
+            reason = cancels.pop(j.id, None)
+            if reason is not None:
+                self.jobs.remove(j)
+                self._drop_job(j)
+                self._end_unstarted(j.waiting.request, reason, j.cached, events)
+        by_reason = collections.defaultdict(list)
+        for r in self.batch.rows:
+            if r.id in cancels:
+                by_reason[cancels[r.id]].append(r)
+        for reason, rows in by_reason.items():
+            self._leave(rows, events, reason)
+
+    def _end_unstarted(self, request, reason, cached, events):
+        self._deadlines.pop(request.id, None)
+        self.metrics[reason] += 1
+        events.append(Done(request.id, reason, "", [], [], len(request.tokens), cached,
+                           self._restored(request)))
+
+    @staticmethod
+    def _restored(request):
+        """A request's own cache as it was before its prefill began."""
+        if request.cache is None:
+            return None
+        for c in request.cache:
+            c.trim(c.size() - request.start)
+        return request.cache
+
+    def _drop_job(self, j):
+        if j.waiting.request.cache is not None:
+            self._restored(j.waiting.request)
+
+    # ------------------------------------------------------------------ prefill
+    def _kv_need(self, extra=None) -> int:
+        """Bytes the batch's cache can reach: every row (running, prefilling, `extra`) padded to
+        the longest, until the row with the most tokens left ends."""
+        lengths, left = [], []
+        for row in self.batch.rows:
+            lengths.append(row.prompt_tokens + len(row.answer.tokens))
+            left.append(row.request.params.max_tokens - len(row.answer.tokens))
+        for w in [j.waiting for j in self.jobs] + ([extra] if extra is not None else []):
+            lengths.append(len(w.request.tokens))
+            left.append(w.request.params.max_tokens)
+        if not lengths:
+            return 0
+        width = max(lengths) if not self.batch.rows else max(self.batch.cache[0].size(), max(lengths))
+        return len(lengths) * (width + max(left)) * self.kv_per_token
+
+    def _admit(self, events) -> Optional[_Job]:
+        """The next waiting request's prefill, if one fits (rows and KV budget), else None."""
+        while self.waiting:
+            if len(self.batch) + len(self.jobs) >= self.max_batch:
+                return None
+            w = self.waiting[0]
+            if self.kv_budget is not None and (self.batch.rows or self.jobs) and \
+                    self._kv_need(w) > self.kv_budget:
+                return None  # waits until rows leave
+            self.waiting.popleft()
+            try:
+                return self._start(w)
+            except Exception as e:  # noqa: BLE001 — this request fails, the others go on
+                self._deadlines.pop(w.request.id, None)
+                self.metrics["errors"] += 1
+                if w.request.cache is not None:
+                    self._restored(w.request)
+                events.append(Failed(w.request.id, e))
+        return None
+
+    def _start(self, w: _Waiting) -> _Job:
+        r = w.request
+        if r.cache is not None:
+            cache, start = r.cache, r.start
+        else:
+            eid, start = self.prefix.lookup(r.inputs) if self.prefix.max_bytes else (None, 0)
+            if start:
+                cache = self.prefix.take(eid, start)
+            else:
+                self.prefix.misses += bool(self.prefix.max_bytes)
+                cache = self.model.make_cache()
+        item_budget = self.budget_flops if self.batch.rows else None
+        job = PrefillJob(self.model, r.inputs, cache, start=start,
+                         features=self.features if self.features.max_bytes else None,
+                         item_budget=item_budget, prefill_step_size=self.prefill_step_size, costs=self.costs)
+        n = len(r.tokens)
+        self.metrics["prompt_tokens"] += n
+        self.metrics["prompt_tokens_computed"] += n - start
+        j = _Job(w, job, start, n)
+        self.jobs.append(j)
+        return j
+
+    def _prefill(self, events):
+        """Prefill work of this step → (FLOPs spent, budget held to or None). A request prefilled
+        whole (nothing decoding, or no budget) ends the step's prefill: its first token goes out
+        with this step's events, not after the next request's prefill too."""
+        spent, held = 0.0, None
+        evaluate = "async" if self.lookahead else True
+        while True:
+            j = self.jobs[0] if self.jobs else self._admit(events)
+            if j is None:
+                break
+            budget = self.budget_flops if (self.batch.rows and self.budget_flops) else None
+            if budget is not None:
+                held = budget
+                if spent >= budget:
+                    break
+            try:
+                if budget is None:
+                    j.job.advance(None)
+                else:
+                    spent += j.job.advance(budget - spent, force_first=spent == 0, evaluate=evaluate)
+                if not j.job.done:
+                    break
+                self.jobs.remove(j)
+                self._complete(j, events)
+                if budget is None:
+                    break
+            except Exception as e:  # noqa: BLE001 — this request fails, the others go on
+                if j in self.jobs:
+                    self.jobs.remove(j)
+                self._drop_job(j)
+                self._deadlines.pop(j.id, None)
+                self.metrics["errors"] += 1
+                events.append(Failed(j.id, e))
+        return spent, held
+
+    def _complete(self, j: _Job, events):
+        """A finished prefill: sample its first token, then join the batch (or end at once)."""
+        r, w = j.waiting.request, j.waiting
+        logits, position = j.job.result()
+        history = mx.array(r.tokens) if w.sampler.processors else None
+        y, lp = sample(logits, [w.sampler], [history], self.batch.log_softmax)
+        answer = AnswerText(self.tokenizer.detokenizer, self.eos, r.params)
+        row = Row(r, w.sampler, answer, j.prompt_tokens, j.cached, history)
+        if self.lookahead:  # its first token is read with the next step's
+            mx.async_eval(y, lp)
+            row.fresh = True
+            self.batch.join(row, j.job.cache, y, lp, position)
+            return
+        mx.eval(y, lp)
+        self._token(row, int(y.item()), lp[0], events)
+        if answer.finish:
+            cache = j.job.cache
+            if r.cache is None:
+                if self.prefix.max_bytes:
+                    self.prefix.insert(r.tokens[:row.held], r.media, cache)
+                cache = None
+            else:
+                for c in cache:
+                    c.trim(c.size() - row.held)
+            self._finish(row, answer.finish, cache, events)
+            return
+        self.batch.join(row, j.job.cache, y, lp, position)

@@ -1,0 +1,142 @@
+"""The KV cache: one per decoder layer, holding B rows left-padded to a common length, and every
+operation on those rows. Nothing outside this type (and its subclasses) reads or writes its fields.
+
+It is mlx-lm's `KVCache` (the buffer grown in steps of 256 positions, `update_and_fetch`, `trim`,
+`state`, `nbytes`) with the row operations of its `BatchKVCache` (rows right-aligned, each with
+its own left padding: `merge`, `filter`, `extract`) in the same type, so one request's cache and a
+batch's are one kind of object, plus what the engine and the prefix cache need and mlx-lm lacks:
+a right-sized copy of a row's first n positions (`extract(row, length)`), a key mask for the
+padding, and a dependency hook for pipeline stages.
+
+mlx-lm (and with it transformers) is imported with this module, so modules that `import
+mlx_qwen3vl` loads call these methods on caches the model made rather than importing it.
+
+Row operations go through `_map`, which applies one array operation to a buffer or to each
+array of a tuple of buffers: a quantized cache stores (data, scales, biases) per buffer, all
+with the position axis at 2, so the same merge / filter / extract serve it unchanged.
+"""
+
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_lm_cache
+
+
+def _map(f, x):
+    return tuple(f(a) for a in x) if isinstance(x, tuple) else f(x)
+
+
+def _first(x):
+    return x[0] if isinstance(x, tuple) else x
+
+
+def _nbytes(x) -> int:
+    return sum(a.nbytes for a in x) if isinstance(x, tuple) else x.nbytes
+
+
+class KVCache(mlx_lm_cache.KVCache):
+    """mlx-lm's KVCache (one decoder layer's (B, kv heads, capacity, head dim) buffers, of which
+    the first `offset` positions are in use, grown in steps of 256) whose rows may be left-padded:
+    row b's own positions start after its `padding()[b]` leading pad positions (zeros, hidden by
+    `key_mask`). Everything else that is done to its rows is a method here."""
+
+    def __init__(self):
+        super().__init__()
+        self.left_padding: Optional[List[int]] = None  # per row; None: no row is padded
+
+    @property
+    def batch_size(self) -> int:
+        return 0 if self.keys is None else _first(self.keys).shape[0]
+
+    def capacity(self) -> int:
+        """Positions the buffers have room for."""
+        return 0 if self.keys is None else _first(self.keys).shape[2]
+
+    def padding(self) -> List[int]:
+        return list(self.left_padding) if self.left_padding else [0] * self.batch_size
+
+    def key_mask(self, new: int = 0):
+        """(B, offset + new) booleans, False at each row's padding; None when no row is padded."""
+        if not self.left_padding or not any(self.left_padding):
+            return None
+        pads = mx.array(self.left_padding)[:, None]
+        return mx.arange(self.offset + new)[None, :] >= pads
+
+    def depend_on(self, x):
+        """Make evaluating this cache evaluate `x` too (a pipeline stage's send of its hidden state)."""
+        self.keys = mx.depends(self.keys, x)
+
+    # ------------------------------------------------------------------ row operations
+    @classmethod
+    def merge(cls, caches: Sequence["KVCache"]) -> "KVCache":
+        """One cache with the rows of `caches`, in order, right-aligned to the longest; each row
+        keeps its positions and gains left padding. The sources stay as they were."""
+        if any(c.empty() for c in caches):
+            raise ValueError("merge needs caches that hold positions")
+        out = cls()
+        T = max(c.offset for c in caches)
+        keys, values, pads = [], [], []
+        for c in caches:
+            extra = T - c.offset
+            pad = [(0, 0), (0, 0), (extra, 0), (0, 0)]
+            used = lambda a: a[..., :c.offset, :]  # noqa: E731
+            k, v = _map(used, c.keys), _map(used, c.values)
+            if extra:
+                k, v = _map(lambda a: mx.pad(a, pad), k), _map(lambda a: mx.pad(a, pad), v)
+            keys.append(k)
+            values.append(v)
+            pads += [p + extra for p in c.padding()]
+        join = lambda parts: (tuple(mx.concatenate(p) for p in zip(*parts)) if isinstance(parts[0], tuple)  # noqa: E731
+                              else mx.concatenate(parts))
+        out.keys, out.values, out.offset = join(keys), join(values), T
+        out.left_padding = pads if any(pads) else None
+        return out
+
+    def filter(self, rows: Sequence[int]):
+        """Keep only `rows` (indices, in the order given), in place; padding all kept rows share
+        is dropped."""
+        pads = [self.padding()[i] for i in rows]
+        trim = min(pads) if pads else 0
+        index = mx.array(list(rows))
+        pick = lambda a: a[index, :, trim:self.offset]  # noqa: E731
+        self.keys, self.values = _map(pick, self.keys), _map(pick, self.values)
+        self.offset -= trim
+        pads = [p - trim for p in pads]
+        self.left_padding = pads if any(pads) else None
+
+    def extract(self, row: int = 0, length: Optional[int] = None) -> "KVCache":
+        """A new one-row cache holding row `row`'s first `length` positions (all of them by
+        default), in buffers of exactly that size; this cache is left as it was."""
+        pad = self.padding()[row]
+        length = self.offset - pad if length is None else min(length, self.offset - pad)
+        out = type(self)()
+        if length > 0:
+            take = lambda a: mx.contiguous(a[row:row + 1, :, pad:pad + length])  # noqa: E731
+            out.keys, out.values, out.offset = _map(take, self.keys), _map(take, self.values), length
+        return out
+
+
+def merge(layers: Sequence[list]) -> list:
+    """Per-layer caches of several requests (each a list over layers) → one batch, per layer."""
+    return [type(group[0]).merge(group) for group in zip(*layers)]
+
+
+def filter_rows(caches: list, rows: Sequence[int]):
+    for c in caches:
+        c.filter(rows)
+
+
+def extract(caches: list, row: int = 0, length: Optional[int] = None) -> list:
+    return [c.extract(row, length) for c in caches]
+
+
+def size(caches: list) -> int:
+    return caches[0].size() if caches else 0
+
+
+def nbytes(caches: list) -> int:
+    return sum(c.nbytes for c in caches)
+
+
+def state(caches: list) -> list:
+    return [c.state for c in caches]

@@ -1,0 +1,55 @@
+"""A chat request turned into model inputs (built off the model thread, by prompts.py) and what
+the HTTP side holds while it runs: the unit the model thread, the engine and the other ranks
+(replica.py) pass around."""
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from ..engine import Request
+from ..sampling import SamplingParams
+
+
+@dataclass
+class Prepared:
+    """A request turned into model inputs (built off the worker thread)."""
+
+    inputs: dict
+    tokens: List[int]  # the prompt's token ids
+    media: list  # spans.media_keys: (kind, start, end, content hash) per image / video
+    sampling: SamplingParams
+    max_tokens: int
+    grammar: Optional[list] = None  # the grammar's description (grammar.GrammarFactory.build)
+    processors: list = field(default_factory=list)  # extra mlx-lm-style logits processors (grammar)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.tokens)
+
+    def request(self, rid: int) -> Request:
+        """The engine's request, named `rid`."""
+        return Request(self.inputs, dataclasses.replace(self.sampling, max_tokens=self.max_tokens),
+                       processors=self.processors, id=rid, tokens=self.tokens, media=self.media)
+
+
+class Handle:
+    """A submitted request as the HTTP side sees it: events arrive on an asyncio queue."""
+
+    listening = True
+
+    def __init__(self, prepared: Prepared, loop: asyncio.AbstractEventLoop):
+        self.prepared = prepared
+        self.id = None  # set when admitted: the request's name in the engine and in messages to other ranks
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+
+    def emit(self, event: dict):
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the event loop has closed (server shutting down)
+            pass
+
+    def cancel(self):
+        self.cancelled = True
