@@ -2,7 +2,7 @@
 preprocessing it, per turn (prompt_cache.content_hash, issue #19); and what ChatSession adds per
 new screenshot by reading each turn's media when the turn is sent (issue #27): the file read and
 decoded (as it always was), a private read-only copy of the RGB pixels, and one BLAKE3 hash of
-them, its content key (prompt_cache.snapshot_image).
+them, its content key (chat_session.snapshot_image).
 
 Input: bench_preprocess's 1920x1080 UI-like screenshot with the Qwen3-VL Instruct processor
 configs (tests/fixtures/tokenizer). Median and min of --repeat runs after one warm-up.
@@ -31,7 +31,7 @@ def main():
     args = p.parse_args()
     from mlx_qwen3vl import Processor
     from mlx_qwen3vl.media import load_image
-    from mlx_qwen3vl.prompt_cache import content_hash, snapshot_image
+    from mlx_qwen3vl.chat_session import content_hash, snapshot_image
 
     processor = Processor.from_pretrained(MODEL)
     image = screenshot()

@@ -24,7 +24,8 @@ from .errors import (ConfigError, ContextLengthError, InputError, ModelNotFoundE
                      WeightsError)
 from .engine import Done, Engine, Failed, Request, Token  # noqa: E402
 from .generate import GenerationResponse, GenerationResult, batch_generate, generate, stream_generate  # noqa: E402
-from .prompt_cache import ChatSession, PromptCache  # noqa: E402
+from .chat_session import ChatSession  # noqa: E402
+from .prompt_cache import PromptCache  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
 from .hub import check_tokenizer_files, resolve_model_path  # noqa: E402
 from .processor import Processor  # noqa: E402

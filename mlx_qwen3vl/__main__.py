@@ -96,7 +96,7 @@ def _main(args):
     from .backend import backend_of
     from .hub import resolve_model_path
     from .generate import stream_generate
-    from .prompt_cache import ChatSession
+    from .chat_session import ChatSession
 
     path = resolve_model_path(args.model, flag="--model")
     check_media_flags(path, args.min_pixels, args.max_pixels, args.fps, args.source_fps)
