@@ -37,9 +37,10 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple
 
 from ..errors import InputError
+from ..media import load_image
 from .computer_tools import (CLICK_ACTIONS, DIRECTIONS, WAIT_SECONDS, ComputerAction, ComputerTool, check_display,
                              parse_keys)
-from .parse import VENUS_ACTIONS, Action, parse_action, to_relative, without_reasoning
+from .parse import SCALE, VENUS_ACTIONS, Action, parse_action, to_relative, without_reasoning
 from .prompts import (COMPUTER_USE_ACTIONS, VENUS_HISTORY_LENGTH, VENUS_NAVIGATION_SAMPLING, Step,
                       computer_use_system_prompt, navigation_messages)
 
@@ -353,8 +354,7 @@ def map_answer(answer: str, display, *, tool: Optional[ComputerTool] = None, cur
                         return unmapped(f"{a.name} needs {action.type!r}, which the {tool.type} tool does not offer")
                     turn.calls.append(call)
                 turn.actions.append(action)
-                if action.point is not None:
-                    position = action.end or action.point
+                position = cursor_after([action], position)
     if turn.actions:
         turn.status = "action"
     return turn
@@ -469,7 +469,7 @@ def _qwen_answer_text(step: ComputerStep, display) -> str:
 
 def _venus_steps(step: ComputerStep, display) -> List[Step]:
     if step.answer is not None:
-        a = parse_action(step.answer, SCALE_DISPLAY[0], SCALE_DISPLAY[1])
+        a = parse_action(step.answer, SCALE, SCALE)  # only its text is kept
         if a is not None and a.tool is None:
             return [Step(a.think, a.action_text)]
         return [Step(reasoning_of(step.answer), without_reasoning(step.answer).strip())]
@@ -477,9 +477,6 @@ def _venus_steps(step: ComputerStep, display) -> List[Step]:
     if not calls and step.text:
         calls = [f"CallUser(content={step.text.strip()!r})"]
     return [Step(step.reasoning if i == 0 else None, c) for i, c in enumerate(calls)]
-
-
-SCALE_DISPLAY = (1000, 1000)  # a display on which pixels are the relative units themselves
 
 
 def _image(source):
@@ -505,8 +502,6 @@ def computer_messages(task: str, screenshot, history: Sequence[ComputerStep] = (
         raise InputError("the task must be a string")
     steps = list(history)
     if display is None and any(s.answer is None and s.actions and s.display is None for s in steps):
-        from ..media import load_image
-
         h, w = load_image(screenshot, "screenshot").shape[:2]
         display = (w, h)
     if format == "venus":
@@ -518,7 +513,8 @@ def computer_messages(task: str, screenshot, history: Sequence[ComputerStep] = (
         return messages
     n = QWEN_HISTORY_LENGTH if history_length is None else history_length
     steps = steps[-n:] if n > 0 else []
-    messages = [{"role": "system", "content": computer_use_system_prompt(*(() if system is None else (system,)))}]
+    prompt = computer_use_system_prompt() if system is None else computer_use_system_prompt(system)
+    messages = [{"role": "system", "content": prompt}]
     first = steps[0].screenshot if steps else screenshot
     messages.append({"role": "user", "content": ([_image(first)] if first is not None else [])
                      + [{"type": "text", "text": task}]})

@@ -47,21 +47,24 @@ def build_parser():
 
 
 def _api_key(args):
+    """(key or None, problem or None): an empty or blank key is an error, not "no key"."""
     key, name = (args.api_key, "--api-key") if args.api_key is not None else (os.environ.get(KEY_ENV), f"${KEY_ENV}")
-    if key is None:
-        return None
-    if not key or not (key.isascii() and key.isprintable()) or " " in key:
-        raise SystemExit(f"error: {name} must be a non-empty printable ASCII key without spaces")
-    return key
+    if key is not None and (not key or not (key.isascii() and key.isprintable()) or " " in key):
+        return None, f"{name} must be a non-empty printable ASCII key without spaces"
+    return key, None
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    api_key = _api_key(args)
+    api_key, problem = _api_key(args)
+    if problem:
+        return _fail(problem)
     for flag, value in (("--max-body-bytes", args.max_body_bytes), ("--max-image-bytes", args.max_image_bytes),
                         ("--max-request-pixels", args.max_request_pixels), ("--max-queue", args.max_queue)):
         if value < 1:
             return _fail(f"{flag} must be at least 1")
+    if not 1 <= args.port <= 65535:
+        return _fail(f"--port must be from 1 to 65535; got {args.port}")
     for d in args.allowed_image_dir:
         if not os.path.isdir(d):
             return _fail(f"--allowed-image-dir {d!r} is not a directory")
@@ -75,7 +78,7 @@ def main(argv=None):
 
     from .. import cli, load
     from ..hub import resolve_model_path
-    from .server import create_server, http_app, serve_stdio
+    from .server import create_server, http_app, model_thread, serve_stdio
     from .tools import Settings
 
     def body():
@@ -86,9 +89,10 @@ def main(argv=None):
                             allowed_dirs=args.allowed_image_dir, max_request_pixels=args.max_request_pixels,
                             max_image_bytes=args.max_image_bytes, min_pixels=args.min_pixels,
                             max_pixels=args.max_pixels, max_tokens=args.max_tokens)
-        model, processor = load(path, dtype=args.dtype)
-        server = create_server(model, processor, settings, max_queue=args.max_queue)
+        worker = model_thread()
         try:
+            model, processor = worker.submit(load, path, dtype=args.dtype).result()
+            server = create_server(model, processor, settings, worker=worker, max_queue=args.max_queue)
             if args.transport == "stdio":
                 print(f"[mlx_qwen3vl.mcp] serving {args.model} over stdio", file=sys.stderr, flush=True)
                 anyio.run(serve_stdio, server)
@@ -101,7 +105,7 @@ def main(argv=None):
             serve(app, host=args.host, port=args.port, log_level=args.log_level)
             return 0
         finally:
-            server.worker.shutdown(wait=False, cancel_futures=True)
+            worker.shutdown(wait=False, cancel_futures=True)
 
     return cli.run(body)
 

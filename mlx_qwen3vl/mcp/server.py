@@ -34,10 +34,17 @@ def _result(name: str, result: dict) -> types.CallToolResult:
     return types.CallToolResult(content=[types.TextContent(type="text", text=text)], structured_content=result)
 
 
-def create_server(model, processor, settings: Settings, *, max_queue: int = DEFAULT_MAX_QUEUE) -> Server:
+def model_thread() -> ThreadPoolExecutor:
+    """The one thread that loads and runs the model: MLX arrays belong to the thread whose stream
+    made them, so the model is loaded where it runs (`model_thread().submit(load, path).result()`)."""
+    return ThreadPoolExecutor(1, thread_name_prefix="mlx_qwen3vl-mcp-model")
+
+
+def create_server(model, processor, settings: Settings, *, worker: ThreadPoolExecutor,
+                  max_queue: int = DEFAULT_MAX_QUEUE) -> Server:
     """An MCP Server (not yet running) serving ground / next_action / ask on (model, processor).
-    Tool calls run one at a time on a model thread of their own; at most `max_queue` wait."""
-    worker = ThreadPoolExecutor(1, thread_name_prefix="mlx_qwen3vl-mcp-model")
+    Tool calls run one at a time on `worker`, the model's thread (model_thread); at most
+    `max_queue` wait."""
     waiting = [0]
     lock = threading.Lock()
     tools = [types.Tool(name=d["name"], description=d["description"], input_schema=d["inputSchema"])
@@ -78,7 +85,6 @@ def create_server(model, processor, settings: Settings, *, max_queue: int = DEFA
                     instructions="Local Qwen3-VL / UI-Venus GUI grounding: ground an element, choose the next "
                                  "action, or ask about a screenshot.",
                     on_list_tools=list_tools, on_call_tool=call_tool)
-    server.worker = worker
     return server
 
 

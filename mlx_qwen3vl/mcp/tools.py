@@ -11,6 +11,7 @@ budget. Its header then gives the size (PNG, JPEG, WebP, GIF, BMP, TIFF only), w
 the pixel budget before anything is decoded.
 """
 
+import base64
 import binascii
 import os
 import stat
@@ -24,8 +25,8 @@ from ..generate import generate
 from ..processor import image_budget
 from ..video import smart_resize
 from ..agent import GROUNDING_FORMATS, ground, parse_action, parse_grounding
-from ..agent.computer_use import (AGENT_FORMATS, AGENT_SAMPLING, MAX_DISPLAY, ComputerStep, computer_messages,
-                                  map_answer)
+from ..agent.computer_tools import MAX_DISPLAY
+from ..agent.computer_use import AGENT_FORMATS, AGENT_SAMPLING, ComputerStep, computer_messages, map_answer
 
 DEFAULT_MAX_REQUEST_PIXELS = 32 << 20  # as the HTTP server's --max-request-pixels
 DEFAULT_MAX_IMAGE_BYTES = 32 << 20
@@ -121,8 +122,8 @@ def _base64(text, what, limit) -> bytes:
         raise InputError(f"{what} is over the server's limit of {limit} bytes (--max-image-bytes); send a smaller "
                          "image")
     try:
-        data = binascii.a2b_base64(text.encode("ascii", "strict"))
-    except (binascii.Error, ValueError, UnicodeEncodeError):
+        data = base64.b64decode("".join(text.split()), validate=True)
+    except (binascii.Error, ValueError):
         raise InputError(f"{what} is not valid base64") from None
     if not data:
         raise InputError(f"{what} is empty")
@@ -148,13 +149,15 @@ def _read_path(path, settings: Settings) -> bytes:
         raise InputError("the screenshot path does not exist") from None
     except OSError as e:
         raise InputError(f"the screenshot path could not be opened ({media.reason(e)})") from None
+    st = os.fstat(fd)  # on what was opened: it cannot be swapped between a check and the read
+    problem = None if stat.S_ISREG(st.st_mode) else "the screenshot path is not a regular file"
+    if problem is None and st.st_size > settings.max_image_bytes:
+        problem = (f"the screenshot file is {st.st_size} bytes, over the server's limit of {settings.max_image_bytes} "
+                   "(--max-image-bytes)")
+    if problem:
+        os.close(fd)
+        raise InputError(problem)
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise InputError("the screenshot path is not a regular file")
-        if st.st_size > settings.max_image_bytes:
-            raise InputError(f"the screenshot file is {st.st_size} bytes, over the server's limit of "
-                             f"{settings.max_image_bytes} (--max-image-bytes)")
         return f.read(settings.max_image_bytes + 1)
 
 
