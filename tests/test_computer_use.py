@@ -113,7 +113,8 @@ VENUS_CASES = [
     ("Answer(content='42')", ("message", "42"), [], []),
     ("PressBack()", (UNMAPPED, "PressBack()"), [], UNMAPPED),
     ("PressHome()", (UNMAPPED, "PressHome()"), [], UNMAPPED),
-    ("PressEnter()", [A("key", keys=("enter",))], [anth("key", text="Return")], [{"type": "keypress", "keys": ["enter"]}]),
+    ("PressEnter()", [A("key", keys=("enter",))], [anth("key", text="Return")],
+     [{"type": "keypress", "keys": ["enter"]}]),
     ("PressRecent()", (UNMAPPED, "PressRecent()"), [], UNMAPPED),
     ("GetScreenshot()", [A("screenshot")], [anth("screenshot")], [{"type": "screenshot"}]),
     ("KeyDown(key='shift')", (UNMAPPED, "KeyDown(key='shift')"), [], UNMAPPED),
@@ -351,3 +352,28 @@ def test_steps_from_the_protocol_s_calls_are_written_as_the_model_wrote_them():
     assert "Step 0: <think></think><action>CallUser(content='Which one?')</action>" in text
     with pytest.raises(InputError):
         computer_messages("t", "now.png", format="ui-tars")
+
+
+def test_a_replayed_loop_runs_through_the_real_processor(tmp_path):
+    """Two steps parsed back from Anthropic calls, each with its screenshot as the tool's result,
+    then the next step: the prompt the engine runs (a scripted checkpoint answers the task's
+    trigger) holds every screenshot, and the answer maps to the tool's call."""
+    import numpy as np
+
+    import mlx_qwen3vl as M
+    from mlx_qwen3vl.generate import encode_prompt
+    from scripted import write_scripted_checkpoint
+
+    answer = qwen("double_click", coordinate=[250, 750])
+    model, processor = M.load(write_scripted_checkpoint(tmp_path, {"@settings": answer}))
+    rng = np.random.default_rng(1)
+    shots = [rng.integers(0, 256, (72, 128, 3), dtype=np.uint8) for _ in range(3)]
+    steps = []
+    for i, call in enumerate([anth("left_click", coordinate=list(P)), anth("type", text="display")]):
+        steps.append(ComputerStep(screenshot=shots[i], actions=[ANTHROPIC.parse_call(call)]))
+    messages = computer_messages("Open the @settings", shots[2], steps, display=DISPLAY)
+    inputs = encode_prompt(processor, messages=messages)
+    assert int(np.asarray(inputs["image_grid_thw"]).shape[0]) == 3
+    out = M.generate(model, processor, messages=messages, max_tokens=256, temperature=0.0)
+    turn = map_answer(out.text, DISPLAY, tool=ANTHROPIC)
+    assert (out.text, turn.calls) == (answer, [anth("double_click", coordinate=list(Q))])

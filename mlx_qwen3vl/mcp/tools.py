@@ -161,9 +161,11 @@ def _read_path(path, settings: Settings) -> bytes:
         return f.read(settings.max_image_bytes + 1)
 
 
-def read_screenshot(value, settings: Settings, processor=None):
+def read_screenshot(value, settings: Settings, processor=None, pixels=None):
     """A screenshot argument → (encoded bytes, (width, height)), every budget checked from the
-    header before decoding; InputError (one line) otherwise."""
+    header before decoding; InputError (one line) otherwise. With `processor`, the size it would
+    resize to under `pixels` ({"min_pixels", "max_pixels"} as the call passes them) is held to the
+    same budget."""
     if isinstance(value, dict):
         if value.get("type", "image") != "image" or not isinstance(value.get("data"), str):
             raise InputError("'screenshot' as an object must be MCP image content: {\"type\": \"image\", "
@@ -187,7 +189,8 @@ def read_screenshot(value, settings: Settings, processor=None):
         raise InputError(f"the screenshot is {w}x{h} pixels, over the server's limit of {cap} (--max-request-pixels); "
                          "downscale it")
     if processor is not None:  # what the processor would make of it, within the same budget
-        lo, hi = image_budget(processor.image_config, settings.min_pixels, settings.max_pixels)
+        pixels = settings.pixel_options() if pixels is None else pixels
+        lo, hi = image_budget(processor.image_config, pixels.get("min_pixels"), pixels.get("max_pixels"))
         rh, rw = smart_resize(h, w, processor.image_config.factor, lo, hi)
         if rh * rw > cap:
             raise InputError(f"the screenshot would be {rw}x{rh} pixels for the model, over the server's limit of "
@@ -229,10 +232,10 @@ def next_action_tool(model, processor, settings: Settings, args: dict) -> dict:
     task = _text(args, "task")
     history = _history(args)
     kind = _choice(args, "kind", ("web", "mobile"), "web")
-    data, size = read_screenshot(args.get("screenshot"), settings, processor)
+    options = next_action_options(settings)
+    data, size = read_screenshot(args.get("screenshot"), settings, processor, options)
     screen = _screen(args, size)
-    out = generate(model, processor, messages=next_action_messages(settings, task, data, history, kind),
-                   **next_action_options(settings))
+    out = generate(model, processor, messages=next_action_messages(settings, task, data, history, kind), **options)
     turn = map_answer(out.text, screen)
     parsed = parse_action(out.text, *screen)
     result = turn.to_dict()
