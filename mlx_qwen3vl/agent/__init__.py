@@ -2,7 +2,10 @@
 that turn their answers into points and actions on the user's screenshot (`parse`), pictures of
 answers (`draw`), two-stage grounding's window (`zoom`), and the runtime on top of generate:
 `ground()` (one pass, or two with zoom=) and `navigate()`. The grounding command line (`ground`,
-also `python -m mlx_qwen3vl.ground`) and the evaluation (`eval_grounding`) live here too.
+also `python -m mlx_qwen3vl.ground`) and the evaluation (`eval_grounding`) live here too, and so
+do the computer-use tools of the Anthropic and OpenAI protocols (`computer_tools`: declarations,
+the neutral action, each protocol's vocabulary) and their rendering with the trained prompts and
+mapping of answers (`computer_use`).
 
     from mlx_qwen3vl import load
     from mlx_qwen3vl.agent import ground, parse_action
@@ -22,9 +25,11 @@ from ..generate import generate
 from ..media import load_image
 from ..processor import image_budget
 from ..prompt_cache import PromptCache
+from .computer_tools import ComputerAction, ComputerTool, computer_tool, find_computer_tool
+from .computer_use import AGENT_FORMATS, ComputerStep, ComputerTurn, computer_messages, map_answer
 from .draw import annotate, missing_point_note
 from .parse import (REFUSAL, SCALE, VENUS_ACTIONS, Action, Grounding, Window, from_window, parse_action,
-                    parse_grounding, parse_point, to_pixel, without_reasoning)
+                    parse_grounding, parse_point, to_pixel, to_relative, without_reasoning)
 from .prompts import (COMPUTER_USE_ACTIONS, GROUNDING_FORMATS, QWEN_GROUNDING_PROMPT, VENUS_GROUNDING_PROMPT,
                       VENUS_HISTORY_LENGTH, VENUS_MOBILE_PROMPT, VENUS_NAVIGATION_SAMPLING, VENUS_NAVIGATION_SYSTEM,
                       VENUS_REFUSAL_CLAUSE, VENUS_WEB_PROMPT, Step, computer_use_messages, computer_use_system_prompt,
@@ -199,8 +204,10 @@ def navigate(model, processor, image, task: str, history: Sequence = (), *, kind
 
 
 __all__ = ["ground", "ground_with", "navigate", "annotate", "missing_point_note", "parse_point", "parse_grounding",
-           "parse_action", "to_pixel", "from_window", "without_reasoning", "zoom_window", "zoom_fraction", "crop",
-           "choose", "covers", "Window", "GroundingPass", "ZOOM_FRACTION",
+           "parse_action", "to_pixel", "to_relative", "from_window", "without_reasoning", "zoom_window",
+           "zoom_fraction", "crop", "choose", "covers", "Window", "GroundingPass", "ZOOM_FRACTION",
+           "ComputerAction", "ComputerTool", "ComputerStep", "ComputerTurn", "computer_tool", "find_computer_tool",
+           "computer_messages", "map_answer", "AGENT_FORMATS",
            "grounding_prompt", "grounding_messages", "navigation_prompt", "navigation_messages",
            "computer_use_messages", "computer_use_system_prompt", "computer_use_tool", "Action", "Step",
            "Grounding", "GroundingResult", "VENUS_NAVIGATION_SAMPLING", "GROUNDING_FORMATS", "SCALE", "REFUSAL",

@@ -95,6 +95,15 @@ class _Frame:
         return to_pixel(rx, self.width), to_pixel(ry, self.height)
 
 
+def to_relative(pixel: int, size: int) -> int:
+    """The inverse of `to_pixel`: a pixel index on an axis of `size` pixels → the least 0-1000
+    coordinate that lies in that pixel, ceil(pixel * 1000 / size), clamped to 0-1000. Exact both
+    ways where a unit fits a pixel: to_pixel(to_relative(p, s), s) == p for s <= 1000, and
+    to_relative(to_pixel(v, s), s) == v (v < 1000) for s >= 1000."""
+    p = max(0, min(size - 1, int(pixel)))
+    return min(SCALE, -(-p * SCALE // size))
+
+
 def _in_range(*vals) -> bool:
     return all(v is not None and 0 <= v <= SCALE for v in vals)
 

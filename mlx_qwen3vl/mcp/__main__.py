@@ -1,0 +1,119 @@
+"""python -m mlx_qwen3vl.mcp --model PATH|HUB_ID [--transport stdio|http] [--host 127.0.0.1] [--port 8765] ..."""
+
+import os
+import sys
+
+from ..cli import FLAGS, Parser
+
+KEY_ENV = "MLX_QWEN3VL_API_KEY"  # the HTTP server's
+
+
+def build_parser():
+    from ..agent import GROUNDING_FORMATS
+    from ..agent.computer_use import AGENT_FORMATS
+    from .tools import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_REQUEST_PIXELS
+
+    p = Parser(prog="python -m mlx_qwen3vl.mcp",
+               description="MCP server (stdio or streamable HTTP) with the tools ground, next_action and ask on a "
+                           "local Qwen3-VL / UI-Venus model.")
+    p.add_argument("--model", required=True, help="local checkpoint folder or Hugging Face repo id (required)")
+    p.add_argument("--transport", choices=["stdio", "http"], default="stdio",
+                   help="stdio (an MCP client starts the server) or streamable HTTP at http://HOST:PORT/mcp")
+    p.add_argument("--host", default="127.0.0.1", help="http: address to bind (127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8765, help="http: port to bind")
+    p.add_argument("--api-key", default=None,
+                   help=f"http: require 'Authorization: Bearer KEY' (default: ${KEY_ENV} if set, else no key: then "
+                        "only requests naming this machine as Host, and no cross-origin ones, are served)")
+    p.add_argument("--max-body-bytes", type=int, default=64 << 20, help="http: request size limit in bytes")
+    p.add_argument("--agent-format", choices=AGENT_FORMATS, default="qwen",
+                   help="next_action's trained prompt: Qwen3-VL computer use or UI-Venus navigation")
+    p.add_argument("--ground-format", choices=GROUNDING_FORMATS, default=None,
+                   help="ground's trained prompt (default: venus with --agent-format venus, else qwen)")
+    p.add_argument("--allowed-image-dir", action="append", default=[], metavar="DIR",
+                   help="accept screenshots as paths of files under DIR (repeatable; none by default)")
+    p.add_argument("--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES, help="size cap of one screenshot")
+    p.add_argument("--max-request-pixels", type=int, default=DEFAULT_MAX_REQUEST_PIXELS,
+                   help="pixels one screenshot may have, as stored and as resized for the model")
+    p.add_argument("--max-queue", type=int, default=16, help="tool calls waiting for the model before refusing more")
+    p.add_argument(FLAGS["max_tokens"], type=int, default=512, help="answer limit of next_action (qwen) and ask")
+    p.add_argument(FLAGS["min_pixels"], type=int, default=None, help="screenshot pixel budget's floor (default: the "
+                   "checkpoint's)")
+    p.add_argument(FLAGS["max_pixels"], type=int, default=None,
+                   help="screenshot pixel budget (default: the checkpoint's)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="http: uvicorn's log level")
+    return p
+
+
+def _api_key(args):
+    """(key or None, problem or None): an empty or blank key is an error, not "no key"."""
+    key, name = (args.api_key, "--api-key") if args.api_key is not None else (os.environ.get(KEY_ENV), f"${KEY_ENV}")
+    if key is not None and (not key or not (key.isascii() and key.isprintable()) or " " in key):
+        return None, f"{name} must be a non-empty printable ASCII key without spaces"
+    return key, None
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    api_key, problem = _api_key(args)
+    if problem:
+        return _fail(problem)
+    for flag, value in (("--max-body-bytes", args.max_body_bytes), ("--max-image-bytes", args.max_image_bytes),
+                        ("--max-request-pixels", args.max_request_pixels), ("--max-queue", args.max_queue)):
+        if value < 1:
+            return _fail(f"{flag} must be at least 1")
+    if not 1 <= args.port <= 65535:
+        return _fail(f"--port must be from 1 to 65535; got {args.port}")
+    for d in args.allowed_image_dir:
+        if not os.path.isdir(d):
+            return _fail(f"--allowed-image-dir {d!r} is not a directory")
+    if args.max_pixels is not None and args.max_pixels > args.max_request_pixels:
+        return _fail(f"--max-pixels {args.max_pixels} is over --max-request-pixels {args.max_request_pixels}")
+    try:
+        import anyio
+        import mcp  # noqa: F401
+    except ImportError as e:
+        return _fail(f"{e.name} is missing; install the mcp extra: pip install 'mlx-qwen3vl[mcp]'")
+
+    from .. import cli, load
+    from ..hub import resolve_model_path
+    from .server import create_server, http_app, model_thread, serve_stdio
+    from .tools import Settings
+
+    def body():
+        path = resolve_model_path(args.model, "--model")
+        cli.check_max_tokens(args.max_tokens)
+        cli.check_media_flags(path, args.min_pixels, args.max_pixels)
+        settings = Settings(agent_format=args.agent_format, ground_format=args.ground_format,
+                            allowed_dirs=args.allowed_image_dir, max_request_pixels=args.max_request_pixels,
+                            max_image_bytes=args.max_image_bytes, min_pixels=args.min_pixels,
+                            max_pixels=args.max_pixels, max_tokens=args.max_tokens)
+        worker = model_thread()
+        try:
+            model, processor = worker.submit(load, path, dtype=args.dtype).result()
+            server = create_server(model, processor, settings, worker=worker, max_queue=args.max_queue)
+            if args.transport == "stdio":
+                print(f"[mlx_qwen3vl.mcp] serving {args.model} over stdio", file=sys.stderr, flush=True)
+                anyio.run(serve_stdio, server)
+                return 0
+            from ..server.connections import serve
+
+            app = http_app(server, api_key=api_key, bound_host=args.host, max_body_bytes=args.max_body_bytes)
+            print(f"[mlx_qwen3vl.mcp] serving {args.model} on http://{args.host}:{args.port}/mcp", file=sys.stderr,
+                  flush=True)
+            serve(app, host=args.host, port=args.port, log_level=args.log_level)
+            return 0
+        finally:
+            worker.shutdown(wait=False, cancel_futures=True)
+
+    return cli.run(body)
+
+
+def _fail(message):
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

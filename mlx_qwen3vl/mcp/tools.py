@@ -1,0 +1,314 @@
+"""The MCP server's three tools as plain functions (arguments dict → result dict), with every
+argument checked against its allow-list and budget before any model work: `ground`, `next_action`
+and `ask`. No MCP SDK here: server.py puts these behind the protocol.
+
+A screenshot arrives as MCP image content ({"type": "image", "data": <base64>, "mimeType": ...};
+the type is told from the bytes, never from mimeType), a data: URL, or a path (or file:// URL) of a
+file under an allowed folder (none unless the operator names one). Paths are resolved (links
+followed) and must land on a regular file under an allowed folder; the file is opened without
+following a link, checked to be a regular file on the open descriptor and read only up to the byte
+budget. Its header then gives the size (PNG, JPEG, WebP, GIF, BMP, TIFF only), which must be within
+the pixel budget before anything is decoded.
+"""
+
+import base64
+import binascii
+import os
+import stat
+import urllib.parse
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from .. import media
+from ..errors import InputError
+from ..generate import generate
+from ..processor import image_budget
+from ..video import smart_resize
+from ..agent import GROUNDING_FORMATS, ground, parse_action, parse_grounding
+from ..agent.computer_tools import MAX_DISPLAY
+from ..agent.computer_use import AGENT_FORMATS, AGENT_SAMPLING, ComputerStep, computer_messages, map_answer
+
+DEFAULT_MAX_REQUEST_PIXELS = 32 << 20  # as the HTTP server's --max-request-pixels
+DEFAULT_MAX_IMAGE_BYTES = 32 << 20
+MAX_TEXT_CHARS = 8192
+MAX_HISTORY = 32
+
+
+@dataclass
+class Settings:
+    """What the operator set (the command line's flags)."""
+
+    agent_format: str = "qwen"
+    ground_format: Optional[str] = None  # default: venus for the venus agent format, qwen for qwen
+    allowed_dirs: List[str] = field(default_factory=list)
+    max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    min_pixels: Optional[int] = None
+    max_pixels: Optional[int] = None
+    max_tokens: int = 512
+
+    def __post_init__(self):
+        if self.agent_format not in AGENT_FORMATS:
+            raise InputError(f"unknown agent format {self.agent_format!r}; use {' or '.join(AGENT_FORMATS)}")
+        if self.ground_format is None:
+            self.ground_format = "venus" if self.agent_format == "venus" else "qwen"
+        if self.ground_format not in GROUNDING_FORMATS:
+            raise InputError(f"unknown grounding format {self.ground_format!r}; use {', '.join(GROUNDING_FORMATS)}")
+        self.allowed_dirs = [os.path.realpath(d) for d in self.allowed_dirs]
+
+    def pixel_options(self) -> dict:
+        return {k: v for k, v in (("min_pixels", self.min_pixels), ("max_pixels", self.max_pixels)) if v is not None}
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------------
+def _check_names(args, allowed, tool):
+    if not isinstance(args, dict):
+        raise InputError(f"{tool}: the arguments must be an object")
+    unknown = sorted(set(args) - set(allowed))
+    if unknown:
+        raise InputError(f"{tool}: unknown argument {unknown[0]!r}; it takes {', '.join(allowed)}")
+
+
+def _text(args, name, required=True) -> Optional[str]:
+    value = args.get(name)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise InputError(f"'{name}' must be a non-empty string")
+    if len(value) > MAX_TEXT_CHARS:
+        raise InputError(f"'{name}' is {len(value)} characters; at most {MAX_TEXT_CHARS}")
+    return value
+
+
+def _choice(args, name, choices, default):
+    value = args.get(name, default)
+    if value is None:
+        return default
+    if value not in choices:
+        raise InputError(f"'{name}' must be one of {', '.join(choices)}; got {str(value)[:40]!r}")
+    return value
+
+
+def _screen(args, image_size):
+    """(width, height) answers are given in: screen_width x screen_height, else the screenshot's."""
+    w, h = args.get("screen_width"), args.get("screen_height")
+    if w is None and h is None:
+        return image_size
+    for name, v in (("screen_width", w), ("screen_height", h)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_DISPLAY:
+            raise InputError(f"'{name}' must be an integer from 1 to {MAX_DISPLAY} (give both or neither); got {v!r}")
+    return w, h
+
+
+def _history(args) -> List[str]:
+    value = args.get("history")
+    if value is None:
+        return []
+    if not isinstance(value, list) or len(value) > MAX_HISTORY:
+        raise InputError(f"'history' must be a list of at most {MAX_HISTORY} earlier answers (strings)")
+    for i, step in enumerate(value):
+        if not isinstance(step, str) or len(step) > MAX_TEXT_CHARS:
+            raise InputError(f"'history[{i}]' must be a string of at most {MAX_TEXT_CHARS} characters")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Screenshots
+# ---------------------------------------------------------------------------------------------
+def _base64(text, what, limit) -> bytes:
+    if len(text) > (limit + 2) // 3 * 4 + 4096:  # the budget, and room for line breaks
+        raise InputError(f"{what} is over the server's limit of {limit} bytes (--max-image-bytes); send a smaller "
+                         "image")
+    try:
+        data = base64.b64decode("".join(text.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise InputError(f"{what} is not valid base64") from None
+    if not data:
+        raise InputError(f"{what} is empty")
+    return data
+
+
+def _under(real, folders) -> bool:
+    return any(real == d or real.startswith(d.rstrip(os.sep) + os.sep) for d in folders)
+
+
+def _read_path(path, settings: Settings) -> bytes:
+    if not settings.allowed_dirs:
+        raise InputError("screenshot paths are off on this server (start it with --allowed-image-dir DIR); send the "
+                         "screenshot as image content instead")
+    if path.startswith("file://"):
+        path = urllib.parse.unquote(urllib.parse.urlparse(path).path)
+    real = os.path.realpath(path)
+    if not _under(real, settings.allowed_dirs):
+        raise InputError("screenshot paths must name a file under the server's --allowed-image-dir folders")
+    try:  # the resolved path has no link left: refuse one put there since
+        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        raise InputError("the screenshot path does not exist") from None
+    except OSError as e:
+        raise InputError(f"the screenshot path could not be opened ({media.reason(e)})") from None
+    st = os.fstat(fd)  # on what was opened: it cannot be swapped between a check and the read
+    problem = None if stat.S_ISREG(st.st_mode) else "the screenshot path is not a regular file"
+    if problem is None and st.st_size > settings.max_image_bytes:
+        problem = (f"the screenshot file is {st.st_size} bytes, over the server's limit of {settings.max_image_bytes} "
+                   "(--max-image-bytes)")
+    if problem:
+        os.close(fd)
+        raise InputError(problem)
+    with os.fdopen(fd, "rb") as f:
+        return f.read(settings.max_image_bytes + 1)
+
+
+def read_screenshot(value, settings: Settings, processor=None, pixels=None):
+    """A screenshot argument → (encoded bytes, (width, height)), every budget checked from the
+    header before decoding; InputError (one line) otherwise. With `processor`, the size it would
+    resize to under `pixels` ({"min_pixels", "max_pixels"} as the call passes them) is held to the
+    same budget."""
+    if isinstance(value, dict):
+        if value.get("type", "image") != "image" or not isinstance(value.get("data"), str):
+            raise InputError("'screenshot' as an object must be MCP image content: {\"type\": \"image\", "
+                             "\"data\": <base64>, \"mimeType\": ...}")
+        data = _base64(value["data"], "the screenshot", settings.max_image_bytes)
+    elif isinstance(value, str) and value.startswith("data:"):
+        header, comma, payload = value.partition(",")
+        if not comma or not header.endswith(";base64"):
+            raise InputError("a screenshot data: URL must be data:image/...;base64,<data>")
+        data = _base64(payload, "the screenshot", settings.max_image_bytes)
+    elif isinstance(value, str) and value:
+        data = _read_path(value, settings)
+    else:
+        raise InputError("'screenshot' is required: MCP image content, a data: URL or an allowed file path")
+    if len(data) > settings.max_image_bytes:
+        raise InputError(f"the screenshot is over the server's limit of {settings.max_image_bytes} bytes "
+                         "(--max-image-bytes)")
+    w, h = media.image_size(data, "the screenshot")  # the format allow-list, from the header
+    cap = settings.max_request_pixels
+    if w * h > cap:
+        raise InputError(f"the screenshot is {w}x{h} pixels, over the server's limit of {cap} (--max-request-pixels); "
+                         "downscale it")
+    if processor is not None:  # what the processor would make of it, within the same budget
+        pixels = settings.pixel_options() if pixels is None else pixels
+        lo, hi = image_budget(processor.image_config, pixels.get("min_pixels"), pixels.get("max_pixels"))
+        rh, rw = smart_resize(h, w, processor.image_config.factor, lo, hi)
+        if rh * rw > cap:
+            raise InputError(f"the screenshot would be {rw}x{rh} pixels for the model, over the server's limit of "
+                             f"{cap} (--max-request-pixels)")
+    return data, (w, h)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tools
+# ---------------------------------------------------------------------------------------------
+def ground_tool(model, processor, settings: Settings, args: dict) -> dict:
+    """Where `instruction` is on the screenshot: point, box and status in screen pixels."""
+    _check_names(args, ("screenshot", "instruction", "format", "screen_width", "screen_height"), "ground")
+    instruction = _text(args, "instruction")
+    fmt = _choice(args, "format", GROUNDING_FORMATS, settings.ground_format)
+    data, size = read_screenshot(args.get("screenshot"), settings, processor)
+    screen = _screen(args, size)
+    hit = ground(model, processor, data, instruction, format=fmt, **settings.pixel_options())
+    g = parse_grounding(hit.answer, *screen) if screen != size else hit
+    return {"point": list(g.point) if g.point else None, "box": list(g.box) if g.box else None, "status": g.status,
+            "answer": hit.answer, "format": fmt, "screen_size": list(screen), "image_size": list(size)}
+
+
+def next_action_messages(settings: Settings, task, data, history, kind):
+    return computer_messages(task, data, [ComputerStep(answer=a) for a in history], format=settings.agent_format,
+                             kind=kind)
+
+
+def next_action_options(settings: Settings) -> dict:
+    options = dict(AGENT_SAMPLING[settings.agent_format])
+    options.setdefault("max_tokens", settings.max_tokens)
+    options.update(settings.pixel_options())
+    return options
+
+
+def next_action_tool(model, processor, settings: Settings, args: dict) -> dict:
+    """The next action for `task` on the screenshot after `history` (earlier answers), in screen pixels."""
+    _check_names(args, ("screenshot", "task", "history", "kind", "screen_width", "screen_height"), "next_action")
+    task = _text(args, "task")
+    history = _history(args)
+    kind = _choice(args, "kind", ("web", "mobile"), "web")
+    options = next_action_options(settings)
+    data, size = read_screenshot(args.get("screenshot"), settings, processor, options)
+    screen = _screen(args, size)
+    out = generate(model, processor, messages=next_action_messages(settings, task, data, history, kind), **options)
+    turn = map_answer(out.text, screen)
+    parsed = parse_action(out.text, *screen)
+    result = turn.to_dict()
+    del result["calls"]  # no protocol here: the neutral actions are the answer
+    result.update(parsed=parsed.to_dict() if parsed else None, screen_size=list(screen), image_size=list(size),
+                  finish_reason=out.finish_reason)
+    return result
+
+
+def ask_messages(data, question):
+    return [{"role": "user", "content": [{"type": "image", "image": data}, {"type": "text", "text": question}]}]
+
+
+def ask_tool(model, processor, settings: Settings, args: dict) -> dict:
+    """The model's answer to a question about the screenshot (greedy)."""
+    _check_names(args, ("screenshot", "question"), "ask")
+    question = _text(args, "question")
+    data, _ = read_screenshot(args.get("screenshot"), settings, processor)
+    out = generate(model, processor, messages=ask_messages(data, question), max_tokens=settings.max_tokens,
+                   temperature=0.0, **settings.pixel_options())
+    return {"answer": out.text, "finish_reason": out.finish_reason}
+
+
+TOOLS = {"ground": ground_tool, "next_action": next_action_tool, "ask": ask_tool}
+
+# ---------------------------------------------------------------------------------------------
+# Their declarations (MCP input schemas)
+# ---------------------------------------------------------------------------------------------
+_SCREENSHOT = {
+    "description": "The screenshot: MCP image content {\"type\": \"image\", \"data\": <base64>, \"mimeType\": ...}, "
+                   "a data:image/...;base64 URL, or the path of a PNG / JPEG / WebP / GIF / BMP / TIFF file under a "
+                   "folder the server allows (--allowed-image-dir; none by default).",
+    "anyOf": [{"type": "string"},
+              {"type": "object", "properties": {"type": {"const": "image"}, "data": {"type": "string"},
+                                                "mimeType": {"type": "string"}}, "required": ["data"]}],
+}
+_SCREEN = {
+    "screen_width": {"type": "integer", "minimum": 1, "maximum": MAX_DISPLAY,
+                     "description": "Width of the screen to answer in (e.g. points on a Retina display); default: "
+                                    "the screenshot's pixels. Give both or neither."},
+    "screen_height": {"type": "integer", "minimum": 1, "maximum": MAX_DISPLAY,
+                      "description": "Height of the screen to answer in; default: the screenshot's pixels."},
+}
+
+
+def _schema(properties, required):
+    return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
+
+
+TOOL_DECLARATIONS = [
+    {"name": "ground",
+     "description": "Locate a UI element on a screenshot. Returns its point [x, y] and, where the model gives one, "
+                    "its box [x1, y1, x2, y2] in screen pixels, and status: ok, refused (the element is absent) "
+                    "or malformed.",
+     "inputSchema": _schema({"screenshot": _SCREENSHOT,
+                             "instruction": {"type": "string", "description": "The element, e.g. 'the Save button'."},
+                             "format": {"type": "string", "enum": list(GROUNDING_FORMATS),
+                                        "description": "The trained prompt to ask with (default: the server's)."},
+                             **_SCREEN}, ["screenshot", "instruction"])},
+    {"name": "next_action",
+     "description": "The next GUI action towards a task on the current screenshot: status (action, message, done, "
+                    "unmapped), actions in screen pixels (click, double_click, triple_click, mouse_move, drag, "
+                    "mouse_down, mouse_up, scroll, type, key, wait, screenshot), text, reasoning and the raw "
+                    "answer. Pass earlier answers back as history.",
+     "inputSchema": _schema({"screenshot": _SCREENSHOT,
+                             "task": {"type": "string", "description": "What the agent should achieve."},
+                             "history": {"type": "array", "items": {"type": "string"}, "maxItems": MAX_HISTORY,
+                                         "description": "The `answer` of each earlier next_action call, oldest "
+                                                        "first."},
+                             "kind": {"type": "string", "enum": ["web", "mobile"],
+                                      "description": "UI-Venus format only: its web or mobile prompt (default web)."},
+                             **_SCREEN}, ["screenshot", "task"])},
+    {"name": "ask",
+     "description": "Answer a question about a screenshot.",
+     "inputSchema": _schema({"screenshot": _SCREENSHOT, "question": {"type": "string"}}, ["screenshot", "question"])},
+]

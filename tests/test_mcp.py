@@ -1,0 +1,300 @@
+"""The MCP server (python -m mlx_qwen3vl.mcp) driven by the official SDK's own client: over stdio, one
+server process on a scripted checkpoint for the module, each tool's answer equal to the library's
+(ground() / generate() on the same conversation); screenshots as image content, data URLs and
+allowed paths, with the path rule tried as an attack; budgets and bad arguments as one-line tool
+errors; and over streamable HTTP on 127.0.0.1, the key rule and the body limit."""
+
+import base64
+import http.client
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+mcp = pytest.importorskip("mcp")
+
+import mlx_qwen3vl as M  # noqa: E402
+from mlx_qwen3vl.agent import ground, parse_grounding  # noqa: E402
+from mlx_qwen3vl.agent.computer_use import AGENT_SAMPLING, ComputerStep, computer_messages, map_answer  # noqa: E402
+from anyio.from_thread import start_blocking_portal  # noqa: E402
+from scripted import write_scripted_checkpoint  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+CALL = ('<tool_call>\n{"name": "computer_use", "arguments": {"action": "left_click", "coordinate": [500, 300]}}'
+        '\n</tool_call>')
+BOX = '{"bbox_2d": [100, 200, 300, 400]}'
+SCRIPT = {"@find": BOX, "@act": CALL, "@ask": "It says Apply."}
+MAX_PIXELS = 1_000_000  # the server's --max-request-pixels here
+MAX_BYTES = 300_000  # --max-image-bytes
+
+rng = np.random.default_rng(0)
+SHOT = rng.integers(0, 256, (120, 200, 3), dtype=np.uint8)
+OTHER = 255 - SHOT  # same size, other content
+
+
+def png(pixels) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def content(data: bytes) -> dict:
+    return {"type": "image", "data": base64.b64encode(data).decode(), "mimeType": "image/png"}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    base = tmp_path_factory.mktemp("mcp")
+    allowed, outside = base / "allowed", base / "outside"
+    allowed.mkdir()
+    outside.mkdir()
+    (allowed / "shot.png").write_bytes(png(SHOT))
+    (outside / "secret.png").write_bytes(png(OTHER))
+    (allowed / "link.png").symlink_to(outside / "secret.png")  # a link out of the folder
+    (allowed / "notes.png").write_bytes(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n")  # not an allowed format
+    (allowed / "big.png").write_bytes(png(np.zeros((1000, 1001, 3), np.uint8)))  # 1,001,000 pixels
+    os.mkfifo(allowed / "pipe.png")  # would block a reader that opened it naively
+    return {"folder": write_scripted_checkpoint(base / "scripted", SCRIPT), "allowed": allowed, "outside": outside}
+
+
+@pytest.fixture(scope="module")
+def local(world):
+    return M.load(world["folder"])
+
+
+@pytest.fixture(scope="module")
+def client(world):
+    """call(name, args) → CallToolResult, through the SDK's Client over stdio to one server process."""
+    params = mcp.StdioServerParameters(
+        command=sys.executable, cwd=str(ROOT), env=ENV,
+        args=["-m", "mlx_qwen3vl.mcp", "--model", str(world["folder"]), "--allowed-image-dir", str(world["allowed"]),
+              "--max-request-pixels", str(MAX_PIXELS), "--max-image-bytes", str(MAX_BYTES)])
+    with start_blocking_portal() as portal:
+        with portal.wrap_async_context_manager(mcp.Client(params, read_timeout_seconds=120)) as c:
+            yield type("Caller", (), {"call": staticmethod(lambda name, args: portal.call(c.call_tool, name, args)),
+                                      "tools": staticmethod(lambda: portal.call(c.list_tools))})
+
+
+def ok(result) -> dict:
+    assert not result.is_error, result.content[0].text
+    return result.structured_content
+
+
+def error(result) -> str:
+    assert result.is_error and len(result.content) == 1
+    text = result.content[0].text
+    assert "\n" not in text and "Traceback" not in text
+    return text
+
+
+def test_the_tools_are_declared(client):
+    tools = {t.name: t for t in client.tools().tools}
+    assert set(tools) == {"ground", "next_action", "ask"}
+    assert tools["ground"].input_schema["required"] == ["screenshot", "instruction"]
+    assert tools["next_action"].input_schema["required"] == ["screenshot", "task"]
+    assert tools["ask"].input_schema["required"] == ["screenshot", "question"]
+
+
+def test_ground_equals_the_library(client, local):
+    data = png(SHOT)
+    for fmt in (None, "venus", "computer_use"):
+        args = {"screenshot": content(data), "instruction": "the Apply button @find"}
+        got = ok(client.call("ground", {**args, "format": fmt} if fmt else args))
+        want = ground(*local, data, "the Apply button @find", format=fmt or "qwen")
+        assert (got["point"], got["box"], got["status"], got["answer"]) == (
+            list(want.point), list(want.box), want.status, want.answer)
+        assert got["screen_size"] == got["image_size"] == [200, 120]
+    # Answered on a screen of another size (a Retina screen's points): the same relative place.
+    got = ok(client.call("ground", {"screenshot": content(data), "instruction": "it @find", "screen_width": 1366,
+                                    "screen_height": 768}))
+    g = parse_grounding(BOX, 1366, 768)
+    assert (got["point"], got["box"], got["screen_size"]) == (list(g.point), list(g.box), [1366, 768])
+
+
+def test_next_action_equals_the_library(client, local):
+    data = png(OTHER)
+    history = [CALL, "I opened the menu.\n" + CALL]
+    got = ok(client.call("next_action", {"screenshot": content(data), "task": "Open the settings @act",
+                                         "history": history}))
+    messages = computer_messages("Open the settings @act", data, [ComputerStep(answer=a) for a in history])
+    want = M.generate(*local, messages=messages, max_tokens=512, **AGENT_SAMPLING["qwen"]).text
+    assert got["answer"] == want == CALL
+    turn = map_answer(want, (200, 120))
+    assert (got["status"], got["actions"]) == ("action", [a.to_dict() for a in turn.actions])
+    assert got["actions"] == [{"type": "click", "point": [100, 36], "button": "left"}]
+    assert got["parsed"]["name"] == "left_click"
+
+
+def test_ask_equals_the_library(client, local):
+    data = png(SHOT)
+    result = client.call("ask", {"screenshot": "data:image;base64," + base64.b64encode(data).decode(),
+                                 "question": "What does the button say? @ask"})
+    messages = [{"role": "user", "content": [{"type": "image", "image": data},
+                                             {"type": "text", "text": "What does the button say? @ask"}]}]
+    want = M.generate(*local, messages=messages, max_tokens=512, temperature=0.0).text
+    assert ok(result)["answer"] == result.content[0].text == want == "It says Apply."
+
+
+def test_paths_only_under_the_allowed_folder(client, world):
+    allowed, outside = world["allowed"], world["outside"]
+    ask = lambda shot: client.call("ask", {"screenshot": shot, "question": "@ask"})  # noqa: E731
+    assert ok(ask(str(allowed / "shot.png")))["answer"] == "It says Apply."
+    assert ok(ask((allowed / "shot.png").as_uri()))["answer"] == "It says Apply."
+    for attack in (str(outside / "secret.png"), str(allowed / "link.png"), (outside / "secret.png").as_uri(),
+                   str(allowed / ".." / "outside" / "secret.png"), "/etc/passwd", "tests/fixtures/tiny-a/config.json"):
+        assert "--allowed-image-dir" in error(ask(attack)), attack
+    assert "not a PNG, JPEG, WebP, GIF, BMP or TIFF image" in error(ask(str(allowed / "notes.png")))
+    assert "not a regular file" in error(ask(str(allowed / "pipe.png")))  # answered at once, nothing read
+    assert "not a regular file" in error(ask(str(allowed)))
+    assert "does not exist" in error(ask(str(allowed / "missing.png")))
+
+
+def test_budgets_and_bad_arguments_are_one_line_errors(client, world):
+    shot = content(png(SHOT))
+    assert "1001x1000 pixels, over the server's limit of 1000000" in error(
+        client.call("ask", {"screenshot": str(world["allowed"] / "big.png"), "question": "@ask"}))
+    huge = {"type": "image", "data": "A" * (MAX_BYTES * 2), "mimeType": "image/png"}  # refused before decoding
+    assert "--max-image-bytes" in error(client.call("ask", {"screenshot": huge, "question": "x"}))
+    cases = [
+        ("ground", {"instruction": "x"}, "'screenshot' is required"),
+        ("ground", {"screenshot": shot, "instruction": "x", "format": "ui-tars"}, "'format' must be one of"),
+        ("ground", {"screenshot": shot, "instruction": ""}, "'instruction' must be a non-empty string"),
+        ("ground", {"screenshot": shot, "instruction": "x", "screen_width": 100}, "give both or neither"),
+        ("ground", {"screenshot": shot, "instruction": "x", "tokenize": True}, "unknown argument 'tokenize'"),
+        ("ground", {"screenshot": {"type": "audio", "data": ""}, "instruction": "x"}, "MCP image content"),
+        ("ground", {"screenshot": {"type": "image", "data": "@@@"}, "instruction": "x"}, "not valid base64"),
+        ("ground", {"screenshot": "data:image/png,rawbytes", "instruction": "x"}, "base64"),
+        ("next_action", {"screenshot": shot, "task": "x", "history": "Click"}, "'history' must be a list"),
+        ("next_action", {"screenshot": shot, "task": "x", "history": [1]}, "'history[0]' must be a string"),
+        ("ask", {"screenshot": shot, "question": "x" * 9000}, "at most 8192"),
+        ("teleport", {}, "unknown tool 'teleport'"),
+    ]
+    for name, args, says in cases:
+        assert says in error(client.call(name, args)), (name, args)
+    # The server is still serving.
+    assert ok(client.call("ask", {"screenshot": shot, "question": "@ask"}))["answer"] == "It says Apply."
+
+
+# ---------------------------------------------------------------------------------------------
+# Streamable HTTP
+# ---------------------------------------------------------------------------------------------
+KEY = "test-key-123"
+INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+        "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                   "clientInfo": {"name": "t", "version": "1"}}}
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(port, body, headers):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/mcp", body=body if isinstance(body, bytes) else json.dumps(body),
+                 headers={"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+                          **headers})
+    r = conn.getresponse()
+    raw = r.read()
+    conn.close()
+    return r.status, raw
+
+
+def test_http_transport_key_rule_and_body_limit(world, local):
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_qwen3vl.mcp", "--model", str(world["folder"]), "--transport", "http", "--port",
+         str(port), "--api-key", KEY, "--max-body-bytes", "200000", "--log-level", "info"],
+        cwd=ROOT, env={**os.environ, **ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ready, log = threading.Event(), []
+
+    def drain():
+        for line in proc.stderr:
+            log.append(line)
+            if "Uvicorn running on" in line:
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        assert ready.wait(120) and proc.poll() is None, "".join(log)
+        assert _post(port, INIT, {})[0] == 401
+        assert _post(port, INIT, {"Authorization": "Bearer wrong"})[0] == 401
+        assert _post(port, INIT, {"Authorization": KEY})[0] == 401  # not a Bearer token
+        # With the key, any Host is served (a LAN name): the key does the protecting.
+        status, raw = _post(port, INIT, {"Authorization": f"Bearer {KEY}", "Host": "gpu-box.lan:8765"})
+        assert status == 200 and b'"serverInfo"' in raw
+        assert _post(port, b"x" * 300_000, {"Authorization": f"Bearer {KEY}"})[0] == 413
+
+        # The SDK's client over HTTP, with the key: the same answer as the library.
+        import httpx2
+        from mcp.client.streamable_http import streamable_http_client
+
+        data = png(SHOT)
+        with start_blocking_portal() as portal:
+            http_client = httpx2.AsyncClient(headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+            transport = streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http_client)
+            with portal.wrap_async_context_manager(mcp.Client(transport)) as c:
+                result = portal.call(c.call_tool, "ask", {"screenshot": content(data), "question": "@ask"})
+        messages = [{"role": "user", "content": [{"type": "image", "image": data}, {"type": "text", "text": "@ask"}]}]
+        assert ok(result)["answer"] == M.generate(*local, messages=messages, max_tokens=512, temperature=0.0).text
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_without_a_key_only_this_machine_s_names_and_origin():
+    """The no-key guard in front of the transport: the HTTP server's local-only rule."""
+    import asyncio
+
+    from mlx_qwen3vl.mcp.server import BearerKey, http_app
+
+    reached = []
+
+    async def inner(scope, receive, send):
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    class FakeServer:  # what http_app needs of the SDK's Server: an ASGI app for the transport
+        def streamable_http_app(self, **kwargs):
+            assert kwargs["max_request_body_size"] == 1234
+            return inner
+
+    def request(app, headers):
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/mcp", "scheme": "http", "server": ("127.0.0.1", 8765),
+                 "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
+        asyncio.run(app(scope, receive, send))
+        return sent[0]["status"]
+
+    app = http_app(FakeServer(), api_key=None, bound_host="127.0.0.1", max_body_bytes=1234)
+    assert request(app, {"host": "127.0.0.1:8765"}) == 204
+    assert request(app, {"host": "localhost:8765", "origin": "http://localhost:8765"}) == 204
+    assert request(app, {"host": "evil.example:8765"}) == 421  # a DNS-rebinding page's own name
+    assert request(app, {"host": "127.0.0.1:8765", "origin": "https://evil.example"}) == 403
+    keyed = http_app(FakeServer(), api_key=KEY, max_body_bytes=1234)
+    assert isinstance(keyed, BearerKey)
+    assert request(keyed, {"host": "evil.example", "authorization": f"Bearer {KEY}"}) == 204
+    assert request(keyed, {"host": "127.0.0.1:8765"}) == 401
+    assert reached == ["/mcp"] * 3
