@@ -11,6 +11,12 @@ The index is a radix tree over each entry's keys: its token ids with the first p
 image or video replaced by (kind, content hash, length), so two prompts whose tokens agree but
 whose screenshots differ part at that screenshot. A lookup walks the request's keys once: its cost
 grows with the prompt, never with the number of entries (mlx-lm's PromptTrie keys tokens only).
+
+Quantized caches (kv_bits) have an index of their own per (bits, group size, quantized_kv_start):
+their positions from `quantized_kv_start` on were computed against the quantized cache, so such
+an entry serves only requests of those settings, and only prefixes of at least that many
+positions (shorter ones were float in a fresh run). A float entry serves a quantized request up to
+its `quantized_kv_start`, and any float request whole.
 """
 
 from collections import OrderedDict
@@ -20,6 +26,7 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
+from ..kv_settings import FLOAT
 from ..spans import media_keys, media_spans
 
 
@@ -133,6 +140,12 @@ class _Entry:
     keys: tuple
     caches: list
     nbytes: int
+    index: Optional[tuple] = None  # the index it is in: None (float) or (bits, group size, start)
+
+
+def _index_of(caches, kv) -> Optional[tuple]:
+    kind = caches[0].kind
+    return None if kind is None else (*kind, kv.start)
 
 
 def pipeline_scale(model):
@@ -158,27 +171,44 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self.scale = scale
         self.entries: "OrderedDict[int, _Entry]" = OrderedDict()
-        self.index = PrefixIndex()
+        self.indexes = {None: PrefixIndex()}  # per kind of cache (see the module docstring)
         self.nbytes = 0
         self._next = 0
         self.hits = self.misses = self.reused_tokens = 0
 
-    def lookup(self, inputs):
+    @property
+    def index(self) -> PrefixIndex:
+        """The float entries' index."""
+        return self.indexes[None]
+
+    def lookup(self, inputs, kv=FLOAT):
         """(entry id, reusable length) of an entry that serves the most of the prompt `inputs`
-        (never its last token: its logits start the answer, and never into an image or video),
-        or (None, 0)."""
+        for a request whose cache follows `kv` (KVSettings; see the module docstring), never its
+        last token (its logits start the answer) and never into an image or video; or (None, 0)."""
         if not self.entries:
             return None, 0
-        keys = prompt_keys(inputs)
-        n, eid = self.index.longest(keys[:-1])
-        for m in media_spans(inputs):
-            if m.start < n < m.end:
-                n = m.start
-                break
-        if not n:
+        keys = prompt_keys(inputs)[:-1]
+        spans = media_spans(inputs)
+        best, best_n = None, 0
+        choices = [(None, kv.start if kv.quantized else len(keys), 1)]
+        if kv.quantized:
+            choices.append(((*kv.kind, kv.start), len(keys), max(1, kv.start)))
+        for key, cap, floor in choices:
+            index = self.indexes.get(key)
+            if index is None:
+                continue
+            n, eid = index.longest(keys)
+            n = min(n, cap)
+            for m in spans:
+                if m.start < n < m.end:
+                    n = m.start
+                    break
+            if n >= floor and n > best_n:
+                best, best_n = eid, n
+        if best is None:
             return None, 0
-        self.entries.move_to_end(eid)
-        return eid, n
+        self.entries.move_to_end(best)
+        return best, best_n
 
     def take(self, eid, length: int):
         """New batch-1 caches holding the entry's first `length` positions."""
@@ -186,16 +216,21 @@ class PrefixCache:
         self.reused_tokens += length
         return [c.extract(0, length) for c in self.entries[eid].caches]
 
-    def insert(self, tokens: List[int], media: list, caches):
-        """Keep `caches` (batch 1, holding `tokens` first) as an entry, copied to exactly that many
-        positions. Nothing is kept when an entry already holds all of it; entries it extends go."""
+    def insert(self, tokens: List[int], media: list, caches, kv=FLOAT):
+        """Keep `caches` (batch 1, holding `tokens` first, made under KVSettings `kv`) as an entry,
+        copied to exactly that many positions. Nothing is kept when an entry already holds all of
+        it (or, quantized, when it holds fewer than kv.start positions); entries it extends go."""
         if not tokens or caches[0].empty():
             return
+        n = len(tokens)
+        where = _index_of(caches, kv)
+        if where is not None and n < kv.start:
+            return  # no request could reuse it (see lookup)
+        index = self.indexes.setdefault(where, PrefixIndex())
         keys = index_keys(tokens, media)
-        held, _ = self.index.longest(keys)
+        held, _ = index.longest(keys)
         if held == len(keys):
             return  # an entry already holds all of it
-        n = len(tokens)
         caches = [c if c.size() == c.capacity() == n and c.batch_size == 1 and not any(c.padding())
                   else c.extract(0, n) for c in caches]
         mx.async_eval([c.state[:2] for c in caches])  # the copy runs beside the next step, not in its way
@@ -205,16 +240,16 @@ class PrefixCache:
             return
         eid = self._next
         self._next += 1
-        self.entries[eid] = _Entry(list(tokens), list(media), keys, caches, nbytes)
+        self.entries[eid] = _Entry(list(tokens), list(media), keys, caches, nbytes, where)
         self.nbytes += nbytes
-        for old in self.index.add(keys, eid):
+        for old in index.add(keys, eid):
             self._drop(old)  # entries this one extends are redundant
         while self.nbytes > self.max_bytes:
             self._drop(next(iter(self.entries)))
 
     def _drop(self, eid):
         entry = self.entries.pop(eid)
-        self.index.remove(entry.keys, eid)
+        self.indexes[entry.index].remove(entry.keys, eid)
         self.nbytes -= entry.nbytes
 
     def stats(self) -> dict:
