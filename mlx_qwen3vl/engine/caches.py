@@ -167,9 +167,10 @@ class PrefixCache:
     prefix would prefill more tokens and pair its collectives wrongly), so an entry counts its
     bytes × `scale` (num, den): pipeline_scale(model), equal on every rank."""
 
-    def __init__(self, max_bytes: int, scale=(1, 1)):
+    def __init__(self, max_bytes: int, scale=(1, 1), disk=None):
         self.max_bytes = max_bytes
         self.scale = scale
+        self.disk = disk  # disk.DiskTier: the second tier, or None
         self.entries: "OrderedDict[int, _Entry]" = OrderedDict()
         self.indexes = {None: PrefixIndex()}  # per kind of cache (see the module docstring)
         self.nbytes = 0
@@ -185,29 +186,59 @@ class PrefixCache:
         """(entry id, reusable length) of an entry that serves the most of the prompt `inputs`
         for a request whose cache follows `kv` (KVSettings; see the module docstring), never its
         last token (its logits start the answer) and never into an image or video; or (None, 0)."""
-        if not self.entries:
+        if not self.entries and self.disk is None:
             return None, 0
         keys = prompt_keys(inputs)[:-1]
         spans = media_spans(inputs)
+
+        def usable(n, cap, floor):
+            n = min(n, cap)
+            for m in spans:
+                if m.start < n < m.end:
+                    return m.start if m.start >= floor else 0
+            return n if n >= floor else 0
+
+        float_cap = kv.start if kv.quantized else len(keys)
+        best, best_n = self._memory(keys, kv, usable, float_cap)
+        if self.disk is not None:
+            found, n = self._disk(keys, kv, usable, float_cap)
+            if n > best_n:
+                loaded = self.disk.load(found)
+                eid = self._insert(*loaded, self.disk.kv) if loaded is not None else None
+                if eid is not None:
+                    best, best_n = eid, n
+        if best is None:
+            return None, 0
+        self.entries.move_to_end(best)
+        return best, best_n
+
+    def _memory(self, keys, kv, usable, float_cap):
+        """(entry id, n) of the memory tier's best entry for `keys` (None, 0)."""
         best, best_n = None, 0
-        choices = [(None, kv.start if kv.quantized else len(keys), 1)]
+        choices = [(None, float_cap, 1)]
         if kv.quantized:
             choices.append(((*kv.kind, kv.start), len(keys), max(1, kv.start)))
         for key, cap, floor in choices:
             index = self.indexes.get(key)
-            if index is None:
-                continue
-            n, eid = index.longest(keys)
-            n = min(n, cap)
-            for m in spans:
-                if m.start < n < m.end:
-                    n = m.start
-                    break
-            if n >= floor and n > best_n:
-                best, best_n = eid, n
-        if best is None:
-            return None, 0
-        self.entries.move_to_end(best)
+            if index is not None:
+                n, eid = index.longest(keys)
+                n = usable(n, cap, floor)
+                if n > best_n:
+                    best, best_n = eid, n
+        return best, best_n
+
+    def _disk(self, keys, kv, usable, float_cap):
+        """(file name, n) of the disk tier's best entry for `keys` (None, 0): float entries serve
+        any request (up to its kv.start), quantized ones only requests of the tier's settings."""
+        best, best_n = None, 0
+        choices = [(False, float_cap, 1)]
+        if kv.quantized and kv.kind == self.disk.kv.kind and kv.start == self.disk.kv.start:
+            choices.append((True, len(keys), max(1, kv.start)))
+        for quantized, cap, floor in choices:
+            n, name = self.disk.longest(keys, quantized)
+            n = usable(n, cap, floor)
+            if n > best_n:
+                best, best_n = name, n
         return best, best_n
 
     def take(self, eid, length: int):
@@ -219,25 +250,39 @@ class PrefixCache:
     def insert(self, tokens: List[int], media: list, caches, kv=FLOAT):
         """Keep `caches` (batch 1, holding `tokens` first, made under KVSettings `kv`) as an entry,
         copied to exactly that many positions. Nothing is kept when an entry already holds all of
-        it (or, quantized, when it holds fewer than kv.start positions); entries it extends go."""
+        it (or, quantized, when it holds fewer than kv.start positions); entries it extends go.
+        The disk tier gets it too (at its next flush) when it is float or of the tier's settings."""
+        eid = self._insert(tokens, media, caches, kv)
+        if eid is not None and self.disk is not None:
+            e = self.entries[eid]
+            kind = e.caches[0].kind
+            if kind is None or (kind == self.disk.kv.kind and kv.start == self.disk.kv.start):
+                self.disk.queue(e.tokens, e.media, e.caches)
+
+    def flush(self):
+        """Write the entries queued for the disk tier (the engine calls it when idle)."""
+        if self.disk is not None and self.disk.pending:
+            self.disk.flush()
+
+    def _insert(self, tokens, media, caches, kv) -> Optional[int]:
         if not tokens or caches[0].empty():
-            return
+            return None
         n = len(tokens)
         where = _index_of(caches, kv)
         if where is not None and n < kv.start:
-            return  # no request could reuse it (see lookup)
+            return None  # no request could reuse it (see lookup)
         index = self.indexes.setdefault(where, PrefixIndex())
         keys = index_keys(tokens, media)
         held, _ = index.longest(keys)
         if held == len(keys):
-            return  # an entry already holds all of it
+            return None  # an entry already holds all of it
         caches = [c if c.size() == c.capacity() == n and c.batch_size == 1 and not any(c.padding())
                   else c.extract(0, n) for c in caches]
         mx.async_eval([c.state[:2] for c in caches])  # the copy runs beside the next step, not in its way
         num, den = self.scale
         nbytes = sum(c.nbytes for c in caches) * num // den
         if nbytes > self.max_bytes:
-            return
+            return None
         eid = self._next
         self._next += 1
         self.entries[eid] = _Entry(list(tokens), list(media), keys, caches, nbytes, where)
@@ -246,6 +291,7 @@ class PrefixCache:
             self._drop(old)  # entries this one extends are redundant
         while self.nbytes > self.max_bytes:
             self._drop(next(iter(self.entries)))
+        return eid if eid in self.entries else None
 
     def _drop(self, eid):
         entry = self.entries.pop(eid)
@@ -253,8 +299,11 @@ class PrefixCache:
         self.nbytes -= entry.nbytes
 
     def stats(self) -> dict:
-        return {"entries": len(self.entries), "bytes": self.nbytes, "max_bytes": self.max_bytes,
-                "hits": self.hits, "misses": self.misses, "reused_tokens": self.reused_tokens}
+        out = {"entries": len(self.entries), "bytes": self.nbytes, "max_bytes": self.max_bytes,
+               "hits": self.hits, "misses": self.misses, "reused_tokens": self.reused_tokens}
+        if self.disk is not None:
+            out["disk"] = self.disk.stats()
+        return out
 
 
 class FeatureCache:

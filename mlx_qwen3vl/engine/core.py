@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..backend import backend_of
-from ..errors import ContextLengthError, InputError
+from ..errors import ConfigError, ContextLengthError, InputError
 from ..kv_settings import FLOAT, KVSettings, bytes_per_position, quantize_if_due, resolve
 from ..sampling import Sampler, SamplingParams
 from ..spans import media_keys
@@ -170,12 +170,17 @@ class Engine:
     kv_bits / kv_group_size / quantized_kv_start: the KV cache of requests that name none
       (mlx-lm's meanings, kv_settings.KVSettings). Rows are decoded in one batch per cache kind
       (float, and each bits / group size), all of them every step; a row moves from the float
-      batch to its quantized one when its cache reaches `quantized_kv_start` positions."""
+      batch to its quantized one when its cache reaches `quantized_kv_start` positions.
+    prefix_cache_dir / prefix_cache_dir_bytes: the prefix cache's second tier, a folder of cache
+      files (engine/disk.py) kept within that many bytes; written when the engine is idle (at
+      the end of a step that leaves nothing to do, unless `flush_when_idle` is False: then the
+      caller runs `prefix.flush()`). One process only."""
 
     def __init__(self, model, processor, *, max_batch=8, prefill_step_size=2048, prefill_budget=None,
                  prefix_cache_bytes=0, feature_cache_bytes=0, kv_budget_bytes="auto", max_request_seconds=None,
                  lookahead=None, check_time_limits=True, clock=time.monotonic, stream=None, kv_bits=None,
-                 kv_group_size=None, quantized_kv_start=None):
+                 kv_group_size=None, quantized_kv_start=None, prefix_cache_dir=None, prefix_cache_dir_bytes=8 << 30,
+                 flush_when_idle=True):
         from mlx_lm.tokenizer_utils import TokenizerWrapper
 
         if max_batch < 1:
@@ -190,11 +195,22 @@ class Engine:
         self.lookahead = (not backend.eager) if lookahead is None else lookahead
         self.eos = eos_token_ids(model, processor)
         self.tokenizer = TokenizerWrapper(processor.tokenizer)
-        self.prefix = PrefixCache(prefix_cache_bytes, pipeline_scale(model))
+        self.kv = resolve(model, KVSettings.build(kv_bits, kv_group_size, quantized_kv_start))
+        disk = None
+        if prefix_cache_dir is not None:
+            if getattr(model, "group", None) is not None:
+                raise ConfigError("a prefix cache folder is not available under several ranks (each rank would have "
+                                  "to hold the same entries); leave it out there")
+            if not prefix_cache_bytes:
+                raise ConfigError("a prefix cache folder needs the in-memory prefix cache too (prefix_cache_bytes > 0)")
+            from .disk import DiskTier
+
+            disk = DiskTier(prefix_cache_dir, prefix_cache_dir_bytes, model, self.kv)
+        self.flush_when_idle = flush_when_idle
+        self.prefix = PrefixCache(prefix_cache_bytes, pipeline_scale(model), disk)
         from ..pipeline import FeatureCounter
 
         self.features = FeatureCache(feature_cache_bytes, keep=not isinstance(model.visual, FeatureCounter))
-        self.kv = resolve(model, KVSettings.build(kv_bits, kv_group_size, quantized_kv_start))
         self.kv_per_token = kv_bytes_per_token(model)
         self._kv_per_kind = {None: self.kv_per_token}
         self.kv_budget = auto_kv_budget(model) if kv_budget_bytes == "auto" else kv_budget_bytes
@@ -364,6 +380,8 @@ class Engine:
                 self._fail_rows([r for r in rows if self._where(r) is not None], e, events)
         self.log.append(StepRecord(got, spent, budget, tuple(j.id for j in self.jobs)))
         self.metrics["steps"] += 1
+        if self.flush_when_idle and self.prefix.disk is not None and not self.busy:
+            self.prefix.flush()
         if self.metrics["steps"] % 256 == 0:
             mx.clear_cache()
         return events
