@@ -147,8 +147,8 @@ def check(info: dict, model, kv=None, *, what="cache file") -> KVSettings:
     """Refuse a file's info recorded for another model, dtype or (when `kv` is given) other KV
     settings; returns the file's KVSettings."""
     mine, theirs = identity(model), info.get("identity") or {}
-    for field, label in (("config", "model (config)"), ("weights", "model (weights)"), ("dtype", "dtype"),
-                         ("layers", "layer count"), ("kv_heads", "KV head count"), ("head_dim", "head dimension")):
+    for field, label in (("config", "model (config)"), ("dtype", "dtype"), ("layers", "layer count"),
+                         ("kv_heads", "KV head count"), ("head_dim", "head dimension"), ("weights", "model (weights)")):
         if theirs.get(field) != mine[field]:
             shown = "" if field in ("config", "weights") else f" ({theirs.get(field)!r}, this one {mine[field]!r})"
             raise CacheFileError(f"{what} was written by another {label}{shown}; it cannot be used with this model")

@@ -527,6 +527,14 @@ class Engine:
             self._kv_per_kind[kv.kind] = kv_bytes_per_token(self.model, kv.kind)
         return max(kv.start * f, length * self._kv_per_kind[kv.kind])
 
+    def kv_bytes_for(self, kv: KVSettings, positions: int) -> int:
+        """Bytes `positions` positions of a cache of `kv` hold once there (float below kv.start,
+        quantized from there), on this rank."""
+        kind = kv.kind if kv.quantized and positions >= kv.start else None
+        if kind not in self._kv_per_kind:
+            self._kv_per_kind[kind] = kv_bytes_per_token(self.model, kind)
+        return positions * self._kv_per_kind[kind]
+
     def _kv_need(self, extra=None) -> int:
         """Bytes the batches' caches can reach: every row (running, prefilling, `extra`) padded to
         the longest row of the kind its cache ends as, until the row with the most tokens left

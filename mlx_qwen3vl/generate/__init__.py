@@ -47,6 +47,7 @@ class GenerationResponse:
     finish_reason: Optional[str] = None  # "stop" (EOS or stop string) or "length", on the last piece
     from_draft: bool = False
     cached_tokens: int = 0  # prompt tokens reused from a previous turn's cache
+    kv_cache_bytes: int = 0  # bytes the request's KV cache holds (its positions, as stored: float or quantized)
 
     @property
     def peak_memory_gb(self):
@@ -65,6 +66,7 @@ class GenerationResult:
     finish_reason: str
     cached_tokens: int = 0
     logprobs: List[float] = field(default_factory=list)  # of each chosen token
+    kv_cache_bytes: int = 0  # bytes the request's KV cache holds at the end (as stored: float or quantized)
 
     @property
     def peak_memory_gb(self):
@@ -287,7 +289,8 @@ def _stream(model, processor, prompt=None, *, messages=None, images=None, videos
         return dict(prompt_tokens=ids.shape[1], cached_tokens=start,
                     prompt_tps=(ids.shape[1] - start) / max(prompt_s, 1e-9), generation_tokens=n,
                     generation_tps=(n - 1) / max(elapsed - prompt_s, 1e-9) if n > 1 else 0.0,
-                    peak_memory=mx.get_peak_memory() / 1e9)
+                    peak_memory=mx.get_peak_memory() / 1e9,
+                    kv_cache_bytes=engine.kv_bytes_for(kv, ids.shape[1] + max(n - 1, 0)))
 
     from mlx_lm.generate import wired_limit
 
@@ -333,7 +336,8 @@ def generate(model, processor, prompt=None, **kwargs) -> GenerationResult:
     return GenerationResult(text=text, token_ids=tokens, logprobs=logprobs, prompt_tokens=last.prompt_tokens,
                             generation_tokens=last.generation_tokens, prompt_tps=last.prompt_tps,
                             generation_tps=last.generation_tps, peak_memory=last.peak_memory,
-                            finish_reason=last.finish_reason, cached_tokens=last.cached_tokens)
+                            finish_reason=last.finish_reason, cached_tokens=last.cached_tokens,
+                            kv_cache_bytes=last.kv_cache_bytes)
 
 
 REQUEST_KEYS = {"prompt", "messages", "images", "videos", "fps", "source_fps", "video_fps", "system",
