@@ -408,3 +408,100 @@ def test_disk_tier_serves_a_restarted_engine_and_skips_bad_files_with_one_warnin
     done = next(e for e in third.run() if isinstance(e, Done))
     assert done.token_ids == want.token_ids and done.cached_tokens == done.prompt_tokens - 1
     del again
+
+
+# ------------------------------------------------------------------------------------- the server
+def data_url(image) -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_server_kv_bits_per_request_settings_metrics_and_a_restart_from_the_disk_tier(tmp_path):
+    """--kv-bits 8 with a request asking 4 bits beside it, /metrics, a bad per-request value, then
+    a restart on the same --prefix-cache-dir (with a file of another kind dropped in it): the
+    known conversation's next turn reuses its history from disk. Answers equal generate()."""
+    pytest.importorskip("openai")
+    from test_server import KEY, Server
+
+    model, processor = load_fixture_model("tiny-a"), M.Processor.from_pretrained(FIXTURES / "tiny-a")
+    folder = tmp_path / "prefixes"
+    args = ("--api-key", KEY, "--kv-bits", "8", "--quantized-kv-start", "40", "--prefix-cache-dir", str(folder))
+    image = shot(12)
+    turn = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                                         {"type": "text", "text": "Where is the menu?"}]}]
+    local = [user("Where is the menu?", image)]
+    server = Server(*args)
+    try:
+        client = server.client()
+        r8 = client.chat.completions.create(model="m", messages=turn, max_tokens=8, temperature=0)
+        want8 = M.generate(model, processor, messages=local, max_tokens=8, kv_bits=8, quantized_kv_start=40)
+        assert r8.choices[0].message.content == want8.text and r8.usage.completion_tokens == len(want8.token_ids)
+        r4 = client.chat.completions.create(model="m", messages=turn, max_tokens=8, temperature=0,
+                                            extra_body={"kv_bits": 4, "quantized_kv_start": 10})
+        want4 = M.generate(model, processor, messages=local, max_tokens=8, kv_bits=4, quantized_kv_start=10)
+        assert r4.choices[0].message.content == want4.text
+        status, body = server.request("POST", "/v1/chat/completions", {"messages": turn, "kv_bits": 3})
+        assert status == 400 and body["error"]["param"] == "kv_bits" and "4 or 8" in body["error"]["message"]
+        metrics = server.metrics()
+        assert metrics["kv_cache"]["settings"] == {"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 40}
+        assert metrics["kv_cache"]["bytes"] == 0 and metrics["prefix_cache"]["disk"]["folder"] == str(folder)
+        assert metrics["prefix_cache"]["entries"] == 2  # one per cache kind
+    finally:
+        server.stop()  # SIGTERM: what was not written yet is written on the way out
+    assert len(list(folder.iterdir())) == 1  # the 8-bit entry; the 4-bit request's stays in memory
+    (folder / "junk.kv.safetensors").write_bytes(b"\x20" + bytes(64))
+    follow = turn + [{"role": "assistant", "content": r8.choices[0].message.content},
+                     {"role": "user", "content": "Then?"}]
+    want = M.generate(model, processor, messages=local + [{"role": "assistant", "content": want8.text}, user("Then?")],
+                      max_tokens=8, kv_bits=8, quantized_kv_start=40)
+    server = Server(*args)
+    try:
+        r = server.client().chat.completions.create(model="m", messages=follow, max_tokens=8, temperature=0)
+        assert r.choices[0].message.content == want.text
+        assert r.usage.prompt_tokens_details.cached_tokens > 40  # the history, read back from the folder
+        assert server.metrics()["prefix_cache"]["disk"]["hits"] == 1
+    finally:
+        server.stop()
+    warnings = [line for line in server.log if "warning" in line]
+    assert len(warnings) == 1 and "junk.kv.safetensors" in warnings[0], server.log
+
+
+def test_server_refuses_the_disk_tier_under_several_ranks_and_a_bad_kv_flag(monkeypatch, capsys):
+    from test_distributed import FakeGroup
+
+    from mlx_qwen3vl import distributed
+    from mlx_qwen3vl.server.__main__ import main
+
+    monkeypatch.setattr(distributed, "world", lambda: FakeGroup(2, 0))
+    assert main(["--model", str(FIXTURES / "tiny-a"), "--prefix-cache-dir", "/tmp/nowhere-kvq"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--prefix-cache-dir is not available under mlx.launch" in err[0]
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(FIXTURES / "tiny-a"), "--kv-bits", "3"])
+    assert e.value.code == 2 and "--kv-bits: invalid choice: 3" in capsys.readouterr().err
+
+
+def test_per_request_kv_settings_reach_every_rank(processor):
+    """The request's settings travel in the plan rank 0 broadcasts (server/replica.py)."""
+    from mlx_qwen3vl.server import replica
+    from mlx_qwen3vl.server.fetch import MediaPolicy
+    from mlx_qwen3vl.server.grammar import GrammarFactory
+    from mlx_qwen3vl.server.prompts import PromptBuilder
+    from mlx_qwen3vl.server.protocol import parse_chat_request
+
+    class Engine:  # what PromptBuilder reads
+        context, default_max_tokens = 4096, 16
+
+    Engine.processor = processor
+    tok = processor.tokenizer
+    grammars = GrammarFactory(tok, 448, tok.eos_token_id)
+    req = parse_chat_request({"messages": [{"role": "user", "content": "Hi"}], "kv_bits": 4, "kv_group_size": 32})
+    handle = replica._Ghost(PromptBuilder(Engine(), MediaPolicy(), grammars).build(req), 3)
+    got = replica.decode(replica.encode(replica.Plan(admit=[handle])), grammars).admit[0].prepared
+    assert got.kv == {"kv_bits": 4, "kv_group_size": 32}
+    assert got.request(3, KVSettings(8, 64, 100)).kv == KVSettings(4, 32, 100)
+    assert got.request(3).kv == KVSettings(4, 32, 5000)
