@@ -1,6 +1,8 @@
 """An OpenAI-compatible HTTP server for Qwen3-VL: `python -m mlx_qwen3vl.server --model PATH|HUB_ID`.
 
     app.py       routes, API key, body limit, CORS, error bodies, server-sent events
+    grounding.py POST /v1/ground: agent.ground_with with each pass a request through the engine
+    ui.py        the playground page at / (static/: HTML, JS, CSS; off with --no-ui)
     protocol.py  request validation, response and chunk formats
     prompts.py   a request → model inputs (media policy, chat template, tools, grammar)
     limits.py    what one request may cost, checked before decoding (pixels, frames)
@@ -15,7 +17,7 @@
 
 
 def build_server(model, processor, *, model_id="model", api_key=None, max_body_bytes=64 << 20, cors_origins=None,
-                 media_policy=None, limits=None, grammar_timeout_s=None, bound_host=None, **engine_kwargs):
+                 media_policy=None, limits=None, grammar_timeout_s=None, bound_host=None, ui=True, **engine_kwargs):
     """(model, processor) → (Starlette app, engine); the engine's model thread is already running."""
     from .app import create_app
     from .engine import Engine
@@ -30,5 +32,5 @@ def build_server(model, processor, *, model_id="model", api_key=None, max_body_b
                               timeout_s=grammar_timeout_s or DEFAULT_GRAMMAR_TIMEOUT_S)
     builder = PromptBuilder(engine, media_policy or MediaPolicy(), grammars, limits)
     app = create_app(engine, builder, model_id=model_id, api_key=api_key, max_body_bytes=max_body_bytes,
-                     cors_origins=cors_origins, bound_host=bound_host)
+                     cors_origins=cors_origins, bound_host=bound_host, ui=ui)
     return app, engine

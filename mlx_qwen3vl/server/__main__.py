@@ -49,6 +49,7 @@ def build_parser():
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' (default: ${KEY_ENV} if set, else no key: then only "
                         "requests naming this machine as Host, and no cross-origin ones, are served)")
+    p.add_argument("--no-ui", action="store_true", help="do not serve the playground page at /")
     p.add_argument("--max-body-bytes", type=_positive(int), default=64 << 20, help="request size limit in bytes")
     p.add_argument("--cors-allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="allow browser requests from ORIGIN (repeatable; '*' for any)")
@@ -201,9 +202,9 @@ def main(argv=None):
     app, engine = build_server(
         model, processor, model_id=args.served_model_name or args.model, api_key=api_key,
         max_body_bytes=args.max_body_bytes, cors_origins=args.cors_allow_origin, media_policy=policy, limits=limits,
-        grammar_timeout_s=args.grammar_timeout, bound_host=args.host, **engine_kwargs)
-    print(f"[mlx_qwen3vl] serving {args.model} on http://{args.host}:{args.port}/v1{where}", file=sys.stderr,
-          flush=True)
+        grammar_timeout_s=args.grammar_timeout, bound_host=args.host, ui=not args.no_ui, **engine_kwargs)
+    print(f"[mlx_qwen3vl] serving {args.model} on http://{args.host}:{args.port}/v1{where}"
+          + ("" if args.no_ui else f"; playground: http://{args.host}:{args.port}/"), file=sys.stderr, flush=True)
     run = dict(host=args.host, port=args.port, log_level=args.log_level, max_connections=args.max_connections,
                header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                keep_alive_timeout=args.keep_alive_timeout, on_stop=app.state.stop)

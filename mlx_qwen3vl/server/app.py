@@ -17,9 +17,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from . import grounding as G
 from . import protocol as P
 from .protocol import APIError
 from .tools import ToolCallParser, split_tool_calls
+from .ui import routes as ui_routes
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -117,7 +119,7 @@ def _sse(obj) -> str:
 
 
 def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None, max_body_bytes: int = 64 << 20,
-               cors_origins=None, bound_host=None) -> Starlette:
+               cors_origins=None, bound_host=None, ui: bool = True) -> Starlette:
     running = set()  # handles of the requests being answered (ended with an error when the server stops)
     stopping = []
 
@@ -247,6 +249,18 @@ def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None,
                 handle.cancel()
         yield "data: [DONE]\n\n"
 
+    async def ground(request: Request):
+        """POST /v1/ground (grounding.py): each pass a request through the engine, on a worker thread."""
+        check_auth(request)
+        if stopping:
+            raise _shutting_down()
+        req = G.parse_ground_request(_parse_json(await _read_body(request, max_body_bytes)))
+        job = G.GroundJob(engine, builder, req, asyncio.get_running_loop(), running, stopping, _shutting_down)
+        hit = await job.serve(_disconnected(request))
+        if hit is None:  # the client went away
+            return JSONResponse({}, status_code=499)
+        return JSONResponse(G.response(hit, req.model or model_id))
+
     async def api_error(request, exc: APIError):
         return _error_response(exc)
 
@@ -267,7 +281,8 @@ def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None,
     engine.started = getattr(engine, "started", time.time())
     app = Starlette(
         routes=[Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
-                Route("/v1/chat/completions", chat_completions, methods=["POST"])],
+                Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+                Route("/v1/ground", ground, methods=["POST"]), *(ui_routes() if ui else [])],
         middleware=middleware,
         exception_handlers={APIError: api_error, HTTPException: http_error, Exception: internal_error},
         lifespan=_lifespan(engine),

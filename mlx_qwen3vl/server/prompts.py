@@ -67,22 +67,29 @@ class PromptBuilder:
         check_pixel_options(req, self.limits)
         try:
             messages, images, videos = convert_messages(req.messages, self.policy, temp_files)
-            check_media(images, videos, req, self.processor, self.limits)  # before any decoding
-            tools = req.tools if req.tool_choice != "none" else None
-            with self._lock:
-                try:
-                    text = self.processor.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                              **req.chat_template_kwargs)
-                    inputs = self.processor(text=text, images=images or None, videos=videos or None,
-                                            min_pixels=req.min_pixels, max_pixels=req.max_pixels)
-                except Qwen3VLError as e:
-                    raise APIError(400, str(e), param="messages", code="invalid_input") from None
-                except (TypeError, ValueError) as e:  # the template rejected the conversation
-                    raise APIError(400, f"the chat template could not render these messages: {e}",
-                                   param="messages", code="invalid_input") from None
+            return self.prepare(req, messages, images, videos)
         finally:
             for path in temp_files:
                 os.unlink(path)
+
+    def prepare(self, req: ChatRequest, messages, images, videos=()) -> Prepared:
+        """The rest of build() for messages already in the template's form, their media resolved
+        (images: encoded bytes or RGB arrays; videos: file paths): budgets, template, processor,
+        limits. The grounding route's passes come in here with their screenshot and its crop."""
+        check_pixel_options(req, self.limits)
+        check_media(images, videos, req, self.processor, self.limits)  # before any decoding
+        tools = req.tools if req.tool_choice != "none" else None
+        with self._lock:
+            try:
+                text = self.processor.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                          **req.chat_template_kwargs)
+                inputs = self.processor(text=text, images=list(images) or None, videos=list(videos) or None,
+                                        min_pixels=req.min_pixels, max_pixels=req.max_pixels)
+            except Qwen3VLError as e:
+                raise APIError(400, str(e), param="messages", code="invalid_input") from None
+            except (TypeError, ValueError) as e:  # the template rejected the conversation
+                raise APIError(400, f"the chat template could not render these messages: {e}",
+                               param="messages", code="invalid_input") from None
         if "mm_token_type_ids" not in inputs:
             inputs["mm_token_type_ids"] = np.zeros_like(inputs["input_ids"])
         tokens = np.asarray(inputs["input_ids"])[0].tolist()
