@@ -21,7 +21,8 @@ import mlx_qwen3vl as M
 from mlx_qwen3vl.agent.computer_tools import find_computer_tool
 from mlx_qwen3vl.agent.computer_use import ComputerStep, computer_messages, map_answer
 from scripted import write_scripted_checkpoint
-from test_server import KEY, MEDIA, ROOT, Server, data_url, local, png_bytes  # noqa: F401  (local: a fixture)
+from conftest import FIXTURES, load_fixture_model
+from test_server import CHECKPOINT, KEY, MEDIA, ROOT, Server, _blas_threads, data_url, png_bytes
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
@@ -53,6 +54,14 @@ def server():
     s.stop()
 
 
+@pytest.fixture(scope="module")
+def local():
+    """generate() in this process, with one BLAS thread as the server runs (test_server's reason)."""
+    before = _blas_threads(1)
+    yield load_fixture_model(CHECKPOINT), M.Processor.from_pretrained(FIXTURES / CHECKPOINT)
+    _blas_threads(before)
+
+
 def oai(s):
     return s.client()
 
@@ -61,7 +70,7 @@ def claude(s, key=KEY):
     return anthropic.Anthropic(base_url=f"http://127.0.0.1:{s.port}", api_key=key, max_retries=0, timeout=120)
 
 
-def generate(local, messages, max_tokens, **kw):  # noqa: F811
+def generate(local, messages, max_tokens, **kw):
     model, processor = local
     return M.generate(model, processor, messages=messages, max_tokens=max_tokens, temperature=0.0, **kw)
 
@@ -69,7 +78,7 @@ def generate(local, messages, max_tokens, **kw):  # noqa: F811
 # ------------------------------------------------------------------------------------ Responses
 
 
-def test_responses_equal_generate_streamed_and_continued(server, local):  # noqa: F811
+def test_responses_equal_generate_streamed_and_continued(server, local):
     shot = png_bytes("img_123x77.png")
     client = oai(server)
     items = [{"role": "user", "content": [{"type": "input_image", "image_url": data_url(shot, subtype=False)},
@@ -118,7 +127,7 @@ TOOLS = [{"type": "function", "name": "click", "description": "Click a button.",
                          "required": ["target"], "additionalProperties": False}}]
 
 
-def test_responses_function_tools_and_json_schema(server, local):  # noqa: F811
+def test_responses_function_tools_and_json_schema(server):
     client = oai(server)
     r = client.responses.create(model="m", input="Press OK.", tools=TOOLS, tool_choice="required",
                                 max_output_tokens=40, temperature=0.8, extra_body={"seed": 3})
@@ -178,7 +187,7 @@ def test_the_response_store_is_bounded_in_entries_and_bytes(server):
 # ------------------------------------------------------------------------------------ Messages
 
 
-def test_messages_equal_generate_streamed_and_counted(server, local):  # noqa: F811
+def test_messages_equal_generate_streamed_and_counted(server, local):
     shot = png_bytes("img_123x77.png")
     client = claude(server)
     messages = [{"role": "user", "content": [b64_block(shot), {"type": "text", "text": "Describe the picture."}]}]
@@ -218,7 +227,7 @@ def test_messages_equal_generate_streamed_and_counted(server, local):  # noqa: F
                                   extra_body={"temperature": 0}).content[0].text == want.text
 
 
-def test_messages_stop_sequences_and_keys(server, local):  # noqa: F811
+def test_messages_stop_sequences_and_keys(server, local):
     client = claude(server)
     full = generate(local, [local_user("Say something.")], 16).text
     stop = full[5:9]
@@ -237,7 +246,7 @@ CLAUDE_TOOLS = [{"name": "click", "description": "Click a button.",
                                   "required": ["target"], "additionalProperties": False}}]
 
 
-def test_messages_tools_and_a_screenshot_in_a_tool_result(server, local):  # noqa: F811
+def test_messages_tools_and_a_screenshot_in_a_tool_result(server, local):
     client = claude(server)
     ask = [{"role": "user", "content": "Press OK."}]
     m = client.messages.create(model="m", max_tokens=40, messages=ask, tools=CLAUDE_TOOLS,
@@ -312,6 +321,11 @@ BAD = [  # (name, path, body, status, what the message names)
                                                            "display_height": 10, "environment": "mac"}]}, 400,
      "display_width"),
     ("temperature", "/v1/responses", {**GOOD_R, "temperature": 3}, 400, "temperature"),
+    ("computer call, no tool", "/v1/responses", {**GOOD_R, "input": [
+        {"role": "user", "content": "x"},
+        {"type": "computer_call", "call_id": "c", "action": {"type": "click", "button": "left", "x": 1, "y": 1}}]},
+     400, "input[1].action"),
+    ("no screenshot", "/v1/responses", {**GOOD_R, "tools": [{"type": "computer"}]}, 400, "screenshot"),
     ("template switch", "/v1/responses", {**GOOD_R, "chat_template_kwargs": {"tokenize": True}}, 400, "tokenize"),
     ("deep json", "/v1/responses", {**GOOD_R, "metadata": json.loads("[" * 80 + "]" * 80)}, 400, "nested"),
     ("no max_tokens", "/v1/messages", {"model": "m", "messages": GOOD_M["messages"]}, 400, "max_tokens"),
@@ -341,6 +355,9 @@ BAD = [  # (name, path, body, status, what the message names)
     ("count with stream", "/v1/messages/count_tokens", {"model": "m", "messages": GOOD_M["messages"], "stream": True},
      400, "stream"),
     ("bad json", "/v1/messages", b'{"model": ', 400, "JSON"),
+    ("not an object", "/v1/messages", b"[1, 2]", 400, "object"),
+    ("computer tool_choice", "/v1/messages", {**GOOD_M, "tool_choice": {"type": "any"}, "tools": [
+        {"type": "computer_toolset_20260801"}]}, 400, "tool_choice"),
     ("body too big", "/v1/messages", _m({"type": "text", "text": "x" * 2_100_000}), 413, "--max-body-bytes"),
     ("body too big", "/v1/responses", {**GOOD_R, "input": "x" * 2_100_000}, 413, "--max-body-bytes"),
 ]
@@ -405,15 +422,15 @@ def scripted(tmp_path_factory):
     s.stop()
 
 
-def _expected(local, task, shots, steps, tool, display):  # noqa: F811
+def _expected(lib, task, shots, steps, tool, display):
     """The library's answer for the same conversation: computer_messages → generate → map_answer."""
-    out = M.generate(*local, messages=computer_messages(task, shots[-1], steps, display=display), max_tokens=256,
+    out = M.generate(*lib, messages=computer_messages(task, shots[-1], steps, display=display), max_tokens=256,
                      temperature=0.0)
     return map_answer(out.text, display, tool=tool)
 
 
 def test_anthropic_computer_use_loop_end_to_end(scripted):
-    s, local = scripted  # noqa: F811
+    s, lib = scripted
     client = claude(s)
     declared = {"type": "computer_20251124", "name": "computer", "display_width_px": DISPLAY[0],
                 "display_height_px": DISPLAY[1]}
@@ -423,7 +440,7 @@ def test_anthropic_computer_use_loop_end_to_end(scripted):
     steps, replies = [], []
     for i in range(3):
         reply = client.messages.create(model="m", max_tokens=256, tools=[declared], messages=messages)
-        want = _expected(local, task, SHOTS[:i + 1], steps, tool, DISPLAY)
+        want = _expected(lib, task, SHOTS[:i + 1], steps, tool, DISPLAY)
         blocks = [b for b in reply.content if b.type == "tool_use"]
         assert [{"name": b.name, "input": b.input} for b in blocks] == want.calls, i
         if want.reasoning:
@@ -455,14 +472,14 @@ def test_anthropic_computer_use_loop_end_to_end(scripted):
 def test_responses_computer_use_loop_end_to_end(scripted):
     """The batched `computer` tool declares no display: actions are in the screenshot's pixels.
     Each step continues the stored response with the computer_call_output's new screenshot."""
-    s, local = scripted  # noqa: F811
+    s, lib = scripted
     client = oai(s)
     tool = find_computer_tool([{"type": "computer"}])
     task = "Open the settings @start"
     size = Image.open(io.BytesIO(SHOTS[0])).size
     r = client.responses.create(model="m", tools=[{"type": "computer"}], input=[{"role": "user", "content": [
         {"type": "input_text", "text": task}, {"type": "input_image", "image_url": data_url(SHOTS[0])}]}])
-    want = _expected(local, task, SHOTS[:1], [], tool, size)
+    want = _expected(lib, task, SHOTS[:1], [], tool, size)
     assert [o.type for o in r.output] == ["reasoning", "computer_call"]
     assert r.output[0].content[0].text == want.reasoning
     assert [a.model_dump(exclude_none=True) for a in r.output[1].actions] == want.calls == [
@@ -473,7 +490,7 @@ def test_responses_computer_use_loop_end_to_end(scripted):
         {"type": "computer_call_output", "call_id": r.output[1].call_id,
          "output": {"type": "computer_screenshot", "image_url": data_url(SHOTS[1], subtype=False)}},
         {"role": "user", "content": "Step 1 done."}])
-    want = _expected(local, task, SHOTS[:2], steps, tool, size)
+    want = _expected(lib, task, SHOTS[:2], steps, tool, size)
     assert [a.model_dump(exclude_none=True) for a in r2.output[-1].actions] == want.calls == [
         {"type": "type", "text": "display"}]
     # the stored answer is replayed as generated: the prompt's whole history comes from the cache

@@ -18,7 +18,7 @@ the prefix cache, `cache_read_input_tokens` those that were. Errors have Anthrop
 
 import json
 import uuid
-from typing import List, Optional
+from typing import List
 
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
@@ -442,12 +442,9 @@ def routes(service) -> list:
         if stream:
             return StreamingResponse(_stream(service, handle, writer), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        tokens = []
-        done = await service.collect(request, handle, on_token=tokens.append)
+        done = await service.collect(request, handle, on_token=writer.token)
         if done is None:
             return JSONResponse({}, status_code=499)
-        for ev in tokens:
-            writer.token(ev)
         writer.done(done)
         return JSONResponse(writer.message)
 

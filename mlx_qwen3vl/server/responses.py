@@ -278,8 +278,13 @@ def parse_request(body, store: ResponseStore, agent_format: str) -> ResponsesReq
                            "whole conversation as input instead)", param="previous_response_id",
                            code="previous_response_not_found")
         history = list(entry.turns)
-    history += read_input(body["input"], "input")
+    new = read_input(body["input"], "input")
+    history += new
     functions, tool = _tools(body.get("tools"))
+    if tool is None:  # a computer call's action has no place in the chat template's rendering
+        for call in (c for t in new for c in t.calls if c.action is not None):
+            raise P.invalid(call.param, f"'{call.param}' is a computer call, but the request declares no "
+                            "computer-use tool; declare the one the conversation uses")
     tool_choice = _tool_choice(body.get("tool_choice"), functions, tool)
     rf, text_echo = _text_format(body.get("text"))
     if tool is not None and rf is not None:
@@ -287,7 +292,7 @@ def parse_request(body, store: ResponseStore, agent_format: str) -> ResponsesReq
     include = body.get("include") or []
     if not isinstance(include, list) or any(v not in INCLUDABLE for v in include):
         raise P.invalid("include", f"'include' may list only {', '.join(INCLUDABLE)} on this server")
-    if P.number(body, "top_logprobs", 0, 0, integer=True):
+    if body.get("top_logprobs") not in (None, 0):
         raise P.invalid("top_logprobs", "'top_logprobs' is not supported by this server", "unsupported_field")
     if body.get("truncation") not in (None, "auto", "disabled"):
         raise P.invalid("truncation", "'truncation' must be 'auto' or 'disabled'")
@@ -515,12 +520,9 @@ def routes(service, store: ResponseStore) -> list:
             return StreamingResponse(_stream(service, handle, writer, lambda: keep(req, writer)),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        tokens = []
-        done = await service.collect(request, handle, on_token=tokens.append)
+        done = await service.collect(request, handle, on_token=writer.token)
         if done is None:
             return JSONResponse({}, status_code=499)
-        for ev in tokens:
-            writer.token(ev)
         writer.done(done)
         keep(req, writer)
         return JSONResponse(writer.response)
