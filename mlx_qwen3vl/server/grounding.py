@@ -184,7 +184,7 @@ class GroundJob:
 
     def ask(self, messages) -> PassAnswer:
         messages, images = _template(messages)
-        prepared = self.builder.prepare(self.chat, messages, images)
+        prepared = self.builder.render(self.chat, messages, images)
         return asyncio.run_coroutine_threadsafe(self._answer(prepared), self.loop).result()
 
     async def _answer(self, prepared) -> PassAnswer:
