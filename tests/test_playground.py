@@ -171,7 +171,7 @@ def test_page_headers_and_no_ui(servers):
         asyncio.run(app(scope, receive, send))
         return sent[0]["status"]
 
-    engine = SimpleNamespace(close=lambda: None)
+    engine = SimpleNamespace(close=lambda: None, processor=SimpleNamespace(tokenizer=None))  # no model: routes only
     assert get(create_app(engine, None, model_id="m", ui=False), "/") == 404  # --no-ui
     assert get(create_app(engine, None, model_id="m", ui=False), "/health") == 200
     assert get(create_app(engine, None, model_id="m"), "/") == 200

@@ -4,6 +4,7 @@ requests the server ends when it stops, and waiting for a whole answer while wat
 app.py builds one; responses.py and messages.py take it."""
 
 import asyncio
+import functools
 import hmac
 import json
 from typing import Optional
@@ -68,10 +69,16 @@ class Service:
         self.engine, self.builder, self.model_id = engine, builder, model_id
         self.api_key, self.max_body_bytes = api_key, max_body_bytes
         self.agent_format = agent_format  # the computer-use prompt: --agent-format
-        self.processor = engine.processor
-        self.eos = eos_token_ids(engine.model, engine.processor)
         self.running = set()
         self.stopping = False
+
+    @property
+    def processor(self):
+        return self.engine.processor
+
+    @functools.cached_property
+    def eos(self) -> set:
+        return eos_token_ids(self.engine.model, self.engine.processor)
 
     def check_auth(self, request: Request):
         """With a key, `Authorization: Bearer KEY` or (Anthropic's clients) `x-api-key: KEY`."""
