@@ -8,6 +8,7 @@ import base64
 import http.client
 import io
 import json
+import math
 import os
 import socket
 import subprocess
@@ -118,6 +119,34 @@ def test_ground_equals_the_library(client, local):
                                     "screen_height": 768}))
     g = parse_grounding(BOX, 1366, 768)
     assert (got["point"], got["box"], got["screen_size"]) == (list(g.point), list(g.box), [1366, 768])
+
+
+def test_ground_zoom_equals_the_library(client, local):
+    """Two-stage grounding through the tool: the library's answer, and on a screen of another size
+    pass 2's box carried through its window to the same relative place (by hand, below)."""
+    shot = np.zeros((600, 1000, 3), np.uint8)
+    shot[::7] = 200  # 1000x600: half of each side (150,000 pixels) is over the model's minimum (65,536)
+    data = png(shot)
+    want = ground(*local, data, "it @find", format="qwen", zoom=True)
+    assert want.used_pass == 2
+    got = ok(client.call("ground", {"screenshot": content(data), "instruction": "it @find", "zoom": True}))
+    assert (got["point"], got["box"], got["status"]) == (list(want.point), list(want.box), want.status)
+    z = got["zoom"]
+    assert (z["fraction"], z["window"], z["pass"]) == (0.5, list(want.window), 2)
+    assert [p["answer"] for p in z["passes"]] == [p.answer for p in want.passes] == [BOX, BOX]
+    got = ok(client.call("ground", {"screenshot": content(data), "instruction": "it @find", "zoom": 0.5,
+                                    "screen_width": 1366, "screen_height": 768}))
+    x1, y1, x2, y2 = want.window
+
+    def on_screen(v, offset, extent, size, screen):  # crop-relative → whole-relative → screen pixel
+        return min(screen - 1, math.floor((1000 * offset + v * extent) * screen / (size * 1000)))
+
+    px = lambda v: on_screen(v, x1, x2 - x1 + 1, 1000, 1366)  # noqa: E731
+    py = lambda v: on_screen(v, y1, y2 - y1 + 1, 600, 768)  # noqa: E731
+    assert got["point"] == [px(200), py(300)] and got["box"] == [px(100), py(200), px(300), py(400)]
+    for bad in (2, 0, "yes"):
+        assert "'zoom'" in error(client.call("ground", {"screenshot": content(data), "instruction": "x",
+                                                        "zoom": bad}))
 
 
 def test_next_action_equals_the_library(client, local):

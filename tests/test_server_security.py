@@ -448,3 +448,86 @@ def test_a_signal_ends_running_streams_with_an_error_and_exits_0(sig):
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["code"] == "server_shutdown" and error["type"] == "server_overloaded"
+
+
+# ------------------------------------------------------------------------------ POST /v1/ground and the page
+
+
+def ground_post(server, body, headers=None):
+    return server.request("POST", "/v1/ground", body, headers=headers, key=None)
+
+
+def test_ground_checks_every_field_before_any_work(server, loopback):
+    """/v1/ground takes an allow-list of fields, its image under the media policy and the pixel
+    budget (checked from the header), and answers each bad one with a 400 naming it."""
+    good = {"image": data_url(png_bytes("img_123x77.png")), "instruction": "the OK button", "max_tokens": 2}
+    outside = FIXTURES / "tiny-a" / "config.json"
+    cases = [
+        ({**good, "chat_template": "{{ raise('x') }}"}, "chat_template", "unknown_field"),
+        ({**good, "messages": []}, "messages", "unknown_field"),
+        ({**good, "temperature": 1.0}, "temperature", "unknown_field"),
+        ({"instruction": "x"}, "image", "missing_field"),
+        ({**good, "image": {"url": good["image"]}}, "image", "invalid_type"),
+        ({**good, "instruction": " "}, "instruction", "invalid_type"),
+        ({**good, "instruction": "x" * 8193}, "instruction", "invalid_value"),
+        ({**good, "format": "../venus"}, "format", "invalid_value"),
+        ({**good, "zoom": "0.5"}, "zoom", "invalid_type"),
+        ({**good, "zoom": [0.5]}, "zoom", "invalid_type"),
+        ({**good, "allow_refusal": "no"}, "allow_refusal", "invalid_type"),
+        ({**good, "max_pixels": CAP + 1}, "max_pixels", "over_budget"),
+        ({**good, "min_pixels": 5000, "max_pixels": 4000}, "min_pixels", "invalid_value"),
+        ({**good, "max_tokens": 0}, "max_tokens", "invalid_value"),
+        ({**good, "image": data_url(blank_png(1001, 1000))}, "image", "over_budget"),  # 1,001,000 > CAP
+        ({**good, "image": data_url(b"%!PS-Adobe-3.0 EPSF-3.0\n")}, "image", None),
+        ({**good, "image": "data:image/png;base64,@@@"}, "image", None),
+        ({**good, "image": f"file://{outside}"}, "image", None),
+        ({**good, "image": f"file://{MEDIA}/../tiny-a/config.json"}, "image", None),
+        ({**good, "image": "/etc/passwd"}, "image", None),
+    ]
+    for zoom in (0, -1, 1.5, 1e308):
+        cases.append(({**good, "zoom": zoom}, "zoom", "invalid_value"))
+    for body, param, code in cases:
+        status, err = ground_post(server, body)
+        assert status == 400 and err["error"]["param"] == param, (body.get(param, body) if param != "image" else param,
+                                                                  err)
+        assert code is None or err["error"]["code"] == code, err
+    status, err = ground_post(server, b'{"image": "x", "instruction": "NaN", "zoom": NaN}')
+    assert status == 400 and err["error"]["param"] == "zoom", err
+    status, err = ground_post(server, {**good, "image": f"http://127.0.0.1:{loopback.port}/x.png"})
+    assert status == 403 and err["error"]["param"] == "image" and loopback.hits == []
+    status, ok = ground_post(server, {**good, "zoom": 0.5, "image": f"file://{MEDIA}/img_123x77.png"})
+    assert status == 200 and ok["image_size"] == [123, 77] and ok["zoom"]["fraction"] == 0.5
+
+
+def test_ground_and_the_page_keep_the_host_and_origin_rule(server):
+    port = server.port
+    body = {"image": data_url(png_bytes("img_123x77.png")), "instruction": "the OK button", "max_tokens": 2}
+    for host in ("evil.test", f"evil.test:{port}", "127.0.0.1.evil.test"):
+        assert ground_post(server, body, headers={"Host": host})[0] == 421, host
+        assert server.request("GET", "/", headers={"Host": host}, key=None)[0] == 421, host
+    for origin in ("http://evil.test", "null", f"http://localhost:{port + 1}"):
+        status, err = ground_post(server, body, headers={"Origin": origin, "Content-Type": "text/plain"})
+        assert status == 403 and err["error"]["code"] == "forbidden_origin", origin
+    # The page's own calls: same origin, by each of this machine's names.
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"):
+        assert ground_post(server, body, headers={"Host": host, "Origin": f"http://{host}"})[0] == 200, host
+    status, headers = server.request("GET", "/", key=None, with_headers=True)
+    assert status == 200 and "frame-ancestors 'none'" in headers["content-security-policy"]
+
+
+def test_ground_disconnect_frees_the_slot(server):
+    before = server.metrics().get("cancelled", 0)
+    body = json.dumps({"image": data_url(png_bytes("img_123x77.png")), "instruction": "the OK button",
+                       "max_tokens": 3000, "zoom": True})  # tiny-a runs all 3000 tokens (~5 s)
+    s = _connect(server)
+    s.sendall(f"POST /v1/ground HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    for _ in range(5000):  # bounded: each poll is one request round trip
+        if server.metrics()["running"] == 1:
+            break
+    s.close()
+    for _ in range(5000):
+        m = server.metrics()
+        if m["running"] == 0 and m.get("cancelled", 0) > before:
+            break
+    assert m["running"] == 0 and m.get("cancelled", 0) > before

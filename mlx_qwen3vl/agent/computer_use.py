@@ -379,7 +379,10 @@ class ComputerStep:
     kept). answer: the model's own answer text for the step, where the caller kept it (a server
     that stored its response); otherwise the step is written from `actions` (display pixels, as
     parsed back from the protocol's calls with ComputerTool.parse_call), `text` and `reasoning`.
-    display: the (width, height) those pixels refer to (default: computer_messages' display)."""
+    display: the (width, height) those pixels refer to (default: computer_messages' display).
+    result: text the step's tool result carried beside the next screenshot (an Anthropic
+    tool_result's text, a tool message's text): the qwen format shows it in the tool turn after the
+    screenshot; UI-Venus' navigation prompt has no place for it."""
 
     screenshot: Any = None
     answer: Optional[str] = None
@@ -387,6 +390,7 @@ class ComputerStep:
     text: Optional[str] = None
     reasoning: Optional[str] = None
     display: Optional[Tuple[int, int]] = None
+    result: Optional[str] = None
 
 
 def _rel(point, display):
@@ -491,8 +495,8 @@ def computer_messages(task: str, screenshot, history: Sequence[ComputerStep] = (
     qwen: the computer-use system prompt (`system` before its tool block, default Qwen's "You are a
     helpful assistant."), then the user turn (the first replayed step's screenshot, or the current
     one, then the task), each replayed step as an assistant tool call followed by a tool turn with
-    the next screenshot; the last `history_length` (QWEN_HISTORY_LENGTH) steps are replayed, and a
-    step without a screenshot has no tool turn. With no history this is computer_use_messages.
+    the next screenshot (and the step's `result` text); the last `history_length`
+    (QWEN_HISTORY_LENGTH) steps are replayed, and a step with neither has no tool turn. With no history this is computer_use_messages.
     venus: navigation_messages(screenshot, task, steps, kind) with the last `history_length`
     (VENUS_HISTORY_LENGTH) steps as its text history (`system` replaces its system line).
     display: the (width, height) the steps' actions are in (default: the current screenshot's)."""
@@ -521,8 +525,10 @@ def computer_messages(task: str, screenshot, history: Sequence[ComputerStep] = (
     for i, step in enumerate(steps):
         messages.append({"role": "assistant", "content": _qwen_answer_text(step, step.display or display)})
         following = steps[i + 1].screenshot if i + 1 < len(steps) else screenshot
-        if following is not None:
-            messages.append({"role": "tool", "content": [_image(following)]})
+        result = [{"type": "text", "text": step.result}] if step.result else []
+        if following is not None or result:
+            messages.append({"role": "tool", "content": ([_image(following)] if following is not None else [])
+                             + result})
     return messages
 
 

@@ -17,6 +17,7 @@ import os
 import stat
 import urllib.parse
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import List, Optional
 
 from .. import media
@@ -24,7 +25,7 @@ from ..errors import InputError
 from ..generate import generate
 from ..processor import image_budget
 from ..video import smart_resize
-from ..agent import GROUNDING_FORMATS, ground, parse_action, parse_grounding
+from ..agent import GROUNDING_FORMATS, Window, ground, parse_action, parse_grounding, zoom_fraction
 from ..agent.computer_tools import MAX_DISPLAY
 from ..agent.computer_use import AGENT_FORMATS, AGENT_SAMPLING, ComputerStep, computer_messages, map_answer
 
@@ -201,17 +202,42 @@ def read_screenshot(value, settings: Settings, processor=None, pixels=None):
 # ---------------------------------------------------------------------------------------------
 # The tools
 # ---------------------------------------------------------------------------------------------
+def _zoom(args):
+    value = args.get("zoom")
+    if value is None or value is False:
+        return None
+    if not isinstance(value, (bool, int, float)):
+        raise InputError("'zoom' must be true, false or the window's fraction of each side, in (0, 1]")
+    return zoom_fraction(value, "'zoom'")
+
+
+def _on_screen(hit, size, screen):
+    """The answer in screen pixels: read again at the screen's size, pass 2's through its window
+    scaled to the screen exactly (Fractions), so both land on the same relative place."""
+    window = None
+    if hit.used_pass == 2:
+        x1, y1, x2, y2 = hit.window
+        sx, sy = Fraction(screen[0], size[0]), Fraction(screen[1], size[1])
+        window = Window(x1 * sx, y1 * sy, (x2 - x1 + 1) * sx, (y2 - y1 + 1) * sy)
+    return parse_grounding(hit.answer, *screen, window=window)
+
+
 def ground_tool(model, processor, settings: Settings, args: dict) -> dict:
-    """Where `instruction` is on the screenshot: point, box and status in screen pixels."""
-    _check_names(args, ("screenshot", "instruction", "format", "screen_width", "screen_height"), "ground")
+    """Where `instruction` is on the screenshot: point, box and status in screen pixels; with
+    zoom, two-stage grounding (pass 2 on a crop around pass 1's point)."""
+    _check_names(args, ("screenshot", "instruction", "format", "zoom", "screen_width", "screen_height"), "ground")
     instruction = _text(args, "instruction")
     fmt = _choice(args, "format", GROUNDING_FORMATS, settings.ground_format)
+    zoom = _zoom(args)
     data, size = read_screenshot(args.get("screenshot"), settings, processor)
     screen = _screen(args, size)
-    hit = ground(model, processor, data, instruction, format=fmt, **settings.pixel_options())
-    g = parse_grounding(hit.answer, *screen) if screen != size else hit
-    return {"point": list(g.point) if g.point else None, "box": list(g.box) if g.box else None, "status": g.status,
-            "answer": hit.answer, "format": fmt, "screen_size": list(screen), "image_size": list(size)}
+    hit = ground(model, processor, data, instruction, format=fmt, zoom=zoom, **settings.pixel_options())
+    g = _on_screen(hit, size, screen) if screen != size else hit
+    out = {"point": list(g.point) if g.point else None, "box": list(g.box) if g.box else None, "status": g.status,
+           "answer": hit.answer, "format": fmt, "screen_size": list(screen), "image_size": list(size)}
+    if zoom is not None:  # the window in the screenshot's pixels, and each pass's answer there
+        out["zoom"] = hit.to_dict()["zoom"]
+    return out
 
 
 def next_action_messages(settings: Settings, task, data, history, kind):
@@ -294,6 +320,11 @@ TOOL_DECLARATIONS = [
                              "instruction": {"type": "string", "description": "The element, e.g. 'the Save button'."},
                              "format": {"type": "string", "enum": list(GROUNDING_FORMATS),
                                         "description": "The trained prompt to ask with (default: the server's)."},
+                             "zoom": {"anyOf": [{"type": "boolean"},
+                                                {"type": "number", "exclusiveMinimum": 0, "maximum": 1}],
+                                      "description": "Two-stage grounding for small targets on large screens: "
+                                                     "ask again on a crop around the first answer, this "
+                                                     "fraction of each side (true: 0.5). Default: one pass."},
                              **_SCREEN}, ["screenshot", "instruction"])},
     {"name": "next_action",
      "description": "The next GUI action towards a task on the current screenshot: status (action, message, done, "

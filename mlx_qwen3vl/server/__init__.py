@@ -1,6 +1,8 @@
 """An OpenAI-compatible HTTP server for Qwen3-VL: `python -m mlx_qwen3vl.server --model PATH|HUB_ID`.
 
     app.py       routes, API key, body limit, CORS, error bodies, server-sent events
+    grounding.py POST /v1/ground: agent.ground_with with each pass a request through the engine
+    ui.py        the playground page at / (static/: HTML, JS, CSS; off with --no-ui)
     protocol.py  request validation, response and chunk formats
     prompts.py   a request → model inputs (media policy, chat template, tools, grammar)
     limits.py    what one request may cost, checked before decoding (pixels, frames)
@@ -11,11 +13,18 @@
                  events out; replica.py: the same under mlx.launch
     tools.py     <tool_call> blocks → OpenAI tool_calls
     grammar.py   json_object / json_schema / forced tool calls via llguidance
+    service.py   what every endpoint shares: key, body, submitting, waiting for an answer
+    responses.py OpenAI's Responses API (store.py: recent responses for previous_response_id)
+    messages.py  Anthropic's Messages API
+    conversation.py  both protocols' conversations in one form, rendered as chat messages
+    computer.py  computer-use tools: the trained prompt, answers → the tool's actions
+    answer.py    an answer split into reasoning, text and tool calls while it streams
 """
 
 
 def build_server(model, processor, *, model_id="model", api_key=None, max_body_bytes=64 << 20, cors_origins=None,
-                 media_policy=None, limits=None, grammar_timeout_s=None, bound_host=None, **engine_kwargs):
+                 media_policy=None, limits=None, grammar_timeout_s=None, bound_host=None, ui=True, agent_format="qwen",
+                 responses_store=256, responses_store_bytes=256 << 20, **engine_kwargs):
     """(model, processor) → (Starlette app, engine); the engine's model thread is already running."""
     from .app import create_app
     from .engine import Engine
@@ -23,6 +32,7 @@ def build_server(model, processor, *, model_id="model", api_key=None, max_body_b
     from .grammar import GrammarFactory
     from .limits import DEFAULT_GRAMMAR_TIMEOUT_S
     from .prompts import PromptBuilder
+    from .store import ResponseStore
 
     engine = Engine(model, processor, **engine_kwargs)
     tok = processor.tokenizer
@@ -30,5 +40,6 @@ def build_server(model, processor, *, model_id="model", api_key=None, max_body_b
                               timeout_s=grammar_timeout_s or DEFAULT_GRAMMAR_TIMEOUT_S)
     builder = PromptBuilder(engine, media_policy or MediaPolicy(), grammars, limits)
     app = create_app(engine, builder, model_id=model_id, api_key=api_key, max_body_bytes=max_body_bytes,
-                     cors_origins=cors_origins, bound_host=bound_host)
+                     cors_origins=cors_origins, bound_host=bound_host, ui=ui, agent_format=agent_format,
+                     response_store=ResponseStore(responses_store, responses_store_bytes))
     return app, engine

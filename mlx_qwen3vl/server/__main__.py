@@ -41,7 +41,7 @@ def build_parser():
                          DEFAULT_MAX_VIDEO_FRAMES)
 
     p = argparse.ArgumentParser(prog="python -m mlx_qwen3vl.server", formatter_class=_Help,
-                                description="OpenAI-compatible chat-completions server for Qwen3-VL.")
+                                description="Qwen3-VL behind OpenAI chat completions and Responses, and Anthropic Messages.")
     p.add_argument("--model", required=True, help="local checkpoint folder or Hugging Face repo id (required)")
     p.add_argument("--served-model-name", default=None, help="the id /v1/models reports (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
@@ -49,6 +49,7 @@ def build_parser():
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' (default: ${KEY_ENV} if set, else no key: then only "
                         "requests naming this machine as Host, and no cross-origin ones, are served)")
+    p.add_argument("--no-ui", action="store_true", help="do not serve the playground page at /")
     p.add_argument("--max-body-bytes", type=_positive(int), default=64 << 20, help="request size limit in bytes")
     p.add_argument("--cors-allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="allow browser requests from ORIGIN (repeatable; '*' for any)")
@@ -82,6 +83,13 @@ def build_parser():
     p.add_argument("--max-queue", type=_positive(int), default=64, help="waiting requests before answering 503")
     p.add_argument("--max-tokens", type=_positive(int), default=512,
                    help="default answer limit when a request sets none")
+    p.add_argument("--agent-format", choices=["qwen", "venus"], default="qwen",
+                   help="the trained prompt a request declaring a computer-use tool is rendered with: Qwen3-VL's "
+                        "computer_use prompt (qwen) or UI-Venus-1.5's navigation prompt (venus)")
+    p.add_argument("--responses-store", type=int, default=256, metavar="N",
+                   help="recent /v1/responses answers kept for previous_response_id (0: none)")
+    p.add_argument("--responses-store-mb", type=_positive(float), default=256.0,
+                   help="memory those kept responses' conversations may take (least recently used out first)")
     p.add_argument("--prefix-cache-gb", type=float, default=2.0, help="memory for cached KV prefixes")
     p.add_argument("--vision-cache-gb", type=float, default=0.5, help="memory for cached vision features")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="most prompt tokens per decoder chunk")
@@ -162,6 +170,7 @@ def main(argv=None):
               file=sys.stderr)
         return 2
     for flag, value, ok in (("--prefill-budget", args.prefill_budget, args.prefill_budget >= 0),
+                            ("--responses-store", args.responses_store, args.responses_store >= 0),
                             ("--max-request-seconds", args.max_request_seconds, args.max_request_seconds >= 0),
                             ("--kv-cache-gb", args.kv_cache_gb, args.kv_cache_gb is None or args.kv_cache_gb > 0)):
         if not ok:
@@ -232,12 +241,14 @@ def main(argv=None):
         app, engine = build_server(
             model, processor, model_id=args.served_model_name or args.model, api_key=api_key,
             max_body_bytes=args.max_body_bytes, cors_origins=args.cors_allow_origin, media_policy=policy,
-            limits=limits, grammar_timeout_s=args.grammar_timeout, bound_host=args.host, **engine_kwargs)
+            limits=limits, grammar_timeout_s=args.grammar_timeout, bound_host=args.host, ui=not args.no_ui,
+            agent_format=args.agent_format, responses_store=args.responses_store,
+            responses_store_bytes=int(args.responses_store_mb * (1 << 20)), **engine_kwargs)
     except Qwen3VLError as e:  # e.g. a --prefix-cache-dir of another user, a KV group size the model cannot take
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"[mlx_qwen3vl] serving {args.model} on http://{args.host}:{args.port}/v1{where}", file=sys.stderr,
-          flush=True)
+    print(f"[mlx_qwen3vl] serving {args.model} on http://{args.host}:{args.port}/v1{where}"
+          + ("" if args.no_ui else f"; playground: http://{args.host}:{args.port}/"), file=sys.stderr, flush=True)
     run = dict(host=args.host, port=args.port, log_level=args.log_level, max_connections=args.max_connections,
                header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                keep_alive_timeout=args.keep_alive_timeout, on_stop=app.state.stop)

@@ -3,7 +3,6 @@ error bodies, SSE, and ending running requests when the server stops."""
 
 import asyncio
 import contextlib
-import hmac
 import json
 import time
 from typing import Optional
@@ -13,51 +12,27 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from . import grounding as G
+from . import messages, responses
 from . import protocol as P
 from .protocol import APIError
+from .service import Service, disconnected, parse_json, read_body, shutting_down
+from .store import ResponseStore
 from .tools import ToolCallParser, split_tool_calls
+from .ui import routes as ui_routes
 
 
-def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+def _error_response(e: APIError, path: str = "") -> JSONResponse:
+    """An error in the shape of the protocol the path speaks (Anthropic's under /v1/messages)."""
+    body = messages.error_body(e) if path.startswith(ANTHROPIC_PATHS) else e.body()
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
 
 
-async def _read_body(request: Request, limit: int) -> bytearray:
-    too_big = APIError(413, f"the request body is larger than this server's limit of {limit} bytes; send "
-                       "smaller images (or start the server with a larger --max-body-bytes)", code="body_too_large")
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > limit:
-        raise too_big
-    body = bytearray()  # one buffer: a list of chunks joined at the end held the body twice
-    try:
-        async for chunk in request.stream():
-            if len(body) + len(chunk) > limit:
-                raise too_big
-            body += chunk
-    except ClientDisconnect:  # gone (or closed by a read deadline): nobody reads the answer
-        raise APIError(400, "the client went away before its body arrived", code="client_disconnected") from None
-    return body
-
-
-def _parse_json(raw: bytearray):
-    """The body as JSON (UTF-8, RFC 8259). The raw bytes are released before parsing: a large body
-    is held at most twice (its text, then what is parsed from it)."""
-    try:
-        text = raw.decode("utf-8-sig")  # a leading BOM is tolerated, as json.loads(bytes) did
-        raw.clear()
-        body = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
-    except RecursionError:
-        raise APIError(400, f"the request body is nested deeper than {P.MAX_JSON_DEPTH} levels",
-                       code="too_deep") from None
-    P.check_json(body)
-    return body
-
+ANTHROPIC_PATHS = ("/v1/messages",)
 
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 
@@ -103,13 +78,8 @@ class LocalOnly:
 
 
 async def _refuse(scope, receive, send, status, message, code):
-    body = {"error": {"message": message, "type": "permission_error", "param": None, "code": code}}
-    await JSONResponse(body, status_code=status)(scope, receive, send)
-
-
-async def _disconnected(request: Request):
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    error = APIError(status, message, type="permission_error", code=code)
+    await _error_response(error, scope.get("path", ""))(scope, receive, send)
 
 
 def _sse(obj) -> str:
@@ -117,26 +87,24 @@ def _sse(obj) -> str:
 
 
 def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None, max_body_bytes: int = 64 << 20,
-               cors_origins=None, bound_host=None) -> Starlette:
-    running = set()  # handles of the requests being answered (ended with an error when the server stops)
+               cors_origins=None, bound_host=None, ui: bool = True, agent_format: str = "qwen",
+               response_store=None) -> Starlette:
+    service = Service(engine, builder, model_id=model_id, api_key=api_key, max_body_bytes=max_body_bytes,
+                      agent_format=agent_format)
+    store = response_store if response_store is not None else ResponseStore()
+    running = service.running  # handles of the requests being answered (ended with an error when the server stops)
     stopping = []
 
     def stop():
         """The server is stopping (on the event loop): refuse new requests, end running ones with
         an error event (and free their rows)."""
         stopping.append(True)
+        service.stopping = True
         for handle in list(running):
             handle.cancel()
-            handle.queue.put_nowait({"type": "error", "error": _shutting_down()})
+            handle.queue.put_nowait({"type": "error", "error": shutting_down()})
 
-    def check_auth(request: Request):
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    check_auth = service.check_auth
 
     async def health(request):
         return JSONResponse({"status": "ok", "model": model_id})
@@ -148,18 +116,18 @@ def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None,
 
     async def metrics(request):
         check_auth(request)
-        return JSONResponse(engine.stats())
+        return JSONResponse({**engine.stats(), **store.stats()})
 
     async def chat_completions(request: Request):
         check_auth(request)
         if stopping:
-            raise _shutting_down()
-        body = _parse_json(await _read_body(request, max_body_bytes))
+            raise shutting_down()
+        body = parse_json(await read_body(request, max_body_bytes))
         req = P.parse_chat_request(body)
         del body
         prepared = await run_in_threadpool(builder.build, req)
         if stopping:
-            raise _shutting_down()
+            raise shutting_down()
         handle = engine.submit(prepared, asyncio.get_running_loop())
         running.add(handle)
         cid, name = P.completion_id(), req.model or model_id
@@ -173,7 +141,7 @@ def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None,
             running.discard(handle)
 
     async def _complete(request, handle, cid, name, parse_tools):
-        watcher = asyncio.ensure_future(_disconnected(request))
+        watcher = asyncio.ensure_future(disconnected(request))
         text, logprobs = "", []
         try:
             while True:
@@ -247,38 +215,48 @@ def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None,
                 handle.cancel()
         yield "data: [DONE]\n\n"
 
+    async def ground(request: Request):
+        """POST /v1/ground (grounding.py): each pass a request through the engine, on a worker thread."""
+        check_auth(request)
+        if stopping:
+            raise shutting_down()
+        req = G.parse_ground_request(parse_json(await read_body(request, max_body_bytes)))
+        job = G.GroundJob(engine, builder, req, asyncio.get_running_loop(), running, stopping, shutting_down)
+        hit = await job.serve(disconnected(request))
+        if hit is None:  # the client went away
+            return JSONResponse({}, status_code=499)
+        return JSONResponse(G.response(hit, req.model or model_id))
+
     async def api_error(request, exc: APIError):
-        return _error_response(exc)
+        return _error_response(exc, request.url.path)
 
     async def http_error(request, exc: HTTPException):
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
-        return JSONResponse({"error": {"message": f"{request.method} {request.url.path}: {exc.detail}", "type": kind,
-                                       "param": None, "code": None}}, status_code=exc.status_code)
+        error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind)
+        return _error_response(error, request.url.path)
 
     async def internal_error(request, exc: Exception):
-        return _error_response(_as_error(exc))
+        return _error_response(_as_error(exc), request.url.path)
 
     middleware = []
     if api_key is None:
         middleware.append(Middleware(LocalOnly, bound_host=bound_host, cors_origins=cors_origins))
     if cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-                                     allow_headers=["Authorization", "Content-Type"]))
+                                     allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version",
+                                                    "anthropic-beta"]))
     engine.started = getattr(engine, "started", time.time())
     app = Starlette(
         routes=[Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
-                Route("/v1/chat/completions", chat_completions, methods=["POST"])],
+                Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+                Route("/v1/ground", ground, methods=["POST"]), *responses.routes(service, store),
+                *messages.routes(service), *(ui_routes() if ui else [])],
         middleware=middleware,
         exception_handlers={APIError: api_error, HTTPException: http_error, Exception: internal_error},
         lifespan=_lifespan(engine),
     )
     app.state.stop = stop
     return app
-
-
-def _shutting_down():
-    return APIError(503, "the server is shutting down; this request was not finished", code="server_shutdown",
-                    headers={"Retry-After": "5"})
 
 
 def _as_error(e) -> APIError:

@@ -4,6 +4,8 @@ decoded), and the pixels the processor would make of them. A refused request nev
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .. import media
 from .. import video as vid
 from ..errors import InputError
@@ -43,7 +45,8 @@ def check_media(images, videos, req, processor, limits: Limits):
     """Refuse the request before decoding if its media would exceed the budget: each image's own
     pixels (as stored) and the pixels of all images (as resized for the model) and video frames
     (as decoded: the kept frames are held at once) together at most --max-request-pixels, each
-    video at most --max-video-frames frames. `images`: encoded bytes; `videos`: file paths."""
+    video at most --max-video-frames frames. `images`: encoded bytes (or decoded RGB arrays);
+    `videos`: file paths."""
     cap, total = limits.max_request_pixels, 0
     cfg = processor.image_config
     try:
@@ -53,7 +56,7 @@ def check_media(images, videos, req, processor, limits: Limits):
     for i, data in enumerate(images, 1):
         label = f"image {i}"
         try:
-            w, h = media.image_size(data, label)
+            w, h = (data.shape[1], data.shape[0]) if isinstance(data, np.ndarray) else media.image_size(data, label)
             rh, rw = vid.smart_resize(h, w, cfg.factor, lo, hi)
         except InputError as e:
             raise APIError(400, str(e), param="messages", code="invalid_input") from None

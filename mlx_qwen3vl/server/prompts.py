@@ -21,9 +21,11 @@ def _text_of(content):
     return "".join(p["text"] for p in content if p.get("type") == "text")
 
 
-def convert_messages(messages, policy, temp_files):
-    """OpenAI messages → (template messages with media placeholders, images, videos), in order."""
+def convert_messages(messages, policy, temp_files, names=None):
+    """OpenAI messages → (template messages with media placeholders, images, videos), in order.
+    `names`: {(i, j): param} naming a part as the client wrote it (another protocol's field)."""
     out, images, videos = [], [], []
+    names = names or {}
     for i, m in enumerate(messages):
         role = "system" if m["role"] == "developer" else m["role"]
         msg = {"role": role}
@@ -32,17 +34,17 @@ def convert_messages(messages, policy, temp_files):
             parts = []
             for j, part in enumerate(content):
                 kind = part["type"]
-                param = f"messages[{i}].content[{j}].{kind}"
+                param = names.get((i, j)) or f"messages[{i}].content[{j}].{kind}.url"
                 if kind == "text":
                     parts.append({"type": "text", "text": part["text"]})
                     continue
                 ref = part[kind]
                 url = ref["url"] if isinstance(ref, dict) else ref
                 if kind == "image_url":
-                    images.append(resolve_image(url, policy, param + ".url"))
+                    images.append(resolve_image(url, policy, param))
                     parts.append({"type": "image"})
                 else:
-                    videos.append(resolve_video(url, policy, param + ".url", temp_files))
+                    videos.append(resolve_video(url, policy, param, temp_files))
                     parts.append({"type": "video"})
             msg["content"] = parts
         else:
@@ -66,23 +68,31 @@ class PromptBuilder:
         temp_files = []
         check_pixel_options(req, self.limits)
         try:
-            messages, images, videos = convert_messages(req.messages, self.policy, temp_files)
-            check_media(images, videos, req, self.processor, self.limits)  # before any decoding
-            tools = req.tools if req.tool_choice != "none" else None
-            with self._lock:
-                try:
-                    text = self.processor.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                              **req.chat_template_kwargs)
-                    inputs = self.processor(text=text, images=images or None, videos=videos or None,
-                                            min_pixels=req.min_pixels, max_pixels=req.max_pixels)
-                except Qwen3VLError as e:
-                    raise APIError(400, str(e), param="messages", code="invalid_input") from None
-                except (TypeError, ValueError) as e:  # the template rejected the conversation
-                    raise APIError(400, f"the chat template could not render these messages: {e}",
-                                   param="messages", code="invalid_input") from None
+            messages, images, videos = convert_messages(req.messages, self.policy, temp_files, req.media_params)
+            return self.render(req, messages, images, videos)
         finally:
             for path in temp_files:
                 os.unlink(path)
+
+    def render(self, req: ChatRequest, messages, images, videos=()) -> Prepared:
+        """Template messages whose media are resolved (`images`: encoded bytes or RGB arrays,
+        `videos`: files, in order) → Prepared, under the request's budgets, tools and grammar. The
+        computer-use prompt (computer.py) and the grounding route's passes (grounding.py: the
+        screenshot and its crop) come in here too."""
+        check_pixel_options(req, self.limits)
+        check_media(images, videos, req, self.processor, self.limits)  # before any decoding
+        tools = req.tools if req.tool_choice != "none" else None
+        with self._lock:
+            try:
+                text = self.processor.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                          **req.chat_template_kwargs)
+                inputs = self.processor(text=text, images=list(images) or None, videos=list(videos) or None,
+                                        min_pixels=req.min_pixels, max_pixels=req.max_pixels)
+            except Qwen3VLError as e:
+                raise APIError(400, str(e), param="messages", code="invalid_input") from None
+            except (TypeError, ValueError) as e:  # the template rejected the conversation
+                raise APIError(400, f"the chat template could not render these messages: {e}",
+                               param="messages", code="invalid_input") from None
         if "mm_token_type_ids" not in inputs:
             inputs["mm_token_type_ids"] = np.zeros_like(inputs["input_ids"])
         tokens = np.asarray(inputs["input_ids"])[0].tolist()

@@ -59,6 +59,7 @@ class ChatRequest:
     max_pixels: Optional[int] = None
     chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
     kv: Optional[dict] = None  # kv_bits / kv_group_size / quantized_kv_start the request set (extra_body)
+    media_params: Optional[Dict[tuple, str]] = None  # {(message, part): param} where another protocol named it
 
 
 def _number(body, name, lo=None, hi=None, *, integer=False, lo_open=False, default=None):
@@ -182,6 +183,55 @@ def _check_response_format(rf):
     return None if rf["type"] == "text" else rf
 
 
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seed")
+
+
+def stop_strings(stop, name="stop") -> List[str]:
+    """A request's stop strings (a string or a list), checked against the limits."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
+        raise _invalid(name, f"'{name}' must be a non-empty string or a list of at most {MAX_STOP} of them")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise _invalid(name, f"each '{name}' string must be at most {MAX_STOP_CHARS} characters")
+    return stop
+
+
+def sampling_params(body, stop=(), *, defaults=None, logprobs=False, top_logprobs=0) -> SamplingParams:
+    """The sampling fields of a request body (SAMPLING_FIELDS) → SamplingParams; a field the body
+    leaves out takes `defaults`' value, else OpenAI's default temperature (1.0), not the library's
+    greedy one."""
+    d = defaults or {}
+    top_k = _number(body, "top_k", -1, integer=True, default=d.get("top_k", 0))
+    return SamplingParams(
+        temperature=_number(body, "temperature", 0, 2, default=d.get("temperature", 1.0)),
+        top_p=_number(body, "top_p", 0, 1, lo_open=True, default=d.get("top_p", 1.0)),
+        top_k=max(top_k, 0),
+        min_p=_number(body, "min_p", 0, 1, default=d.get("min_p", 0.0)),
+        repetition_penalty=_number(body, "repetition_penalty", 0, 10, lo_open=True,
+                                   default=d.get("repetition_penalty")),
+        presence_penalty=_number(body, "presence_penalty", -2, 2, default=d.get("presence_penalty")),
+        frequency_penalty=_number(body, "frequency_penalty", -2, 2, default=d.get("frequency_penalty")),
+        seed=_number(body, "seed", 0, 2**63 - 1, integer=True),
+        stop=list(stop), logprobs=logprobs, top_logprobs=top_logprobs,
+    )
+
+
+def pixel_options(body) -> Dict[str, Optional[int]]:
+    """A request's own min_pixels / max_pixels (checked against the server's cap in prompts.py)."""
+    pixels = {k: _number(body, k, 1, integer=True) for k in ("min_pixels", "max_pixels")}
+    if pixels["min_pixels"] and pixels["max_pixels"] and pixels["min_pixels"] > pixels["max_pixels"]:
+        raise _invalid("min_pixels", "'min_pixels' is larger than 'max_pixels'")
+    return pixels
+
+
+def template_switches(kwargs):
+    return _template_switches(kwargs or {})
+
+
 def parse_chat_request(body) -> ChatRequest:
     if not isinstance(body, dict):
         raise _invalid(None, "the request body must be a JSON object", "invalid_type")
@@ -210,30 +260,11 @@ def parse_chat_request(body) -> ChatRequest:
     max_tokens = _number(body, "max_completion_tokens", 1, integer=True)
     if max_tokens is None:
         max_tokens = _number(body, "max_tokens", 1, integer=True)
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
-        raise _invalid("stop", f"'stop' must be a non-empty string or a list of at most {MAX_STOP} of them")
-    if any(len(s) > MAX_STOP_CHARS for s in stop):
-        raise _invalid("stop", f"each 'stop' string must be at most {MAX_STOP_CHARS} characters")
-    top_k = _number(body, "top_k", -1, integer=True, default=0)
+    stop = stop_strings(body.get("stop"), "stop")
     top_logprobs = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True, default=0)
     if top_logprobs and not body.get("logprobs"):
         raise _invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
-    sampling = SamplingParams(  # OpenAI's default temperature (1.0), not the library's greedy one
-        temperature=_number(body, "temperature", 0, 2, default=1.0),
-        top_p=_number(body, "top_p", 0, 1, lo_open=True, default=1.0),
-        top_k=max(top_k, 0),
-        min_p=_number(body, "min_p", 0, 1, default=0.0),
-        repetition_penalty=_number(body, "repetition_penalty", 0, 10, lo_open=True),
-        presence_penalty=_number(body, "presence_penalty", -2, 2),
-        frequency_penalty=_number(body, "frequency_penalty", -2, 2),
-        seed=_number(body, "seed", 0, 2**63 - 1, integer=True),
-        stop=stop, logprobs=bool(body.get("logprobs")), top_logprobs=top_logprobs,
-    )
+    sampling = sampling_params(body, stop, logprobs=bool(body.get("logprobs")), top_logprobs=top_logprobs)
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise _invalid("stream_options", "'stream_options' must be an object", "invalid_type")
@@ -301,3 +332,63 @@ def chunk(cid, model, delta=None, finish_reason=None, logprobs=None, use=None, c
     if use is not None:
         out["usage"] = use
     return out
+
+
+# ----------------------------------------------------------------- shared by the other protocols
+
+
+def invalid(param, message, code="invalid_value") -> APIError:
+    return _invalid(param, message, code)
+
+
+def number(body, name, lo=None, hi=None, *, integer=False, lo_open=False, default=None, param=None):
+    """body[name] checked as a number in range (None → default); `param` names it in errors."""
+    try:
+        return _number(body, name, lo, hi, integer=integer, lo_open=lo_open, default=default)
+    except APIError as e:
+        if param is not None:
+            e.param, e.message = param, e.message.replace(f"'{name}'", f"'{param}'")
+            e.args = (e.message,)
+        raise
+
+
+def check_fields(obj, allowed, where, refused=None):
+    """`obj` is an object whose keys are all in `allowed`: an unknown key is a 400 naming it (a
+    field this server does not implement is never silently ignored); `refused` maps a known
+    field to why it is refused."""
+    if not isinstance(obj, dict):
+        raise _invalid(where, f"'{where or 'the body'}' must be an object", "invalid_type")
+    for key in obj:
+        if refused and key in refused and obj[key] is not None:
+            name = f"{where}.{key}" if where else key
+            raise _invalid(name, f"'{name}' is not supported by this server: {refused[key]}", "unsupported_field")
+        if key not in allowed:
+            name = f"{where}.{key}" if where else key
+            raise _invalid(name, f"'{name}' is not a field this server accepts here", "unknown_field")
+
+
+def string(obj, key, where, *, required=False, default=None, empty=True):
+    value = obj.get(key)
+    name = f"{where}.{key}" if where else key
+    if value is None:
+        if required:
+            raise _invalid(name, f"'{name}' is required", "missing_field")
+        return default
+    if not isinstance(value, str) or (not empty and not value):
+        raise _invalid(name, f"'{name}' must be a {'non-empty ' if not empty else ''}string", "invalid_type")
+    return value
+
+
+def flag(obj, key, where, default=False):
+    value = obj.get(key)
+    name = f"{where}.{key}" if where else key
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _invalid(name, f"'{name}' must be true or false", "invalid_type")
+    return value
+
+
+def response_format(rf):
+    """A chat-completions response_format, checked (None for plain text)."""
+    return _check_response_format(rf)

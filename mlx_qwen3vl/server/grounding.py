@@ -1,0 +1,234 @@
+"""POST /v1/ground: where an instruction's target is on a screenshot, as the agent package's
+ground() answers it (one pass, or two with zoom), each pass a request through the server's engine.
+
+    {"image": "data:image/png;base64,...", "instruction": "the Apply button",
+     "format": "venus" | "qwen" | "computer_use", "zoom": false | true | 0.4,
+     "allow_refusal": true, "min_pixels": ..., "max_pixels": ..., "max_tokens": 128}
+    → {"point": [x, y] | null, "box": [x1, y1, x2, y2] | null, "status": "ok" | "refused" | "malformed",
+       "answer": ..., "note": ..., "image_size": [w, h], "format": ..., "timing": {...},
+       "zoom": {"fraction", "window", "pass", "passes": [...]}, "usage": {...}}
+
+The grounding itself is agent.ground_with's (prompts, crop, mapping); this module gives it an
+`ask` that renders each pass with the chat route's PromptBuilder (budgets, template, processor,
+limits) and submits it to the engine, and checks the request's fields against an allow-list
+before any work. The image is a URL under the server's media policy, as in a chat message.
+"""
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Optional
+
+from starlette.concurrency import run_in_threadpool
+
+from ..agent import GROUNDING_FORMATS, ground_with, missing_point_note, zoom_fraction
+from ..errors import Qwen3VLError
+from ..processor import image_budget
+from ..sampling import SamplingParams
+from .fetch import resolve_image
+from .limits import check_media, check_pixel_options
+from .protocol import APIError, ChatRequest, _number
+
+FIELDS = ("model", "image", "instruction", "format", "zoom", "allow_refusal", "min_pixels", "max_pixels",
+          "max_tokens")
+MAX_INSTRUCTION_CHARS = 8192
+DEFAULT_MAX_TOKENS = 128  # as ground()'s: a point or a box is a few tokens
+
+
+def _invalid(param, message, code="invalid_value"):
+    return APIError(400, message, param=param, code=code)
+
+
+@dataclass
+class GroundRequest:
+    image: str
+    instruction: str
+    format: str = "venus"
+    zoom: Optional[Fraction] = None
+    allow_refusal: bool = True
+    min_pixels: Optional[int] = None
+    max_pixels: Optional[int] = None
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    model: Optional[str] = None
+
+    def chat(self) -> ChatRequest:
+        """One pass as the chat route's request: greedy (as UI-Venus and Qwen evaluate), its budgets."""
+        return ChatRequest(messages=[], sampling=SamplingParams(temperature=0.0), max_tokens=self.max_tokens,
+                           model=self.model, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+
+
+def parse_ground_request(body) -> GroundRequest:
+    if not isinstance(body, dict):
+        raise _invalid(None, "the request body must be a JSON object", "invalid_type")
+    unknown = sorted(set(body) - set(FIELDS))
+    if unknown:
+        raise _invalid(unknown[0], f"'{unknown[0][:40]}' is not a field of /v1/ground; it takes "
+                       + ", ".join(FIELDS), "unknown_field")
+    for name in ("image", "instruction"):
+        if body.get(name) is None:
+            raise _invalid(name, f"'{name}' is required", "missing_field")
+        if not isinstance(body[name], str) or not body[name].strip():
+            raise _invalid(name, f"'{name}' must be a non-empty string", "invalid_type")
+    if len(body["instruction"]) > MAX_INSTRUCTION_CHARS:
+        raise _invalid("instruction", f"'instruction' is {len(body['instruction'])} characters; at most "
+                       f"{MAX_INSTRUCTION_CHARS}")
+    fmt = body.get("format", "venus")
+    if fmt not in GROUNDING_FORMATS:
+        raise _invalid("format", f"'format' is {str(fmt)[:40]!r}; use one of {', '.join(GROUNDING_FORMATS)}")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise _invalid("model", "'model' must be a string", "invalid_type")
+    refusal = body.get("allow_refusal", True)
+    if not isinstance(refusal, bool):
+        raise _invalid("allow_refusal", "'allow_refusal' must be true or false", "invalid_type")
+    zoom = body.get("zoom")
+    if zoom is not None and not isinstance(zoom, (bool, int, float)):
+        raise _invalid("zoom", "'zoom' must be true, false or the window's fraction of each side (0, 1]",
+                       "invalid_type")
+    if zoom is not None and zoom is not False:
+        try:
+            zoom = zoom_fraction(zoom, "'zoom'")
+        except Qwen3VLError as e:
+            raise _invalid("zoom", str(e)) from None
+    pixels = {k: _number(body, k, 1, integer=True) for k in ("min_pixels", "max_pixels")}
+    if pixels["min_pixels"] and pixels["max_pixels"] and pixels["min_pixels"] > pixels["max_pixels"]:
+        raise _invalid("min_pixels", "'min_pixels' is larger than 'max_pixels'")
+    return GroundRequest(image=body["image"], instruction=body["instruction"], format=fmt,
+                         zoom=None if zoom is None or zoom is False else zoom, allow_refusal=refusal,
+                         max_tokens=_number(body, "max_tokens", 1, integer=True, default=DEFAULT_MAX_TOKENS),
+                         model=body.get("model"), **pixels)
+
+
+@dataclass
+class PassAnswer:
+    """One pass's answer as ground_with reads an `ask` result (GenerationResult's names). The rates
+    are measured from the submission: prompt_tps includes any wait for a batch slot."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    generation_tokens: int
+    prompt_tps: float
+    generation_tps: float
+
+
+def _rate(n, seconds):
+    return n / seconds if seconds > 0 and n > 0 else 0.0
+
+
+def _template(messages):
+    """grounding_messages (screenshots inline) → the template's messages with placeholders, and the images."""
+    out, images = [], []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part["type"] == "image":
+                    images.append(part["image"])
+                    part = {"type": "image"}
+                parts.append(part)
+            m = {**m, "content": parts}
+        out.append(m)
+    return out, images
+
+
+class GroundJob:
+    """One /v1/ground request. `serve` runs it: `run` (on a worker thread) reads the screenshot and runs
+    ground_with; its `ask` prepares each pass on that thread and waits for the engine's answer,
+    which the event loop collects. `abandon` (on the loop) ends it when the client goes away."""
+
+    def __init__(self, engine, builder, req: GroundRequest, loop, running: set, stopping: list, shutting_down):
+        self.engine, self.builder, self.req, self.loop = engine, builder, req, loop
+        self.running, self.stopping, self.shutting_down = running, stopping, shutting_down
+        self.chat = req.chat()
+        self.current = None  # the pass's Handle while it runs
+        self.gone = False
+
+    async def serve(self, disconnected):
+        """Run the job on a worker thread: its GroundingResult, or None when `disconnected` (an
+        awaitable: the client went away) comes first, after its running pass is cancelled."""
+        work = asyncio.ensure_future(run_in_threadpool(self.run))
+        watcher = asyncio.ensure_future(disconnected)
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                return work.result()
+            self.abandon()
+            await asyncio.wait({work})  # ends with the cancelled pass (or before a second one)
+            work.exception()
+            return None
+        finally:
+            watcher.cancel()
+
+    def run(self):
+        req, builder = self.req, self.builder
+        processor, limits = builder.processor, builder.limits
+        check_pixel_options(self.chat, limits)
+        data = resolve_image(req.image, builder.policy, "image")
+        try:  # from the header, before ground_with decodes it
+            check_media([data], (), self.chat, processor, limits)
+        except APIError as e:
+            e.param = "image" if e.param == "messages" else e.param
+            raise
+        floor = 0
+        if req.zoom is not None:  # the window holds at least the pixels the model is shown at least
+            floor = image_budget(processor.image_config, req.min_pixels, req.max_pixels)[0]
+        try:
+            return ground_with(self.ask, data, req.instruction, format=req.format, allow_refusal=req.allow_refusal,
+                               zoom=req.zoom, window_min_pixels=floor)
+        except Qwen3VLError as e:
+            raise APIError(400, str(e), param="image", code="invalid_input") from None
+
+    def ask(self, messages) -> PassAnswer:
+        messages, images = _template(messages)
+        prepared = self.builder.render(self.chat, messages, images)
+        return asyncio.run_coroutine_threadsafe(self._answer(prepared), self.loop).result()
+
+    async def _answer(self, prepared) -> PassAnswer:
+        if self.gone:
+            raise APIError(499, "the client went away", code="client_disconnected")
+        if self.stopping:
+            raise self.shutting_down()
+        tic = time.perf_counter()
+        handle = self.engine.submit(prepared, self.loop)
+        self.running.add(handle)
+        self.current = handle
+        text, first = "", None
+        try:
+            while True:
+                ev = await handle.queue.get()
+                if ev["type"] == "error":
+                    raise ev["error"]
+                if ev["type"] == "token":
+                    text += ev["text"]
+                    first = first or time.perf_counter()
+                    continue
+                end = time.perf_counter()
+                n, computed = ev["completion_tokens"], ev["prompt_tokens"] - ev["cached_tokens"]
+                return PassAnswer(text, ev["finish_reason"], ev["prompt_tokens"], ev["cached_tokens"], n,
+                                  _rate(computed, (first or end) - tic), _rate(n - 1, end - (first or end)))
+        finally:
+            self.running.discard(handle)
+            self.current = None
+
+    def abandon(self):
+        """The client went away: free the running pass's batch slot and start no other."""
+        self.gone = True
+        if self.current is not None:
+            self.current.cancel()  # a cancelled request sends no done event: end the wait here
+            self.current.queue.put_nowait({"type": "error", "error": APIError(499, "the client went away",
+                                                                              code="client_disconnected")})
+
+
+def response(hit, model: str) -> dict:
+    """The route's JSON: the GroundingResult's, the note an annotated picture would carry, usage."""
+    passes = hit.passes
+    prompt = sum(p.prompt_tokens for p in passes)
+    completion = sum(p.generation_tokens for p in passes)
+    return {"id": "ground-" + uuid.uuid4().hex[:24], "object": "grounding", "created": int(time.time()),
+            "model": model, **hit.to_dict(), "note": missing_point_note(hit.status),
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                      "prompt_tokens_details": {"cached_tokens": sum(p.cached_tokens for p in passes)}}}

@@ -1,0 +1,555 @@
+"""The Responses and Messages endpoints end to end, driven by the real `openai` and `anthropic`
+clients: one server on the tiny fixture checkpoint (answers compared with generate() in this
+process, greedy), one on a scripted checkpoint whose answers are computer-use actions (the whole
+loop of each protocol: tool declared, action returned, its result with a new screenshot, the next
+action), bad input in each protocol's error shape, and the attacks that apply (media URLs under
+the policy, pixel budgets, the response store's bounds). The example computer-use loop runs against
+the scripted server."""
+
+import base64
+import http.client
+import io
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import mlx_qwen3vl as M
+from mlx_qwen3vl.agent.computer_tools import find_computer_tool
+from mlx_qwen3vl.agent.computer_use import ComputerStep, computer_messages, map_answer
+from scripted import write_scripted_checkpoint
+from conftest import FIXTURES, load_fixture_model
+from test_server import CHECKPOINT, KEY, MEDIA, ROOT, Server, _blas_threads, data_url, png_bytes
+
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+
+CAP = 1_000_000  # --max-request-pixels of the tiny server
+STORE = ["--responses-store", "4", "--responses-store-mb", "1"]
+
+
+def png(array) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def b64_block(data: bytes) -> dict:
+    return {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                        "data": base64.b64encode(data).decode()}}
+
+
+def local_user(text, *images):
+    return {"role": "user", "content": [*({"type": "image", "image": i} for i in images), {"type": "text", "text": text}]}
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--api-key", KEY, "--allowed-local-media-path", str(MEDIA), "--max-request-pixels", str(CAP),
+               "--max-body-bytes", "2000000", *STORE)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def local():
+    """generate() in this process, with one BLAS thread as the server runs (test_server's reason)."""
+    before = _blas_threads(1)
+    yield load_fixture_model(CHECKPOINT), M.Processor.from_pretrained(FIXTURES / CHECKPOINT)
+    _blas_threads(before)
+
+
+def oai(s):
+    return s.client()
+
+
+def claude(s, key=KEY):
+    return anthropic.Anthropic(base_url=f"http://127.0.0.1:{s.port}", api_key=key, max_retries=0, timeout=120)
+
+
+def generate(local, messages, max_tokens, **kw):
+    model, processor = local
+    return M.generate(model, processor, messages=messages, max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+# ------------------------------------------------------------------------------------ Responses
+
+
+def test_responses_equal_generate_streamed_and_continued(server, local):
+    shot = png_bytes("img_123x77.png")
+    client = oai(server)
+    items = [{"role": "user", "content": [{"type": "input_image", "image_url": data_url(shot, subtype=False)},
+                                          {"type": "input_text", "text": "Describe the picture."}]}]
+    history = [{"role": "system", "content": "Be brief."}, local_user("Describe the picture.", shot)]
+    want = generate(local, history, 8)
+    r = client.responses.create(model="m", instructions="Be brief.", input=items, max_output_tokens=8, temperature=0)
+    assert r.output_text == want.text and r.object == "response" and r.output[0].type == "message"
+    assert r.usage.input_tokens == want.prompt_tokens and r.usage.output_tokens == len(want.token_ids)
+    assert r.status == ("incomplete" if want.finish_reason == "length" else "completed")
+
+    types, deltas, final = [], [], None
+    for ev in client.responses.create(model="m", instructions="Be brief.", input=items, max_output_tokens=8,
+                                      temperature=0, stream=True):
+        types.append(ev.type)
+        if ev.type == "response.output_text.delta":
+            deltas.append(ev.delta)
+        if ev.type in ("response.completed", "response.incomplete"):
+            final = ev.response
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete" if want.finish_reason == "length" else "response.completed"]
+    assert "".join(deltas) == want.text == final.output_text
+    assert final.usage.input_tokens_details.cached_tokens == want.prompt_tokens - 1  # the same prompt again
+
+    # A follow-up: the stored conversation plus the new input; as OpenAI does, the earlier
+    # instructions do not carry over (here they are sent again).
+    follow = client.responses.create(model="m", previous_response_id=r.id, input="And its colors?",
+                                     instructions="Be brief.", max_output_tokens=6, temperature=0)
+    again = generate(local, history + [{"role": "assistant", "content": r.output_text},
+                                       local_user("And its colors?")], 6)
+    assert follow.output_text == again.text and follow.previous_response_id == r.id
+    assert follow.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens  # the history, reused
+    bare = client.responses.create(model="m", previous_response_id=r.id, input="And its colors?", max_output_tokens=6,
+                                   temperature=0)
+    assert bare.output_text == generate(local, history[1:] + [{"role": "assistant", "content": r.output_text},
+                                                              local_user("And its colors?")], 6).text
+    assert client.responses.retrieve(r.id).output_text == r.output_text
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_nothing")
+
+
+TOOLS = [{"type": "function", "name": "click", "description": "Click a button.",
+          "parameters": {"type": "object", "properties": {"target": {"enum": ["ok", "cancel"]}},
+                         "required": ["target"], "additionalProperties": False}}]
+
+
+def test_responses_function_tools_and_json_schema(server):
+    client = oai(server)
+    r = client.responses.create(model="m", input="Press OK.", tools=TOOLS, tool_choice="required",
+                                max_output_tokens=40, temperature=0.8, extra_body={"seed": 3})
+    call = next(o for o in r.output if o.type == "function_call")
+    assert call.name == "click" and json.loads(call.arguments)["target"] in ("ok", "cancel")
+    events = [ev for ev in client.responses.create(model="m", input="Press OK.", tools=TOOLS, max_output_tokens=40,
+                                                   tool_choice={"type": "function", "name": "click"}, stream=True)]
+    args = "".join(ev.delta for ev in events if ev.type == "response.function_call_arguments.delta")
+    assert set(json.loads(args)) == {"target"}
+    assert [ev.type for ev in events if ev.type.startswith("response.function_call")] == [
+        "response.function_call_arguments.delta", "response.function_call_arguments.done"]
+
+    # The call's output, sent back as a function_call_output after the stored response, renders as the
+    # chat template's tool result: the same prompt as the whole conversation sent by the client.
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "Pressed."}
+    follow = client.responses.create(model="m", previous_response_id=r.id, input=[output], tools=TOOLS,
+                                     max_output_tokens=4, temperature=0)
+    sent = client.responses.create(model="m", tools=TOOLS, max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": "Press OK."},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments}, output])
+    assert follow.usage.input_tokens == sent.usage.input_tokens and follow.output_text == sent.output_text
+
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"],
+              "additionalProperties": False}
+    r = client.responses.create(model="m", input="Which color?", max_output_tokens=30, temperature=1.0, extra_body={"seed": 1},
+                                text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
+    assert json.loads(r.output_text)["color"] in ("red", "green", "blue")
+
+
+def test_the_response_store_is_bounded_in_entries_and_bytes(server):
+    """A chain of follow-ups, each adding a ~270 KB screenshot: the store counts each shared turn
+    once, keeps at most 1 MiB (--responses-store-mb), and forgets what does not fit; a 5th
+    response pushes the 1st out (--responses-store 4). Forgotten ids are a 400, never a crash."""
+    client = oai(server)
+    rng = np.random.default_rng(7)
+    ids = []
+    for i in range(5):
+        shot = png(rng.integers(0, 256, (260, 260, 3), dtype=np.uint8))  # noise: ~270 KB as a data URL
+        r = client.responses.create(model="m", previous_response_id=ids[-1] if ids else None, max_output_tokens=1,
+                                    input=[{"role": "user", "content": [
+                                        {"type": "input_image", "image_url": data_url(shot)},
+                                        {"type": "input_text", "text": f"Screen {i}."}]}])
+        ids.append(r.id)
+        stats = server.metrics()
+        assert stats["responses_store_bytes"] <= 1 << 20 and stats["responses_stored"] <= 4
+        if i == 3:  # 4 screenshots of history are past the bytes: not kept, so it cannot be continued
+            with pytest.raises(openai.BadRequestError) as e:
+                client.responses.create(model="m", previous_response_id=r.id, input="Next.", max_output_tokens=1)
+            assert e.value.body["code"] == "previous_response_not_found"
+            break
+    small = [client.responses.create(model="m", input=f"Hi {i}", max_output_tokens=1).id for i in range(5)]
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="m", previous_response_id=small[0], input="Next.", max_output_tokens=1)
+    assert client.responses.create(model="m", previous_response_id=small[-1], input="Next.", max_output_tokens=1)
+
+
+# ------------------------------------------------------------------------------------ Messages
+
+
+def test_messages_equal_generate_streamed_and_counted(server, local):
+    shot = png_bytes("img_123x77.png")
+    client = claude(server)
+    messages = [{"role": "user", "content": [b64_block(shot), {"type": "text", "text": "Describe the picture."}]}]
+    history = [{"role": "system", "content": "Be brief."}, local_user("Describe the picture.", shot)]
+    want = generate(local, history, 8)
+    m = client.messages.create(model="m", system="Be brief.", max_tokens=8, messages=messages,
+                               extra_body={"temperature": 0})
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == want.text
+    assert m.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[want.finish_reason]
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == want.prompt_tokens
+    assert m.usage.output_tokens == len(want.token_ids)
+
+    with client.messages.stream(model="m", system=[{"type": "text", "text": "Be brief."}], max_tokens=8,
+                                messages=messages, extra_body={"temperature": 0}) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == want.text == final.content[0].text and final.stop_reason == m.stop_reason
+    assert final.usage.cache_read_input_tokens == want.prompt_tokens - 1  # the same prompt again
+    assert client.messages.count_tokens(model="m", system="Be brief.", messages=messages).input_tokens == \
+        want.prompt_tokens
+
+    # The event sequence as sent, ping included (the SDK hides pings).
+    body = {"model": "m", "max_tokens": 3, "stream": True, "temperature": 0, "messages": messages}
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/messages", json.dumps(body), {"Content-Type": "application/json", "x-api-key": KEY})
+    events = [line[7:] for line in conn.getresponse().read().decode().splitlines() if line.startswith("event: ")]
+    conn.close()
+    assert events[:3] == ["message_start", "ping", "content_block_start"]
+    assert events[3:-3] == ["content_block_delta"] * (len(events) - 6)
+    assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+
+    # A URL source under the media policy (file:// under --allowed-local-media-path) is the same image.
+    by_url = [{"role": "user", "content": [{"type": "image", "source": {"type": "url",
+                                                                        "url": (MEDIA / "img_123x77.png").as_uri()}},
+                                           {"type": "text", "text": "Describe the picture."}]}]
+    assert client.messages.create(model="m", system="Be brief.", max_tokens=8, messages=by_url,
+                                  extra_body={"temperature": 0}).content[0].text == want.text
+
+
+def test_messages_stop_sequences_and_keys(server, local):
+    client = claude(server)
+    full = generate(local, [local_user("Say something.")], 16).text
+    stop = full[5:9]
+    m = client.messages.create(model="m", max_tokens=16, messages=[{"role": "user", "content": "Say something."}],
+                               stop_sequences=["never here", stop], extra_body={"temperature": 0})
+    assert m.content[0].text == full[:full.find(stop)]
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        claude(server, key="wrong").messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    assert e.value.body == {"type": "error", "error": {"type": "authentication_error", "message": e.value.body[
+        "error"]["message"]}}
+
+
+CLAUDE_TOOLS = [{"name": "click", "description": "Click a button.",
+                 "input_schema": {"type": "object", "properties": {"target": {"enum": ["ok", "cancel"]}},
+                                  "required": ["target"], "additionalProperties": False}}]
+
+
+def test_messages_tools_and_a_screenshot_in_a_tool_result(server, local):
+    client = claude(server)
+    ask = [{"role": "user", "content": "Press OK."}]
+    m = client.messages.create(model="m", max_tokens=40, messages=ask, tools=CLAUDE_TOOLS,
+                               tool_choice={"type": "any"}, extra_body={"temperature": 0.8, "seed": 3})
+    use = next(b for b in m.content if b.type == "tool_use")
+    assert m.stop_reason == "tool_use" and use.name == "click" and use.input["target"] in ("ok", "cancel")
+    with client.messages.stream(model="m", max_tokens=40, messages=ask, tools=CLAUDE_TOOLS,
+                                tool_choice={"type": "tool", "name": "click"}) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and set(final.content[-1].input) == {"target"}
+
+    # The tool's result carries the next screenshot: rendered where the chat template puts tool results.
+    shot = png_bytes("img_300x200.png")
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": [
+        {"type": "text", "text": "Pressed. The screen now:"}, b64_block(shot)]}]}
+    turns = ask + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]}, result]
+    got = client.messages.create(model="m", max_tokens=6, messages=turns, tools=CLAUDE_TOOLS,
+                                 extra_body={"temperature": 0})
+    model, processor = local
+    call = {"id": use.id, "type": "function", "function": {"name": "click", "arguments": json.dumps(use.input)}}
+    conversation = [{"role": "user", "content": "Press OK."}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "content": [{"type": "text", "text": "Pressed. The screen now:"},
+                                                 {"type": "image", "image": shot}]}]
+    tools = [{"type": "function", "function": {"name": "click", "description": "Click a button.",
+                                               "parameters": CLAUDE_TOOLS[0]["input_schema"]}}]
+    text = processor.apply_chat_template(conversation, tools=tools)
+    want = M.generate(model, processor, text, templated=True, images=[shot], max_tokens=6, temperature=0.0)
+    assert got.content[0].text == want.text
+    assert got.usage.input_tokens + got.usage.cache_read_input_tokens == want.prompt_tokens
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+GOOD_R = {"model": "m", "input": "hi", "max_output_tokens": 2}
+GOOD_M = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+HUGE = np.zeros((1000, 1001, 3), np.uint8)  # 1,001,000 pixels: over the server's cap, a small file
+
+
+def _m(*blocks, **kw):
+    return {**GOOD_M, "messages": [{"role": "user", "content": list(blocks)}], **kw}
+
+
+def _r(*parts, **kw):
+    return {**GOOD_R, "input": [{"role": "user", "content": list(parts)}], **kw}
+
+
+def _url(url):
+    return {"type": "image", "source": {"type": "url", "url": url}}
+
+
+BAD = [  # (name, path, body, status, what the message names)
+    ("unknown field", "/v1/responses", {**GOOD_R, "frobnicate": 1}, 400, "frobnicate"),
+    ("background", "/v1/responses", {**GOOD_R, "background": True}, 400, "background"),
+    ("no input", "/v1/responses", {"model": "m"}, 400, "input"),
+    ("unknown item", "/v1/responses", {**GOOD_R, "input": [{"type": "web_search_call", "id": "x"}]}, 400, "input[0]"),
+    ("input_file", "/v1/responses", _r({"type": "input_file", "file_id": "f"}), 400, "input[0].content[0]"),
+    ("image in system", "/v1/responses", {**GOOD_R, "input": [{"role": "system", "content": [
+        {"type": "input_image", "image_url": "data:image;base64,aGVsbG8="}]}]}, 400, "input[0].content[0]"),
+    ("file:// outside", "/v1/responses", _r({"type": "input_image", "image_url": "file:///etc/passwd"}), 400,
+     "input[0].content[0].image_url"),
+    ("private address", "/v1/responses", _r({"type": "input_image", "image_url": "http://10.0.0.1/a.png"}), 403,
+     "input[0].content[0].image_url"),
+    ("over budget", "/v1/responses", _r({"type": "input_image", "image_url": data_url(png(HUGE))}), 400,
+     "--max-request-pixels"),
+    ("huge previous id", "/v1/responses", {**GOOD_R, "previous_response_id": "resp_" + "a" * 500_000}, 400,
+     "not found"),
+    ("unknown previous id", "/v1/responses", {**GOOD_R, "previous_response_id": "resp_x"}, 400, "not found"),
+    ("hosted tool", "/v1/responses", {**GOOD_R, "tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
+    ("computer and function", "/v1/responses", {**GOOD_R, "tools": [TOOLS[0], {"type": "computer"}]}, 400,
+     "no other tools"),
+    ("bad display", "/v1/responses", {**GOOD_R, "tools": [{"type": "computer_use_preview", "display_width": 0,
+                                                           "display_height": 10, "environment": "mac"}]}, 400,
+     "display_width"),
+    ("temperature", "/v1/responses", {**GOOD_R, "temperature": 3}, 400, "temperature"),
+    ("computer call, no tool", "/v1/responses", {**GOOD_R, "input": [
+        {"role": "user", "content": "x"},
+        {"type": "computer_call", "call_id": "c", "action": {"type": "click", "button": "left", "x": 1, "y": 1}}]},
+     400, "input[1].action"),
+    ("no screenshot", "/v1/responses", {**GOOD_R, "tools": [{"type": "computer"}]}, 400, "screenshot"),
+    ("template switch", "/v1/responses", {**GOOD_R, "chat_template_kwargs": {"tokenize": True}}, 400, "tokenize"),
+    ("deep json", "/v1/responses", {**GOOD_R, "metadata": json.loads("[" * 80 + "]" * 80)}, 400, "nested"),
+    ("no max_tokens", "/v1/messages", {"model": "m", "messages": GOOD_M["messages"]}, 400, "max_tokens"),
+    ("unknown field", "/v1/messages", {**GOOD_M, "frobnicate": 1}, 400, "frobnicate"),
+    ("bad role", "/v1/messages", {**GOOD_M, "messages": [{"role": "system", "content": "x"}]}, 400, "role"),
+    ("prefill", "/v1/messages", {**GOOD_M, "messages": GOOD_M["messages"] + [
+        {"role": "assistant", "content": "Sure"}]}, 400, "prefill"),
+    ("document block", "/v1/messages", _m({"type": "document", "source": {}}), 400, "messages[0].content[0].type"),
+    ("file:// outside", "/v1/messages", _m(_url("file:///etc/passwd")), 400, "messages[0].content[0].source.url"),
+    ("file:// via dots", "/v1/messages", _m(_url((MEDIA / ".." / ".." / "scripted.py").as_uri())), 400,
+     "allowed-local-media-path"),
+    ("loopback", "/v1/messages", _m(_url("http://127.0.0.1:9/x.png")), 403, "loopback"),
+    ("loopback spelled", "/v1/messages", _m(_url("http://2130706433/x.png")), 403, "loopback"),
+    ("mapped v6", "/v1/messages", _m(_url("http://[::ffff:127.0.0.1]/x.png")), 403, "loopback"),
+    ("file source", "/v1/messages", _m({"type": "image", "source": {"type": "file", "file_id": "f"}}), 400, "files"),
+    ("over budget", "/v1/messages", _m(b64_block(png(HUGE))), 400, "--max-request-pixels"),
+    ("not an image", "/v1/messages", _m({"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                     "data": base64.b64encode(b"%!PS-Adobe").decode()}}),
+     400, "image 1"),
+    ("server tool", "/v1/messages", {**GOOD_M, "tools": [{"type": "web_search_20250305", "name": "w"}]}, 400,
+     "tools[0].type"),
+    ("two computers", "/v1/messages", {**GOOD_M, "tools": [
+        {"type": "computer_20250124", "name": "computer", "display_width_px": 10, "display_height_px": 10},
+        {"type": "computer_toolset_20260801"}]}, 400, "both declare"),
+    ("stop sequences", "/v1/messages", {**GOOD_M, "stop_sequences": ["x"] * 17}, 400, "stop_sequences"),
+    ("temperature", "/v1/messages", {**GOOD_M, "temperature": 1.5}, 400, "temperature"),
+    ("count with stream", "/v1/messages/count_tokens", {"model": "m", "messages": GOOD_M["messages"], "stream": True},
+     400, "stream"),
+    ("bad json", "/v1/messages", b'{"model": ', 400, "JSON"),
+    ("not an object", "/v1/messages", b"[1, 2]", 400, "object"),
+    ("computer tool_choice", "/v1/messages", {**GOOD_M, "tool_choice": {"type": "any"}, "tools": [
+        {"type": "computer_toolset_20260801"}]}, 400, "tool_choice"),
+    ("body too big", "/v1/messages", _m({"type": "text", "text": "x" * 2_100_000}), 413, "--max-body-bytes"),
+    ("body too big", "/v1/responses", {**GOOD_R, "input": "x" * 2_100_000}, 413, "--max-body-bytes"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[f"{c[1].split('/')[2]}: {c[0]}" for c in BAD])
+def test_bad_input_gets_the_protocols_error(server, case):
+    name, path, body, status, named = case
+    got, err = server.request("POST", path, body)
+    assert got == status, err
+    if path.startswith("/v1/messages"):
+        assert set(err) == {"type", "error"} and err["type"] == "error" and set(err["error"]) == {"type", "message"}
+        assert err["error"]["type"] == {400: "invalid_request_error", 403: "permission_error",
+                                        413: "request_too_large"}[status]
+        message = err["error"]["message"]
+    else:
+        assert set(err["error"]) == {"message", "type", "param", "code"}
+        message = f'{err["error"]["param"]} {err["error"]["message"]}'
+    assert named in message and "Traceback" not in message and len(message) < 2000
+    ok = GOOD_M if path.startswith("/v1/messages") else GOOD_R
+    assert server.request("POST", path.replace("/count_tokens", ""), ok)[0] == 200
+
+
+def test_errors_outside_the_handlers_take_each_shape(server):
+    status, err = server.request("POST", "/v1/messages", GOOD_M, key=None)
+    assert status == 401 and err["error"]["type"] == "authentication_error" and err["type"] == "error"
+    status, err = server.request("POST", "/v1/messages", GOOD_M, key=None, headers={"x-api-key": KEY})
+    assert status == 200
+    status, err = server.request("POST", "/v1/responses", GOOD_R, key=None, headers={"x-api-key": "nope"})
+    assert status == 401 and err["error"]["code"] == "invalid_api_key"
+    status, err = server.request("GET", "/v1/messages", key=KEY)
+    assert status == 405 and err["type"] == "error"
+    with pytest.raises(anthropic.PermissionDeniedError):
+        claude(server).messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [
+            _url("http://[::ffff:127.0.0.1]/x.png")]}])
+    with pytest.raises(anthropic.BadRequestError):
+        claude(server).messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [
+            b64_block(png(HUGE))]}])
+
+
+# ------------------------------------------------------------------------------------ computer use
+
+CALL = lambda **args: ('<tool_call>\n' + json.dumps({"name": "computer_use", "arguments": args})  # noqa: E731
+                       + '\n</tool_call>')
+SCRIPT = {
+    "@start": "<think>The settings icon is at the top.</think>\n" + CALL(action="left_click", coordinate=[500, 300]),
+    "Step 1 done": CALL(action="type", text="display"),
+    "Step 2 done": CALL(action="terminate", status="success"),
+    "@drag": CALL(action="left_click_drag", coordinate=[900, 100]),
+    "@phone": "LongPress(box=(500, 500))",
+}
+DISPLAY = (1366, 768)
+rng = np.random.default_rng(0)
+SHOTS = [png(rng.integers(0, 256, (120, 200, 3), dtype=np.uint8)) for _ in range(3)]  # same size, other content
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    folder = write_scripted_checkpoint(tmp_path_factory.mktemp("protocols") / "scripted", SCRIPT)
+    s = Server("--api-key", KEY, model=folder)
+    yield s, M.load(folder)
+    s.stop()
+
+
+def _expected(lib, task, shots, steps, tool, display):
+    """The library's answer for the same conversation: computer_messages → generate → map_answer."""
+    out = M.generate(*lib, messages=computer_messages(task, shots[-1], steps, display=display), max_tokens=256,
+                     temperature=0.0)
+    return map_answer(out.text, display, tool=tool)
+
+
+def test_anthropic_computer_use_loop_end_to_end(scripted):
+    s, lib = scripted
+    client = claude(s)
+    declared = {"type": "computer_20251124", "name": "computer", "display_width_px": DISPLAY[0],
+                "display_height_px": DISPLAY[1]}
+    tool = find_computer_tool([declared])
+    task = "Open the settings @start"
+    messages = [{"role": "user", "content": [{"type": "text", "text": task}, b64_block(SHOTS[0])]}]
+    steps, replies = [], []
+    for i in range(3):
+        reply = client.messages.create(model="m", max_tokens=256, tools=[declared], messages=messages)
+        want = _expected(lib, task, SHOTS[:i + 1], steps, tool, DISPLAY)
+        blocks = [b for b in reply.content if b.type == "tool_use"]
+        assert [{"name": b.name, "input": b.input} for b in blocks] == want.calls, i
+        if want.reasoning:
+            assert reply.content[0].type == "thinking" and reply.content[0].thinking == want.reasoning
+        replies.append(reply)
+        messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
+        if reply.stop_reason != "tool_use":
+            break
+        steps.append(ComputerStep(SHOTS[i], actions=[tool.parse_call(c) for c in want.calls],
+                                  reasoning=want.reasoning, display=DISPLAY, result=f"Step {i + 1} done."))
+        messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": blocks[0].id, "content": [
+            b64_block(SHOTS[i + 1]), {"type": "text", "text": f"Step {i + 1} done."}]}]})
+    assert [r.stop_reason for r in replies] == ["tool_use", "tool_use", "end_turn"]
+    assert replies[0].content[-1].input == {"action": "left_click", "coordinate": [683, 230]}  # 500/1000 of 1366
+    assert replies[1].content[-1].input == {"action": "type", "text": "display"}
+    assert replies[1].usage.cache_read_input_tokens >= replies[0].usage.input_tokens  # system + first screenshot
+    # Streamed, the same blocks arrive whole.
+    with client.messages.stream(model="m", max_tokens=256, tools=[declared], messages=messages[:1]) as stream:
+        final = stream.get_final_message()
+    assert [b.model_dump(exclude={"id"}) for b in final.content] == \
+        [b.model_dump(exclude={"id"}) for b in replies[0].content]
+    # An answer with no computer-use equivalent (a phone gesture) comes back as text, never as an action.
+    m = client.messages.create(model="m", max_tokens=64, tools=[declared], messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Hold it @phone"}, b64_block(SHOTS[0])]}])
+    assert m.stop_reason == "end_turn" and [(b.type, b.text) for b in m.content] == [
+        ("text", "LongPress(box=(500, 500))")]
+
+
+def test_responses_computer_use_loop_end_to_end(scripted):
+    """The batched `computer` tool declares no display: actions are in the screenshot's pixels.
+    Each step continues the stored response with the computer_call_output's new screenshot."""
+    s, lib = scripted
+    client = oai(s)
+    tool = find_computer_tool([{"type": "computer"}])
+    task = "Open the settings @start"
+    size = Image.open(io.BytesIO(SHOTS[0])).size
+    r = client.responses.create(model="m", tools=[{"type": "computer"}], input=[{"role": "user", "content": [
+        {"type": "input_text", "text": task}, {"type": "input_image", "image_url": data_url(SHOTS[0])}]}])
+    want = _expected(lib, task, SHOTS[:1], [], tool, size)
+    assert [o.type for o in r.output] == ["reasoning", "computer_call"]
+    assert r.output[0].content[0].text == want.reasoning
+    assert [a.model_dump(exclude_none=True) for a in r.output[1].actions] == want.calls == [
+        {"type": "click", "button": "left", "x": 100, "y": 36}]
+    steps = [ComputerStep(SHOTS[0], actions=[tool.parse_call(c) for c in want.calls], display=size,
+                          answer=SCRIPT["@start"], result="Step 1 done.")]
+    r2 = client.responses.create(model="m", tools=[{"type": "computer"}], previous_response_id=r.id, input=[
+        {"type": "computer_call_output", "call_id": r.output[1].call_id,
+         "output": {"type": "computer_screenshot", "image_url": data_url(SHOTS[1], subtype=False)}},
+        {"role": "user", "content": "Step 1 done."}])
+    want = _expected(lib, task, SHOTS[:2], steps, tool, size)
+    assert [a.model_dump(exclude_none=True) for a in r2.output[-1].actions] == want.calls == [
+        {"type": "type", "text": "display"}]
+    # the stored answer is replayed as generated: the prompt's whole history comes from the cache
+    assert r2.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens + r.usage.output_tokens - 1
+
+    # computer_use_preview declares a display: one computer_call per action, in its pixels; streamed.
+    preview = {"type": "computer_use_preview", "display_width": DISPLAY[0], "display_height": DISPLAY[1],
+               "environment": "browser"}
+    with client.responses.stream(model="m", tools=[preview], input=[{"role": "user", "content": [
+            {"type": "input_text", "text": "Drag it @drag"}, {"type": "input_image", "image_url": data_url(SHOTS[0])}]}],
+            ) as stream:
+        types = [ev.type for ev in stream]
+        final = stream.get_final_response()
+    assert types[0] == "response.created" and types[-1] == "response.completed"
+    # a Qwen drag from an unknown start is mouse-down, move, up: OpenAI's tools have no mouse-down, so it is text
+    assert [o.type for o in final.output] == ["message"] and final.output[0].content[0].text == SCRIPT["@drag"]
+
+
+def test_the_example_loop_runs_against_the_server(scripted):
+    s, _ = scripted
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "computer_use_anthropic.py"), "--base-url",
+                          f"http://127.0.0.1:{s.port}", "--api-key", KEY, "--task", "Open the settings @start",
+                          "--max-pixels", "65536"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines == ["step 1 thinks: The settings icon is at the top.",
+                     "step 1 does: left_click(coordinate=[683, 230])",
+                     "step 2 does: type(text=display)",
+                     "done after 3 step(s): end_turn"], out.stdout
+
+
+def test_venus_format_renders_navigation_prompts():
+    """--agent-format venus: the same conversation as UI-Venus' navigation prompt (the steps as its
+    text history, only the current screenshot), what computer.prepare hands the prompt builder."""
+    from mlx_qwen3vl.server import computer
+    from mlx_qwen3vl.server.conversation import Call, Part, Turn
+    from mlx_qwen3vl.server.fetch import MediaPolicy
+    from mlx_qwen3vl.server.limits import Limits
+    from mlx_qwen3vl.server.protocol import ChatRequest, sampling_params
+
+    rendered = []
+
+    class Builder:
+        policy, limits = MediaPolicy(), Limits()
+
+        def render(self, req, messages, images, videos):
+            rendered.append((messages, images))
+            return "prepared"
+
+    tool = find_computer_tool([{"type": "computer_20250124", "name": "computer", "display_width_px": DISPLAY[0],
+                                "display_height_px": DISPLAY[1]}])
+    click = {"name": "computer", "input": {"action": "left_click", "coordinate": [683, 230]}}
+    turns = [Turn("user", [Part("text", "Open the settings"), Part("image", data_url(SHOTS[0]), "a")]),
+             Turn("assistant", [Part("text", "On it.")], [Call("t1", "computer", action=click, param="b")]),
+             Turn("tool", [Part("image", data_url(SHOTS[1]), "c"), Part("text", "Done.")], call_id="t1")]
+    req = ChatRequest(messages=[], sampling=sampling_params({}))
+    prepared, request = computer.prepare(Builder(), req, turns, tool, "venus")
+    step = ComputerStep(actions=[tool.parse_call(click)], text="On it.", display=DISPLAY)
+    want = computer_messages("Open the settings", SHOTS[1], [step], format="venus", display=DISPLAY)
+    assert rendered == [(want, [SHOTS[1]])] and request.display == DISPLAY and request.cursor == (683, 230)
+    assert "Click(box=(500, 300))" in want[1]["content"][0]["text"]
