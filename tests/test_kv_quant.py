@@ -101,7 +101,8 @@ def test_attention_over_the_packed_cache_is_attention_over_its_values(bits):
     attn.scale = 0.2
     got = attn.attend_quantized(mx.array(q), kq, vq, None, bits, 32)
     assert rel_err(got, want) < 1e-5
-    packed = lambda t: (np.array(t[0])[:, :, :S].view(np.uint8), np.array(t[1])[:, :, :S], np.array(t[2])[:, :, :S])  # noqa: E731
+    # the whole buffers, as the decode stack passes them: capacity S + 1, the first S positions read
+    packed = lambda t: (np.array(t[0]).view(np.uint8), np.array(t[1]), np.array(t[2]))  # noqa: E731
     qkv = np.concatenate([q[:, :, 0], kd[:, :, S], vd[:, :, S]], axis=1)
     for ops in (decode.NumpyOps, decode.native) if decode.native is not None else (decode.NumpyOps,):
         out = np.empty((B, H * hd), np.float32)
