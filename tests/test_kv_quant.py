@@ -156,12 +156,12 @@ def test_kv8_logits_stay_within_a_bound_of_the_float_cache_on_a_long_prompt_with
 
 
 # ------------------------------------------------------------------------------------- answers
-@pytest.mark.parametrize("bits", [8, 4])
-def test_chat_session_and_batches_equal_fresh_generate(processor, bits):
+@pytest.mark.parametrize("bits, fixture", [(8, "tiny-a"), (4, "tiny-a"), (8, "tiny-moe")])
+def test_chat_session_and_batches_equal_fresh_generate(processor, bits, fixture):
     """Three turns of same-size but different screenshots; the cache turns quantized inside turn
     1's prompt, so turn 2 and 3 reuse a quantized prefix as it is. Then batch_generate with rows of
-    every kind (float, 8-bit, 4-bit, one crossing quantized_kv_start mid-decode)."""
-    model = load_fixture_model("tiny-a", backend="mlx")
+    every kind (float, 8-bit, 4-bit, one crossing quantized_kv_start mid-decode). MoE too."""
+    model = load_fixture_model(fixture, backend="mlx")
     kw = dict(kv_bits=bits, quantized_kv_start=90, max_tokens=10)
     session = M.ChatSession(model, processor, system="You are a GUI agent.", **kw)
     for text, image in (("Where is the search box?", shot(1)), ("Now click it.", shot(2)), ("And again.", shot(1))):
