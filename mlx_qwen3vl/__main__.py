@@ -53,20 +53,32 @@ def build_parser():
     p.add_argument("--parallel", choices=["tensor", "pipeline"], default="tensor",
                    help="under mlx.launch: split every layer over the ranks (tensor) or the layers (pipeline)")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk")
+    p.add_argument("--kv-bits", type=int, default=None,
+                   help="store the KV cache quantized to 4 or 8 bits once it holds --quantized-kv-start positions "
+                        "(mlx-lm's kv_bits); none = float")
+    p.add_argument("--kv-group-size", type=int, default=64,
+                   help="quantization group size of the KV cache (32, 64 or 128); one that does not divide the "
+                        "model's head dimension is chosen down")
+    p.add_argument("--quantized-kv-start", type=int, default=5000,
+                   help="cache length (positions) at which the KV cache is quantized")
     p.add_argument("--blas-threads", default=None, metavar="auto|N",
                    help="BLAS threads of the CPU path: auto (every core while no other process wants them, fewer "
                         "while others run) or a fixed N; none = $MLX_QWEN3VL_BLAS_THREADS, else auto")
     p.add_argument("--chat", action="store_true", help="interactive multi-turn chat with prefix reuse")
-    p.add_argument("--verbose", action="store_true", help="print the backend (and BLAS) in use and the prompt")
+    p.add_argument("--verbose", action="store_true",
+                   help="print the backend (and BLAS) in use, the prompt and the KV cache's size")
     return p
 
 
-def _print_stats(last, out=None):
+def _print_stats(last, out=None, kv=None):
     if last is None:
         return
     print(f"\nPrompt: {last.prompt_tokens} tokens ({last.cached_tokens} cached), {last.prompt_tps:.1f} tokens/s"
           f"\nGeneration: {last.generation_tokens} tokens, {last.generation_tps:.2f} tokens/s"
           f"\nPeak memory: {last.peak_memory:.2f} GB", file=out or sys.stderr)  # stderr as it is now
+    if kv is not None:  # --verbose
+        print(f"KV cache: {last.kv_cache_bytes / 1e6:.2f} MB for {last.prompt_tokens + max(last.generation_tokens - 1, 0)}"
+              f" positions ({kv.describe()})", file=out or sys.stderr)
 
 
 def main(argv=None):
@@ -86,6 +98,11 @@ def _main(args):
     check_sampling(values, name=flags.get)
     if args.prefill_step_size < 1:
         raise InputError(f"--prefill-step-size = {args.prefill_step_size} is not allowed; use an integer >= 1")
+    from .kv_settings import KVSettings
+
+    kv_flags = {"kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size", "quantized_kv_start": "--quantized-kv-start"}
+    kv_args = {name: getattr(args, name) for name in kv_flags}
+    KVSettings.build(**kv_args, name=kv_flags.get)
     sampling = SamplingParams(**values)
     if args.blas_threads is not None:
         from .cpu import threads
@@ -101,12 +118,17 @@ def _main(args):
     path = resolve_model_path(args.model, flag="--model")
     check_media_flags(path, args.min_pixels, args.max_pixels, args.fps, args.source_fps)
     model, processor = load(path, dtype=args.dtype, parallel=args.parallel)
+    from .kv_settings import resolve
+
+    kv = resolve(model, KVSettings.build(**kv_args))
     if args.verbose:
-        print(f"[mlx_qwen3vl] model: {args.model}; backend: {backend_of(model).describe()}", file=sys.stderr)
+        print(f"[mlx_qwen3vl] model: {args.model}; backend: {backend_of(model).describe()}; KV cache: "
+              f"{kv.describe()}", file=sys.stderr)
+    args.kv = kv if args.verbose else None
     media = dict(min_pixels=args.min_pixels, max_pixels=args.max_pixels, fps=args.fps, source_fps=args.source_fps)
     if args.chat:
         session = ChatSession(model, processor, system=args.system, sampling=sampling,
-                              prefill_step_size=args.prefill_step_size, **media)
+                              prefill_step_size=args.prefill_step_size, **kv_args, **media)
         return _chat(session, args)
     prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
     if args.verbose:
@@ -115,10 +137,10 @@ def _main(args):
     last = None
     for last in stream_generate(model, processor, prompt, images=args.image, videos=args.video,
                                 system=args.system, sampling=sampling,
-                                prefill_step_size=args.prefill_step_size, **media):
+                                prefill_step_size=args.prefill_step_size, **kv_args, **media):
         print(last.text, end="", flush=True)
     print()
-    _print_stats(last)
+    _print_stats(last, kv=args.kv)
     return 0
 
 
@@ -148,7 +170,7 @@ def _chat(session, args):
         finally:
             images, videos = [], []
         print(flush=True)
-        _print_stats(session.last)
+        _print_stats(session.last, kv=args.kv)
 
     print("Chat with the model; /image PATH attaches an image to the next message, /help lists the commands, "
           "Ctrl-D quits.", file=sys.stderr)

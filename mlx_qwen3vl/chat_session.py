@@ -1,6 +1,8 @@
 """Multi-turn chats on one KV cache: `ChatSession`, and how each turn's media are read when it is
 sent and kept as they were then."""
 
+import dataclasses
+import json
 import os
 import re
 import shutil
@@ -11,11 +13,14 @@ from typing import Iterator
 import numpy as np
 from blake3 import blake3
 
+from .errors import InputError
 from .generate import stream_generate
+from .kv_settings import KVSettings, resolve
 from .media import describe, load_image, read_file
 from .positions import IMAGE, VIDEO
 from .processor import VISION_TOKENS, _block_type, _media_of, renamed_source_fps
 from .prompt_cache import PromptCache
+from .sampling import SamplingParams
 from .spans import _PIXELS, content_hash, media_hashes
 
 TURN_SETTINGS = ("fps", "source_fps", "min_pixels", "max_pixels", "sample_frames")
@@ -56,12 +61,15 @@ class _VideoFiles:
         self.folder = None
 
     def copy(self, path, label):
-        data = read_file(path, f"{label} {describe(path)}")
+        return self.store(read_file(path, f"{label} {describe(path)}"), os.path.splitext(str(path))[1][:16])
+
+    def store(self, data: bytes, suffix: str):
+        """(path of a private copy of `data`, named by its content, content key)."""
         key = content_hash(np.frombuffer(data, np.uint8), (len(data),))
         if self.folder is None:
             self.folder = tempfile.mkdtemp(prefix="mlx_qwen3vl-chat-")
             weakref.finalize(self, shutil.rmtree, self.folder, True)
-        target = os.path.join(self.folder, key + os.path.splitext(str(path))[1][:16])
+        target = os.path.join(self.folder, key + suffix)
         if not os.path.exists(target):
             with open(target, "wb") as f:
                 f.write(data)
@@ -251,3 +259,136 @@ class ChatSession:
 
     def send(self, text, images=None, videos=None, **kwargs) -> str:
         return "".join(p.text for p in self.stream(text, images, videos, **kwargs))
+
+    # ------------------------------------------------------------------ on disk
+    def save(self, path):
+        """Write the session to `path` (one safetensors file, written atomically, readable by this
+        user only): the messages with each turn's media as they were read, the settings that
+        shaped them, the session's generation settings, the KV cache and the tokens and media it
+        holds, and what identifies the model. `ChatSession.load(path, model, processor)` goes on
+        from there, its next turn reusing the whole history."""
+        from . import cache_file
+
+        _one_process(self.model, "ChatSession.save")
+        self._media_items()  # every medium read, including any in messages appended by hand
+        messages, media, arrays = [], [], []
+        for i, message in enumerate(self.messages):
+            message = dict(message)
+            blocks = _media_blocks(message)
+            if blocks:
+                message["content"] = list(message["content"])
+            for j, kind, value in blocks:
+                name = "image" if kind == IMAGE else "video"
+                entry = {"message": i, "block": j, "kind": name, "arrays": []}
+                if isinstance(value, str):  # a video's private copy
+                    entry["form"], entry["suffix"] = "file", os.path.splitext(value)[1]
+                    with open(value, "rb") as f:
+                        arrays.append(np.frombuffer(f.read(), np.uint8))
+                    entry["arrays"].append(len(arrays) - 1)
+                elif isinstance(value, np.ndarray) and value.dtype == np.uint8:
+                    entry["form"] = "array"
+                    arrays.append(value)
+                    entry["arrays"].append(len(arrays) - 1)
+                elif isinstance(value, list) and all(isinstance(f, np.ndarray) and f.dtype == np.uint8 for f in value):
+                    entry["form"] = "frames"
+                    for frame in value:
+                        arrays.append(frame)
+                        entry["arrays"].append(len(arrays) - 1)
+                else:
+                    raise InputError(f"ChatSession.save: {name} {j + 1} of message {i + 1} could not be read, so it "
+                                     "cannot be saved")
+                media.append(entry)
+                message["content"][j] = {"type": name}
+            messages.append(message)
+        pc = self.prompt_cache
+        kv = pc.kv or self._kv()
+        state = {"messages": messages, "settings": self.settings, "defaults": self.defaults,
+                 "generation": _settings_to_json(self.generation_kwargs), "media": media,
+                 "tokens": pc.tokens, "media_keys": [list(m) for m in pc.media], "kv": kv.as_dict()}
+        try:
+            json.dumps(state)
+        except (TypeError, ValueError) as e:
+            raise InputError(f"ChatSession.save: the conversation holds something that is not text, numbers or "
+                             f"media ({e}); it cannot be saved") from None
+        n = len(pc.tokens)
+        caches = [c.extract(0, n) for c in pc.cache]
+        cache_file.write(path, caches, state, arrays, model=self.model, kv=kv)
+
+    @classmethod
+    def load(cls, path, model, processor, **expect) -> "ChatSession":
+        """The session `save` wrote to `path`, for `model` (the same checkpoint, dtype and KV
+        settings; `expect` may name kv_bits / kv_group_size / quantized_kv_start it must have).
+        A file of another model, dtype or KV settings, or a truncated or corrupted one, is refused
+        with one line (cache_file.CacheFileError, an InputError); nothing of it is used."""
+        from . import cache_file
+
+        _one_process(model, "ChatSession.load")
+        want = KVSettings.pop_from(expect)
+        if expect:
+            raise TypeError(f"ChatSession.load got unexpected argument(s) {', '.join(sorted(expect))}")
+        what = f"session file {str(path)!r}"
+        caches, state, arrays, kv = cache_file.read(path, model, None if want is None else resolve(model, want),
+                                                    what=what)
+        try:
+            session = cls(model, processor)
+            session._restore(state, arrays)
+            session.prompt_cache = PromptCache(caches, [int(t) for t in state["tokens"]],
+                                               [tuple(m) for m in state["media_keys"]], kv)
+        except (KeyError, TypeError, ValueError, IndexError):
+            raise cache_file.CacheFileError(f"{what} does not hold a chat session") from None
+        return session
+
+    def _restore(self, state, arrays):
+        messages = state["messages"]
+        for entry in state["media"]:
+            parts = [arrays[k] for k in entry["arrays"]]
+            for a in parts:
+                a.flags.writeable = False
+            if entry["form"] == "file":
+                value, _ = self._video_files.store(parts[0].tobytes(), str(entry["suffix"])[:16])
+            elif entry["form"] == "array":
+                value = parts[0]
+            else:
+                value = parts
+            name = entry["kind"]
+            if name not in ("image", "video"):
+                raise ValueError(name)
+            messages[entry["message"]]["content"][entry["block"]] = {"type": name, name: value}
+        self.messages = messages
+        self.settings = state["settings"]
+        self.defaults = {k: v for k, v in state["defaults"].items() if k in TURN_SETTINGS}
+        self.generation_kwargs = _settings_from_json(state["generation"])
+
+    def _kv(self) -> KVSettings:
+        return resolve(self.model, KVSettings.pop_from(dict(self.generation_kwargs)))
+
+
+def _one_process(model, what):
+    if getattr(model, "group", None) is not None:
+        raise InputError(f"{what} is not available under several ranks (each rank holds a part of the cache); "
+                         "save and load sessions in one process")
+
+
+def _settings_to_json(kwargs: dict) -> dict:
+    out = {}
+    for k, v in kwargs.items():
+        if isinstance(v, SamplingParams):
+            v = {"sampling_params": dataclasses.asdict(v)}
+        try:
+            json.dumps(v)
+        except (TypeError, ValueError):
+            raise InputError(f"ChatSession.save: the session's setting {k}={v!r} cannot be saved") from None
+        out[k] = v
+    return out
+
+
+def _settings_from_json(saved: dict) -> dict:
+    out = {}
+    for k, v in saved.items():
+        if k == "sampling" and isinstance(v, dict) and "sampling_params" in v:
+            fields = v["sampling_params"]
+            if isinstance(fields.get("stop"), list):
+                fields["stop"] = list(fields["stop"])
+            v = SamplingParams(**fields)
+        out[k] = v
+    return out

@@ -12,8 +12,9 @@ mlx-lm (and with it transformers) is imported with this module, so modules that 
 mlx_qwen3vl` loads call these methods on caches the model made rather than importing it.
 
 Row operations go through `_map`, which applies one array operation to a buffer or to each
-array of a tuple of buffers: a quantized cache stores (data, scales, biases) per buffer, all
-with the position axis at 2, so the same merge / filter / extract serve it unchanged.
+array of a tuple of buffers: `QuantizedKVCache` (mlx-lm's, for kv_bits) stores (data, scales,
+biases) per buffer, all with the position axis at 2, so the same merge / filter / extract serve
+it unchanged.
 """
 
 from typing import List, Optional, Sequence
@@ -34,19 +35,20 @@ def _nbytes(x) -> int:
     return sum(a.nbytes for a in x) if isinstance(x, tuple) else x.nbytes
 
 
-class KVCache(mlx_lm_cache.KVCache):
-    """mlx-lm's KVCache (one decoder layer's (B, kv heads, capacity, head dim) buffers, of which
-    the first `offset` positions are in use, grown in steps of 256) whose rows may be left-padded:
-    row b's own positions start after its `padding()[b]` leading pad positions (zeros, hidden by
-    `key_mask`). Everything else that is done to its rows is a method here."""
+class _Rows:
+    """The row operations, for a cache whose `keys` / `values` are one buffer (float) or a tuple
+    of buffers (quantized: data, scales, biases), (B, kv heads, capacity, ...) each."""
 
-    def __init__(self):
-        super().__init__()
-        self.left_padding: Optional[List[int]] = None  # per row; None: no row is padded
+    left_padding: Optional[List[int]] = None  # per row; None: no row is padded
+
+    kind = None  # what it stores: None (float) or (bits, group_size)
 
     @property
     def batch_size(self) -> int:
         return 0 if self.keys is None else _first(self.keys).shape[0]
+
+    def size(self) -> int:
+        return self.offset
 
     def capacity(self) -> int:
         """Positions the buffers have room for."""
@@ -64,16 +66,30 @@ class KVCache(mlx_lm_cache.KVCache):
 
     def depend_on(self, x):
         """Make evaluating this cache evaluate `x` too (a pipeline stage's send of its hidden state)."""
-        self.keys = mx.depends(self.keys, x)
+        if isinstance(self.keys, tuple):
+            self.keys = (mx.depends(self.keys[0], x), *self.keys[1:])
+        else:
+            self.keys = mx.depends(self.keys, x)
+
+    def empty_like(self):
+        """An empty cache of the same type and settings."""
+        return type(self)()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its buffers (their whole capacity)."""
+        return 0 if self.keys is None else _nbytes(self.keys) + _nbytes(self.values)
 
     # ------------------------------------------------------------------ row operations
     @classmethod
-    def merge(cls, caches: Sequence["KVCache"]) -> "KVCache":
+    def merge(cls, caches: Sequence["_Rows"]):
         """One cache with the rows of `caches`, in order, right-aligned to the longest; each row
         keeps its positions and gains left padding. The sources stay as they were."""
         if any(c.empty() for c in caches):
             raise ValueError("merge needs caches that hold positions")
-        out = cls()
+        if len({c.kind for c in caches}) > 1:
+            raise ValueError("merge needs caches of one kind (all float, or all of the same bits and group size)")
+        out = caches[0].empty_like()
         T = max(c.offset for c in caches)
         keys, values, pads = [], [], []
         for c in caches:
@@ -104,16 +120,66 @@ class KVCache(mlx_lm_cache.KVCache):
         pads = [p - trim for p in pads]
         self.left_padding = pads if any(pads) else None
 
-    def extract(self, row: int = 0, length: Optional[int] = None) -> "KVCache":
+    def extract(self, row: int = 0, length: Optional[int] = None):
         """A new one-row cache holding row `row`'s first `length` positions (all of them by
         default), in buffers of exactly that size; this cache is left as it was."""
         pad = self.padding()[row]
         length = self.offset - pad if length is None else min(length, self.offset - pad)
-        out = type(self)()
+        out = self.empty_like()
         if length > 0:
             take = lambda a: mx.contiguous(a[row:row + 1, :, pad:pad + length])  # noqa: E731
             out.keys, out.values, out.offset = _map(take, self.keys), _map(take, self.values), length
         return out
+
+
+class QuantizedKVCache(_Rows, mlx_lm_cache.QuantizedKVCache):
+    """mlx-lm's QuantizedKVCache (keys and values as mx.quantize's (data, scales, biases), grown in
+    steps of 256; attention reads them with quantized matmuls) with the same row operations."""
+
+    def __init__(self, group_size: int = 64, bits: int = 8):
+        super().__init__(group_size=group_size, bits=bits)
+        self.left_padding = None
+
+    @property
+    def kind(self):
+        return (self.bits, self.group_size)
+
+    def empty_like(self):
+        return type(self)(self.group_size, self.bits)
+
+    def update_and_fetch(self, keys, values):
+        k, v = super().update_and_fetch(keys, values)
+        return tuple(k), tuple(v)
+
+
+class KVCache(_Rows, mlx_lm_cache.KVCache):
+    """mlx-lm's KVCache (one decoder layer's (B, kv heads, capacity, head dim) buffers, of which
+    the first `offset` positions are in use, grown in steps of 256) whose rows may be left-padded:
+    row b's own positions start after its `padding()[b]` leading pad positions (zeros, hidden by
+    `key_mask`). Everything else that is done to its rows is a method here."""
+
+    Quantized = QuantizedKVCache  # what to_quantized makes (the CPU backend's caches name their own)
+
+    def __init__(self):
+        super().__init__()
+        self.left_padding = None
+
+    def to_quantized(self, group_size: int = 64, bits: int = 8):
+        """This cache's positions in use, quantized (each position on its own, so the same values
+        as if each had been quantized when it was written), in a new cache of the same rows."""
+        out = self.Quantized(group_size=group_size, bits=bits)
+        out.left_padding = self.left_padding
+        if self.keys is not None:
+            used = lambda a: a[..., :self.offset, :]  # noqa: E731
+            out.keys = tuple(mx.quantize(used(self.keys), group_size=group_size, bits=bits))
+            out.values = tuple(mx.quantize(used(self.values), group_size=group_size, bits=bits))
+            out.offset = self.offset
+        return out
+
+
+def kind(caches: list):
+    """None (float) or (bits, group_size) of a model's caches (all layers are alike)."""
+    return caches[0].kind if caches else None
 
 
 def merge(layers: Sequence[list]) -> list:

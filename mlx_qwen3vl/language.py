@@ -32,13 +32,23 @@ class Attention(nn.Module):
         q, k = rope(q), rope(k)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        out = self.attend(q, k, v, mask)
+        if isinstance(k, tuple):  # a quantized cache: (data, scales, biases), read as it is
+            out = self.attend_quantized(q, k, v, mask, *cache.kind)
+        else:
+            out = self.attend(q, k, v, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def attend(self, q, k, v, mask):
         """softmax(q k^T * scale, masked) v over grouped heads; mask None, "causal" (lower-right
         aligned, so it holds with a KV cache) or boolean (B, 1, L, S)."""
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+
+    def attend_quantized(self, q, k, v, mask, bits, group_size):
+        """`attend` over quantized keys and values: mlx-lm's quantized attention (MLX's quantized
+        matmuls read the packed cache; nothing is dequantized whole)."""
+        from mlx_lm.models.base import quantized_scaled_dot_product_attention  # the cache type loaded it
+
+        return quantized_scaled_dot_product_attention(q, k, v, self.scale, mask, group_size=group_size, bits=bits)
 
 
 class MLP(nn.Module):

@@ -37,6 +37,18 @@ def case_messages(case, rank, row=0):
     return messages, fps
 
 
+def quantized_kv(M, model, processor, images, rank):
+    """A quantized KV cache on every rank's share of the model: a two-turn 8-bit chat (quantized
+    inside turn 1, reused quantized in turn 2) and a 4-bit answer whose 16-token prefill chunks
+    cross quantized_kv_start."""
+    session = M.ChatSession(model, processor, max_tokens=8, kv_bits=8, quantized_kv_start=40)
+    chat = [[p.token for p in session.stream(text, images=[image])]
+            for text, image in zip(("Where is the search box?", "Now click it."), images)]
+    four = M.generate(model, processor, messages=case_messages("image", rank)[0], max_tokens=8, kv_bits=4,
+                      quantized_kv_start=20, prefill_step_size=16).token_ids
+    return {"chat": chat, "chat_cached": session.last.cached_tokens, "four": four}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -102,6 +114,7 @@ def main():
                       "cached_tokens": session.last.cached_tokens})
     out["chat"] = turns
     out["chat_text"] = [m["content"] for m in session.messages if m["role"] == "assistant"]
+    out["kv"] = quantized_kv(M, model, processor, [img1, img2], rank)
 
     # Sampling: unseeded runs must agree across ranks; a seed reproduces one process's run.
     out["sampled"] = M.generate(model, processor, "Tell me a story.", max_tokens=12, temperature=1.0).token_ids

@@ -114,6 +114,22 @@ def test_sharded_chat_session_reuses_cache_on_every_rank(sharded_run, single):
     assert ranks[0]["chat_text"] == ranks[1]["chat_text"]
 
 
+def kv_single(checkpoint):
+    """tests/distributed_worker.quantized_kv in one process, on the plain MLX graph the ranks run."""
+    from distributed_worker import quantized_kv
+
+    model = load_fixture_model(checkpoint, backend="mlx")
+    images = [str(FIXTURES / "media" / "img_300x200.png"), str(FIXTURES / "media" / "img_90x260.png")]
+    return quantized_kv(M, model, M.Processor.from_pretrained(FIXTURES / checkpoint), images, 0)
+
+
+def test_quantized_kv_cache_answers_as_one_process(sharded_run):
+    checkpoint, ranks = sharded_run
+    want = kv_single(checkpoint)
+    for out in ranks:
+        assert out["kv"] == want and want["chat_cached"] > 40
+
+
 def test_sampling_agrees_across_ranks(sharded_run, single):
     """Unseeded: the seed made equal at load gives every rank the same tokens; seeded: one process's."""
     checkpoint, ranks = sharded_run

@@ -20,7 +20,7 @@ from mlx_qwen3vl import distributed
 from mlx_qwen3vl.errors import ConfigError
 from mlx_qwen3vl.pipeline import balanced_bounds, check_pipelinable, pipeline
 from test_distributed import IMAGE, ROOT, FakeGroup, check_early_stops, launch, pytestmark, single  # noqa: F401 (fixture, mark)
-from test_distributed import _sharded_logits_equal_one_process
+from test_distributed import _sharded_logits_equal_one_process, kv_single
 
 # The balanced split of each fixture over 2 ranks (test_split_is_the_most_even asserts it is).
 BOUNDS = {"tiny-a": [0, 2, 3], "tiny-b": [0, 2, 4], "tiny-moe": [0, 2, 4]}
@@ -130,6 +130,14 @@ def test_chat_session_reuses_each_ranks_cache(piped, single):
         first, second = out["chat"]
         assert [first["tokens"], second["tokens"]] == single(checkpoint)["chat"]
         assert first["cached_tokens"] == 0 and second["cached_tokens"] >= first["prompt_tokens"]
+
+
+def test_quantized_kv_cache_answers_as_one_process(piped):
+    """Each stage quantizes its own layers' caches at the same position."""
+    checkpoint, ranks, _ = piped
+    want = kv_single(checkpoint)
+    for out in ranks:
+        assert out["kv"] == want
 
 
 def test_sampling_and_errors_agree_across_ranks(piped, single):

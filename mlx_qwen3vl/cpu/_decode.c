@@ -245,6 +245,68 @@ static void attend_group(const float *qkv, const float *keys, const float *value
     }
 }
 
+/* One row of a quantized cache as float32: codes (hd * bits / 8 bytes, element j in bits
+ * [j * bits, (j + 1) * bits), MLX's packing), times its group's scale, plus its bias. */
+static inline void dequant_row(const uint8_t *codes, const float *scales, const float *biases, Py_ssize_t hd,
+                               Py_ssize_t gs, int bits, float *out) {
+    for (Py_ssize_t g = 0; g < hd / gs; g++) {
+        float sc = scales[g], bi = biases[g];
+        float *o = out + g * gs;
+        if (bits == 8) {
+            const uint8_t *c = codes + g * gs;
+            for (Py_ssize_t j = 0; j < gs; j++) o[j] = (float)c[j] * sc + bi;
+        } else {
+            const uint8_t *c = codes + g * gs / 2;
+            for (Py_ssize_t j = 0; j < gs / 2; j++) {
+                o[2 * j] = (float)(c[j] & 15) * sc + bi;
+                o[2 * j + 1] = (float)(c[j] >> 4) * sc + bi;
+            }
+        }
+    }
+}
+
+/* attend_group over a quantized cache: each cached key and value row is read once (its codes,
+ * scales and biases, a third to a sixth of a float32 row's bytes) into one row of float32 on the
+ * stack for all query heads of the group; nothing larger is ever dequantized. knew / vnew (the
+ * step's own key and value) come in qkv already as the cache will hold them. */
+VECTOR_CLONES
+static void attend_group_quantized(const float *qkv, const uint8_t *kc, const float *ks, const float *kb,
+                                   const uint8_t *vc, const float *vs, const float *vb, float *out, float *scores,
+                                   float *qs, float *row, Py_ssize_t b, Py_ssize_t g, Py_ssize_t nq, Py_ssize_t nkv,
+                                   Py_ssize_t hd, Py_ssize_t cap, Py_ssize_t S, float scale, int bits, Py_ssize_t gs) {
+    Py_ssize_t rep = nq / nkv, all = nq + 2 * nkv, n = S + 1, bytes = hd * bits / 8, G = hd / gs;
+    Py_ssize_t head = b * nkv + g;
+    const uint8_t *K = kc + head * cap * bytes, *V = vc + head * cap * bytes;
+    const float *Ks = ks + head * cap * G, *Kb = kb + head * cap * G, *Vs = vs + head * cap * G, *Vb = vb + head * cap * G;
+    const float *knew = qkv + (b * all + nq + g) * hd, *vnew = qkv + (b * all + nq + nkv + g) * hd;
+    float *o = out + (b * nq + g * rep) * hd;
+    for (Py_ssize_t r = 0; r < rep; r++)
+        for (Py_ssize_t j = 0; j < hd; j++) qs[r * hd + j] = qkv[(b * all + g * rep + r) * hd + j] * scale;
+    for (Py_ssize_t s = 0; s < S; s++) {
+        dequant_row(K + s * bytes, Ks + s * G, Kb + s * G, hd, gs, bits, row);
+        for (Py_ssize_t r = 0; r < rep; r++) scores[r * n + s] = dot_row(qs + r * hd, row, hd);
+    }
+    for (Py_ssize_t r = 0; r < rep; r++) {
+        float *sc = scores + r * n;
+        sc[S] = dot_row(qs + r * hd, knew, hd);
+        exp_shifted(sc, max_of(sc, n), n);
+    }
+    memset(o, 0, rep * hd * sizeof(float));
+    for (Py_ssize_t s = 0; s < S; s++) {
+        dequant_row(V + s * bytes, Vs + s * G, Vb + s * G, hd, gs, bits, row);
+        for (Py_ssize_t r = 0; r < rep; r++) {
+            float w = scores[r * n + s], *or = o + r * hd;
+            for (Py_ssize_t j = 0; j < hd; j++) or[j] += w * row[j];
+        }
+    }
+    for (Py_ssize_t r = 0; r < rep; r++) {
+        float *sc = scores + r * n, *or = o + r * hd;
+        float total = 0.0f;
+        for (Py_ssize_t s = 0; s < n; s++) total += sc[s];
+        for (Py_ssize_t j = 0; j < hd; j++) or[j] = (or[j] + sc[S] * vnew[j]) / total;
+    }
+}
+
 VECTOR_CLONES
 static void silu_mul_vec(const float *g, const float *u, float *out, Py_ssize_t n) {
     Py_ssize_t i = 0;
@@ -353,6 +415,71 @@ fail:
     return finish(b, 4, 0);
 }
 
+static int get_u8(PyObject *obj, Py_buffer *view, const char *name) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    const char *f = view->format;
+    if (view->itemsize != 1 || !f || !(strcmp(f, "B") == 0 || strcmp(f, "<B") == 0 || strcmp(f, "=B") == 0)) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous uint8 array", name);
+        return -1;
+    }
+    return 0;
+}
+
+/* attend_quantized(qkv, q_heads, k_heads, head_dim, kdata, kscales, kbiases, vdata, vscales,
+ * vbiases, S, scale, bits, group_size, out): attend over a quantized cache (attend_group_quantized):
+ * kdata / vdata (B, nkv, cap, hd * bits / 8) uint8, the scales and biases (B, nkv, cap, hd / group_size)
+ * float32; bits 4 or 8. */
+static PyObject *py_attend_quantized(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    fbuf b[6];
+    Py_buffer codes[2];
+    float *scratch = NULL;
+    int held = 0;
+    if (nargs != 15) return PyErr_Format(PyExc_TypeError, "attend_quantized takes 15 arguments"), NULL;
+    Py_ssize_t nq = PyLong_AsSsize_t(args[1]), nkv = PyLong_AsSsize_t(args[2]), hd = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t S = PyLong_AsSsize_t(args[10]), gs = PyLong_AsSsize_t(args[13]);
+    long bits = PyLong_AsLong(args[12]);
+    float scale = (float)PyFloat_AsDouble(args[11]);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *objs[6] = {args[0], args[5], args[6], args[8], args[9], args[14]};
+    const char *names[6] = {"qkv", "kscales", "kbiases", "vscales", "vbiases", "out"};
+    if (get_all(objs, names, "rrrrrw", 6, b) < 0) return NULL;
+    if (get_u8(args[4], &codes[0], "kdata") < 0) goto fail;
+    held = 1;
+    if (get_u8(args[7], &codes[1], "vdata") < 0) goto fail;
+    held = 2;
+    NEED(bits == 4 || bits == 8, "attend_quantized: bits must be 4 or 8");
+    NEED(nq > 0 && nkv > 0 && nq % nkv == 0 && hd > 0 && S >= 0 && gs > 0 && hd % gs == 0 && gs % 2 == 0,
+         "attend_quantized: head counts or group size do not match");
+    NEED(b[5].n % (nq * hd) == 0, "attend_quantized: out must be (B, q_heads * head_dim)");
+    Py_ssize_t batch = b[5].n / (nq * hd), rep = nq / nkv, bytes = hd * bits / 8, G = hd / gs;
+    NEED(b[0].n == batch * (nq + 2 * nkv) * hd, "attend_quantized: qkv does not match out");
+    NEED(codes[0].len == codes[1].len && codes[0].len % (batch * nkv * bytes) == 0,
+         "attend_quantized: kdata / vdata do not match");
+    Py_ssize_t cap = codes[0].len / (batch * nkv * bytes);
+    for (int i = 1; i < 5; i++) NEED(b[i].n == batch * nkv * cap * G, "attend_quantized: scales / biases do not match");
+    NEED(S <= cap, "attend_quantized: S exceeds the cache's capacity");
+    scratch = malloc(sizeof(float) * (rep * (S + 1) + rep * hd + hd));
+    if (!scratch) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t bb = 0; bb < batch; bb++)
+        for (Py_ssize_t g = 0; g < nkv; g++)
+            attend_group_quantized(b[0].data, codes[0].buf, b[1].data, b[2].data, codes[1].buf, b[3].data, b[4].data,
+                                   b[5].data, scratch, scratch + rep * (S + 1), scratch + rep * (S + 1) + rep * hd, bb,
+                                   g, nq, nkv, hd, cap, S, scale, (int)bits, gs);
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    for (int i = 0; i < held; i++) PyBuffer_Release(&codes[i]);
+    return finish(b, 6, 1);
+fail:
+    free(scratch);
+    for (int i = 0; i < held; i++) PyBuffer_Release(&codes[i]);
+    return finish(b, 6, 0);
+}
+
 /* silu_mul(gate, up, out): out = gate * sigmoid(gate) * up, as gate / (1 + exp(-gate)) * up. */
 static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     fbuf b[3];
@@ -373,6 +500,7 @@ static PyMethodDef methods[] = {
     {"qk_norm_rope", (PyCFunction)(void (*)(void))py_qk_norm_rope, METH_FASTCALL, NULL},
     {"attend", (PyCFunction)(void (*)(void))py_attend, METH_FASTCALL, NULL},
     {"silu_mul", (PyCFunction)(void (*)(void))py_silu_mul, METH_FASTCALL, NULL},
+    {"attend_quantized", (PyCFunction)(void (*)(void))py_attend_quantized, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 
@@ -380,7 +508,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_decode", NULL, -1, 
 
 /* cpu/decode.py uses the module only when INTERFACE matches its own: an install built from an older
  * _decode.c (an editable checkout pulled without reinstalling) falls back to numpy instead of
- * failing mid-decode. Bump it with any change to the calls above. */
+ * failing mid-decode. Bump it with any change to the calls above (a call added, attend_quantized,
+ * is looked up by name: an older build without it runs that one in numpy). */
 PyMODINIT_FUNC PyInit__decode(void) {
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "INTERFACE", 1) < 0) {

@@ -10,6 +10,12 @@ level). Nothing syncs on the KV cache inside the step: the attention reads each 
 positions in place and scores the new key on its own, and the step's new keys and values are
 queued (KVCache.queue) and evaluated with the next step's inputs, in one sync. Measurements:
 benchmarks/README.md, "What bounds each figure".
+
+A quantized cache (kv_bits) is read as it is stored: the attention (`attend_quantized` in C, or
+`attend_cached_quantized` in numpy) turns a bounded block of packed positions into float32 at a
+time, never the whole cache. The new key and value are quantized here first (`quantize_rows`, MLX's
+affine formula in float32), so the step attends to them as the cache will hold them, as the MLX
+graph does (mlx-lm's QuantizedKVCache quantizes before its attention reads).
 """
 
 import importlib
@@ -31,10 +37,36 @@ if getattr(native, "INTERFACE", None) != NATIVE_INTERFACE:  # built from an olde
     native = None
 
 
+class QuantizedKVCache(kv_cache.QuantizedKVCache):
+    """The quantized cache type, with KVCache's two additions for the decode stack."""
+
+    def holds_float32(self) -> bool:
+        return self.keys is not None and isinstance(self.keys, tuple) and self.keys[1].dtype == mx.float32
+
+    def numpy_view(self):
+        """(keys, values, positions in use), keys and values each (data as uint8 bytes, scales,
+        biases), the evaluated buffers read in place."""
+        view = lambda t: (np.asarray(t[0]).view(np.uint8), np.asarray(t[1]), np.asarray(t[2]))  # noqa: E731
+        return view(self.keys), view(self.values), self.offset
+
+    def queue(self, keys, values, start):
+        """KVCache.queue for keys / values already quantized: (data, scales, biases), each
+        (B, Hkv, 1, ...)."""
+        if self.offset >= self.keys[0].shape[2]:  # grow by one step, as update_and_fetch would
+            grow = lambda a: mx.concatenate(  # noqa: E731
+                [a[..., :self.offset, :], mx.zeros((*a.shape[:2], self.step, a.shape[3]), a.dtype)], axis=2)
+            self.keys, self.values = tuple(map(grow, self.keys)), tuple(map(grow, self.values))
+        self.keys = tuple(mx.slice_update(a, n, start, (2,)) for a, n in zip(self.keys, keys))
+        self.values = tuple(mx.slice_update(a, n, start, (2,)) for a, n in zip(self.values, values))
+        self.offset += 1
+
+
 class KVCache(kv_cache.KVCache):
     """The cache type, plus what the decode stack needs: its positions in use as numpy views, and
     the write it queues for a step (the new key and value go in lazily, without the fetch: the
     type's own indexing costs ~40 us a layer in Python)."""
+
+    Quantized = QuantizedKVCache
 
     def holds_float32(self) -> bool:
         return self.keys is not None and not isinstance(self.keys, tuple) and self.keys.dtype == mx.float32
@@ -65,9 +97,10 @@ def runs(mlp) -> bool:
 
 def applies(x, mask, caches) -> bool:
     """Whether `decode_tokens` serves this forward: one token per sequence, no padding mask, and
-    every cache one of ours, already holding float32 keys."""
+    every cache one of ours, already holding float32 keys (or float32 scales), all of one kind."""
     return (x.shape[1] == 1 and mask is None and bool(caches)
-            and all(isinstance(c, KVCache) and c.holds_float32() for c in caches))
+            and all(isinstance(c, (KVCache, QuantizedKVCache)) and c.holds_float32() for c in caches)
+            and len({c.kind for c in caches}) == 1)
 
 
 def decode_tokens(text_model, x, position_ids, caches, deepstack_embeds, ops):
@@ -91,7 +124,14 @@ def decode_tokens(text_model, x, position_ids, caches, deepstack_embeds, ops):
     hidden = max((layer["mlp"]["gate_proj"]["weight"].shape[0] for layer in layers if "gate_proj" in layer["mlp"]),
                  default=0)  # the dense layers' width (an MoE layer's experts are experts_into's business)
     gate, up = np.empty((B, hidden), np.float32), np.empty((B, hidden), np.float32)
-    new_kv = np.empty((len(layers), 2, B, nkv, hd), np.float32)  # each layer's new key and value
+    kind = caches[0].kind
+    if kind is None:
+        new_kv = np.empty((len(layers), 2, B, nkv, hd), np.float32)  # each layer's new key and value
+    else:
+        bits, group_size = kind
+        new_kv = [np.empty((len(layers), 2, B, nkv, hd * bits // 32), np.uint32),  # ... as stored
+                  np.empty((len(layers), 2, B, nkv, hd // group_size), np.float32),
+                  np.empty((len(layers), 2, B, nkv, hd // group_size), np.float32)]
     pending = None  # the last layer's output, added to h by the next norm
     for i, (layer, cache) in enumerate(zip(layers, caches)):
         attn, mlp = layer["self_attn"], layer["mlp"]
@@ -102,8 +142,14 @@ def decode_tokens(text_model, x, position_ids, caches, deepstack_embeds, ops):
         ops.qk_norm_rope(qkv, nq, nkv, np.asarray(attn["q_norm"]["weight"]), np.asarray(attn["k_norm"]["weight"]),
                          attn["q_norm"].eps, cos, sin)  # q_norm and k_norm: one eps
         keys, values, S = cache.numpy_view()
-        ops.attend(qkv, nq, nkv, hd, keys, values, S, attn.scale, att)
-        new_kv[i] = qkv[:, nq:].reshape(B, 2, nkv, hd).swapaxes(0, 1)
+        if kind is None:
+            ops.attend(qkv, nq, nkv, hd, keys, values, S, attn.scale, att)
+            new_kv[i] = qkv[:, nq:].reshape(B, 2, nkv, hd).swapaxes(0, 1)
+        else:  # the new key and value as the cache will hold them, then attention over the packed cache
+            new = qkv[:, nq:].reshape(B, 2, nkv, hd).swapaxes(0, 1)
+            data, scales, biases, new[...] = quantize_rows(new, group_size, bits)
+            new_kv[0][i], new_kv[1][i], new_kv[2][i] = data, scales, biases
+            attend_quantized(ops, qkv, nq, nkv, hd, keys, values, S, attn.scale, bits, group_size, att)
         _linear_into(att, attn["o_proj"], delta)
         _rms_norm_into(ops, h, delta, layer["post_attention_layernorm"], n)
         if "switch_mlp" in mlp:  # only the k experts the token chose are read
@@ -136,15 +182,20 @@ def _linear_into(a, module, out):
 
 
 def _queue_cache_writes(caches, new_kv):
-    """Each layer's new key and value, new_kv (layers, 2, B, Hkv, hd), into its cache: one
-    conversion to MLX for all layers, then one lazy write per cache."""
-    kv = mx.array(new_kv)[..., None, :]  # (layers, 2, B, Hkv, 1, hd)
+    """Each layer's new key and value, new_kv (layers, 2, B, Hkv, hd) (or, quantized, a list of
+    its data, scales and biases), into its cache: one conversion to MLX per array for all layers,
+    then one lazy write per cache."""
+    quantized = isinstance(new_kv, list)
+    kv = [mx.array(a)[..., None, :] for a in new_kv] if quantized else mx.array(new_kv)[..., None, :]
     starts = {}
     for i, cache in enumerate(caches):
         S = cache.size()
         if S not in starts:
             starts[S] = mx.array([S])
-        cache.queue(kv[i, 0], kv[i, 1], starts[S])
+        if quantized:
+            cache.queue(tuple(a[i, 0] for a in kv), tuple(a[i, 1] for a in kv), starts[S])
+        else:
+            cache.queue(kv[i, 0], kv[i, 1], starts[S])
 
 
 class NumpyOps:
@@ -173,6 +224,81 @@ class NumpyOps:
     @staticmethod
     def silu_mul(gate, up, out):
         out[...] = np_silu_mul(gate, up)
+
+    @staticmethod
+    def attend_quantized(qkv, nq, nkv, hd, kdata, kscales, kbiases, vdata, vscales, vbiases, S, scale, bits,
+                         group_size, out):
+        out[...] = attend_cached_quantized(qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:],
+                                           (kdata, kscales, kbiases), (vdata, vscales, vbiases), S, scale, bits,
+                                           group_size)
+
+
+def attend_quantized(ops, qkv, nq, nkv, hd, keys, values, S, scale, bits, group_size, out):
+    """ops.attend for a quantized cache: keys / values are (data as uint8, scales, biases). The C
+    extension's own call where it has one (an older build has not: numpy then)."""
+    fn = getattr(ops, "attend_quantized", None) or NumpyOps.attend_quantized
+    fn(qkv, nq, nkv, hd, *keys, *values, S, scale, bits, group_size, out)
+
+
+def quantize_rows(x, group_size: int, bits: int):
+    """mx.quantize's affine quantization of float32 rows x (..., d), in numpy with MLX's float32
+    formula (mlx/backend/cpu/quantized.cpp) → (data uint32 (..., d * bits / 32), scales and biases
+    (..., d / group_size), x as the quantized values give it back)."""
+    g = x.reshape(*x.shape[:-1], -1, group_size)
+    n_bins = np.float32((1 << bits) - 1)
+    w_max, w_min = g.max(-1), g.min(-1)
+    mask = np.abs(w_min) > np.abs(w_max)
+    scale = np.maximum((w_max - w_min) / n_bins, np.float32(1e-7))
+    scale = np.where(mask, scale, -scale)
+    edge = np.where(mask, w_min, w_max)
+    q0 = np.rint(edge / scale)
+    nonzero = q0 != 0
+    scale = np.where(nonzero, edge / np.where(nonzero, q0, np.float32(1)), scale).astype(np.float32)
+    bias = np.where(nonzero, edge, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint((g - bias[..., None]) / scale[..., None]), 0, n_bins)
+    back = (q * scale[..., None] + bias[..., None]).reshape(x.shape)
+    codes = q.astype(np.uint8).reshape(*x.shape[:-1], -1)
+    if bits == 4:  # two to a byte, the first in the low nibble (MLX packs from bit 0 up)
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    data = np.ascontiguousarray(codes).view(np.uint32)
+    return data, scale, bias, back
+
+
+def dequantize_rows(data, scales, biases, group_size: int, bits: int):
+    """(data as uint8 bytes (..., d * bits / 8), scales, biases) → float32 (..., d)."""
+    if bits == 4:
+        data = np.stack([data & 15, data >> 4], -1).reshape(*data.shape[:-1], -1)
+    g = data.astype(np.float32).reshape(*data.shape[:-1], -1, group_size)
+    g *= scales[..., None]
+    g += biases[..., None]
+    return g.reshape(*data.shape[:-1], -1)
+
+
+QUANTIZED_BLOCK = 1024  # cached positions turned into float32 at a time by the numpy attention
+
+
+def attend_cached_quantized(q, k, v, keys, values, S, scale, bits, group_size):
+    """attend_cached over a quantized cache: keys / values are (data as uint8 bytes (B, Hkv,
+    capacity, hd * bits / 8), scales, biases (B, Hkv, capacity, hd / group_size)), dequantized a
+    block of QUANTIZED_BLOCK positions at a time; k, v (B, Hkv, hd) the new key and value (as the
+    cache will hold them) → (B, H * hd)."""
+    B, H, hd = q.shape
+    nkv = k.shape[1]
+    qs = (q * np.float32(scale)).reshape(B, nkv, H // nkv, hd)
+    scores = np.empty((B, nkv, H // nkv, S + 1), np.float32)
+    blocks = [(s, min(S, s + QUANTIZED_BLOCK)) for s in range(0, S, QUANTIZED_BLOCK)]
+    part = lambda t, s, e: dequantize_rows(t[0][:, :, s:e], t[1][:, :, s:e], t[2][:, :, s:e], group_size, bits)  # noqa: E731
+    for s, e in blocks:
+        np.matmul(qs, part(keys, s, e).swapaxes(-1, -2), out=scores[..., s:e])
+    np.matmul(qs, k[:, :, :, None], out=scores[..., S:])
+    scores -= scores.max(-1, keepdims=True)
+    np.exp(scores, out=scores)
+    total = scores.sum(-1, keepdims=True)
+    out = scores[..., S:] * v[:, :, None, :]
+    for s, e in blocks:
+        out += np.matmul(scores[..., s:e], part(values, s, e))
+    out /= total
+    return out.reshape(B, H * hd)
 
 
 def attend_cached(q, k, v, keys, values, S, scale):

@@ -1,7 +1,7 @@
 """The rows being decoded together: one KV cache per layer holding every row, left-padded to a
-common length (kv_cache.KVCache), and per row its next 1D position (cache length + its mRoPE
-rope delta), its sampler (its own processors and random stream) and, for processors that read
-it, its tokens so far."""
+common length (kv_cache.KVCache, or its QuantizedKVCache: a batch holds rows of one cache kind),
+and per row its next 1D position (cache length + its mRoPE rope delta), its sampler (its own
+processors and random stream) and, for processors that read it, its tokens so far."""
 
 from typing import List, Optional
 
@@ -13,8 +13,9 @@ from .step import decode_step, sample
 class Row:
     """One request being decoded (or about to be: its first token comes from its prefill)."""
 
-    def __init__(self, request, sampler, answer, prompt_tokens: int, cached: int, history):
+    def __init__(self, request, sampler, answer, prompt_tokens: int, cached: int, history, kv=None):
         self.request, self.id = request, request.id
+        self.kv = kv  # its KVSettings: when its cache turns quantized
         self.sampler, self.answer = sampler, answer
         self.prompt_tokens, self.cached = prompt_tokens, cached
         self.history = history  # mx.array of the tokens so far, for processors; None without them
@@ -29,10 +30,11 @@ class Row:
 
 
 class Batch:
-    """Rows, their caches and the tokens not yet fed (`y`, with their log-probabilities `lp`)."""
+    """Rows, their caches and the tokens not yet fed (`y`, with their log-probabilities `lp`).
+    `kind`: the caches' (kv_cache: None for float, else (bits, group_size))."""
 
-    def __init__(self, model, log_softmax):
-        self.model, self.log_softmax = model, log_softmax
+    def __init__(self, model, log_softmax, kind=None):
+        self.model, self.log_softmax, self.kind = model, log_softmax, kind
         self.rows: List[Row] = []
         self.cache: Optional[list] = None
         self.y = self.lp = self.positions = None
@@ -50,6 +52,23 @@ class Batch:
         self.y = mx.concatenate([self.y, y])
         self.lp = mx.concatenate([self.lp, lp])
         self.positions = mx.concatenate([self.positions, position])
+
+    def length(self, i: int) -> int:
+        """Positions row `i` has in the cache (its padding not counted)."""
+        return self.cache[0].size() - self.cache[0].padding()[i]
+
+    def take(self, indices) -> list:
+        """Take rows out whole → [(row, its cache holding every position it has, y, lp, position)],
+        ready to join another batch."""
+        indices = sorted(set(indices))
+        if len(self.rows) == len(indices) == 1:
+            out = [(self.rows[0], self.cache, self.y, self.lp, self.positions)]
+            self.rows, self.cache, self.y, self.lp, self.positions = [], None, None, None, None
+            return out
+        out = [(self.rows[i], [c.extract(i) for c in self.cache], self.y[i:i + 1], self.lp[i:i + 1],
+                self.positions[i:i + 1]) for i in indices]
+        self.remove(indices)
+        return out
 
     def decode(self):
         """Feed `y` and sample the next token of every row → (y, lp), left lazy."""

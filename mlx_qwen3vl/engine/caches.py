@@ -11,6 +11,12 @@ The index is a radix tree over each entry's keys: its token ids with the first p
 image or video replaced by (kind, content hash, length), so two prompts whose tokens agree but
 whose screenshots differ part at that screenshot. A lookup walks the request's keys once: its cost
 grows with the prompt, never with the number of entries (mlx-lm's PromptTrie keys tokens only).
+
+Quantized caches (kv_bits) have an index of their own per (bits, group size, quantized_kv_start):
+their positions from `quantized_kv_start` on were computed against the quantized cache, so such
+an entry serves only requests of those settings, and only prefixes of at least that many
+positions (shorter ones were float in a fresh run). A float entry serves a quantized request up to
+its `quantized_kv_start`, and any float request whole.
 """
 
 from collections import OrderedDict
@@ -20,6 +26,7 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
+from ..kv_settings import FLOAT
 from ..spans import media_keys, media_spans
 
 
@@ -133,6 +140,12 @@ class _Entry:
     keys: tuple
     caches: list
     nbytes: int
+    index: Optional[tuple] = None  # the index it is in: None (float) or (bits, group size, start)
+
+
+def _index_of(caches, kv) -> Optional[tuple]:
+    kind = caches[0].kind
+    return None if kind is None else (*kind, kv.start)
 
 
 def pipeline_scale(model):
@@ -154,31 +167,79 @@ class PrefixCache:
     prefix would prefill more tokens and pair its collectives wrongly), so an entry counts its
     bytes × `scale` (num, den): pipeline_scale(model), equal on every rank."""
 
-    def __init__(self, max_bytes: int, scale=(1, 1)):
+    def __init__(self, max_bytes: int, scale=(1, 1), disk=None):
         self.max_bytes = max_bytes
         self.scale = scale
+        self.disk = disk  # disk.DiskTier: the second tier, or None
         self.entries: "OrderedDict[int, _Entry]" = OrderedDict()
-        self.index = PrefixIndex()
+        self.indexes = {None: PrefixIndex()}  # per kind of cache (see the module docstring)
         self.nbytes = 0
         self._next = 0
         self.hits = self.misses = self.reused_tokens = 0
 
-    def lookup(self, inputs):
+    @property
+    def index(self) -> PrefixIndex:
+        """The float entries' index."""
+        return self.indexes[None]
+
+    def lookup(self, inputs, kv=FLOAT):
         """(entry id, reusable length) of an entry that serves the most of the prompt `inputs`
-        (never its last token: its logits start the answer, and never into an image or video),
-        or (None, 0)."""
-        if not self.entries:
+        for a request whose cache follows `kv` (KVSettings; see the module docstring), never its
+        last token (its logits start the answer) and never into an image or video; or (None, 0)."""
+        if not self.entries and self.disk is None:
             return None, 0
-        keys = prompt_keys(inputs)
-        n, eid = self.index.longest(keys[:-1])
-        for m in media_spans(inputs):
-            if m.start < n < m.end:
-                n = m.start
-                break
-        if not n:
+        keys = prompt_keys(inputs)[:-1]
+        spans = media_spans(inputs)
+
+        def usable(n, cap, floor):
+            n = min(n, cap)
+            for m in spans:
+                if m.start < n < m.end:
+                    return m.start if m.start >= floor else 0
+            return n if n >= floor else 0
+
+        float_cap = kv.start if kv.quantized else len(keys)
+        best, best_n = self._memory(keys, kv, usable, float_cap)
+        if self.disk is not None:
+            found, n = self._disk(keys, kv, usable, float_cap)
+            if n > best_n:
+                loaded = self.disk.load(found)
+                eid = self._insert(*loaded, self.disk.kv) if loaded is not None else None
+                if eid is not None:
+                    best, best_n = eid, n
+        if best is None:
             return None, 0
-        self.entries.move_to_end(eid)
-        return eid, n
+        self.entries.move_to_end(best)
+        return best, best_n
+
+    def _memory(self, keys, kv, usable, float_cap):
+        """(entry id, n) of the memory tier's best entry for `keys` (None, 0)."""
+        best, best_n = None, 0
+        choices = [(None, float_cap, 1)]
+        if kv.quantized:
+            choices.append(((*kv.kind, kv.start), len(keys), max(1, kv.start)))
+        for key, cap, floor in choices:
+            index = self.indexes.get(key)
+            if index is not None:
+                n, eid = index.longest(keys)
+                n = usable(n, cap, floor)
+                if n > best_n:
+                    best, best_n = eid, n
+        return best, best_n
+
+    def _disk(self, keys, kv, usable, float_cap):
+        """(file name, n) of the disk tier's best entry for `keys` (None, 0): float entries serve
+        any request (up to its kv.start), quantized ones only requests of the tier's settings."""
+        best, best_n = None, 0
+        choices = [(False, float_cap, 1)]
+        if kv.quantized and kv.kind == self.disk.kv.kind and kv.start == self.disk.kv.start:
+            choices.append((True, len(keys), max(1, kv.start)))
+        for quantized, cap, floor in choices:
+            n, name = self.disk.longest(keys, quantized)
+            n = usable(n, cap, floor)
+            if n > best_n:
+                best, best_n = name, n
+        return best, best_n
 
     def take(self, eid, length: int):
         """New batch-1 caches holding the entry's first `length` positions."""
@@ -186,40 +247,63 @@ class PrefixCache:
         self.reused_tokens += length
         return [c.extract(0, length) for c in self.entries[eid].caches]
 
-    def insert(self, tokens: List[int], media: list, caches):
-        """Keep `caches` (batch 1, holding `tokens` first) as an entry, copied to exactly that many
-        positions. Nothing is kept when an entry already holds all of it; entries it extends go."""
+    def insert(self, tokens: List[int], media: list, caches, kv=FLOAT):
+        """Keep `caches` (batch 1, holding `tokens` first, made under KVSettings `kv`) as an entry,
+        copied to exactly that many positions. Nothing is kept when an entry already holds all of
+        it (or, quantized, when it holds fewer than kv.start positions); entries it extends go.
+        The disk tier gets it too (at its next flush) when it is float or of the tier's settings."""
+        eid = self._insert(tokens, media, caches, kv)
+        if eid is not None and self.disk is not None:
+            e = self.entries[eid]
+            kind = e.caches[0].kind
+            if kind is None or (kind == self.disk.kv.kind and kv.start == self.disk.kv.start):
+                self.disk.queue(e.tokens, e.media, e.caches)
+
+    def flush(self):
+        """Write the entries queued for the disk tier (the engine calls it when idle)."""
+        if self.disk is not None and self.disk.pending:
+            self.disk.flush()
+
+    def _insert(self, tokens, media, caches, kv) -> Optional[int]:
         if not tokens or caches[0].empty():
-            return
-        keys = index_keys(tokens, media)
-        held, _ = self.index.longest(keys)
-        if held == len(keys):
-            return  # an entry already holds all of it
+            return None
         n = len(tokens)
+        where = _index_of(caches, kv)
+        if where is not None and n < kv.start:
+            return None  # no request could reuse it (see lookup)
+        index = self.indexes.setdefault(where, PrefixIndex())
+        keys = index_keys(tokens, media)
+        held, _ = index.longest(keys)
+        if held == len(keys):
+            return None  # an entry already holds all of it
         caches = [c if c.size() == c.capacity() == n and c.batch_size == 1 and not any(c.padding())
                   else c.extract(0, n) for c in caches]
         mx.async_eval([c.state[:2] for c in caches])  # the copy runs beside the next step, not in its way
         num, den = self.scale
         nbytes = sum(c.nbytes for c in caches) * num // den
         if nbytes > self.max_bytes:
-            return
+            return None
         eid = self._next
         self._next += 1
-        self.entries[eid] = _Entry(list(tokens), list(media), keys, caches, nbytes)
+        self.entries[eid] = _Entry(list(tokens), list(media), keys, caches, nbytes, where)
         self.nbytes += nbytes
-        for old in self.index.add(keys, eid):
+        for old in index.add(keys, eid):
             self._drop(old)  # entries this one extends are redundant
         while self.nbytes > self.max_bytes:
             self._drop(next(iter(self.entries)))
+        return eid if eid in self.entries else None
 
     def _drop(self, eid):
         entry = self.entries.pop(eid)
-        self.index.remove(entry.keys, eid)
+        self.indexes[entry.index].remove(entry.keys, eid)
         self.nbytes -= entry.nbytes
 
     def stats(self) -> dict:
-        return {"entries": len(self.entries), "bytes": self.nbytes, "max_bytes": self.max_bytes,
-                "hits": self.hits, "misses": self.misses, "reused_tokens": self.reused_tokens}
+        out = {"entries": len(self.entries), "bytes": self.nbytes, "max_bytes": self.max_bytes,
+               "hits": self.hits, "misses": self.misses, "reused_tokens": self.reused_tokens}
+        if self.disk is not None:
+            out["disk"] = self.disk.stats()
+        return out
 
 
 class FeatureCache:

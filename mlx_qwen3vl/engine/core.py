@@ -19,7 +19,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..backend import backend_of
-from ..errors import ContextLengthError, InputError
+from ..errors import ConfigError, ContextLengthError, InputError
+from ..kv_settings import FLOAT, KVSettings, bytes_per_position, quantize_if_due, resolve
 from ..sampling import Sampler, SamplingParams
 from ..spans import media_keys
 from .answer import AnswerText, eos_token_ids
@@ -40,7 +41,8 @@ class Request:
     request then continues it, bypasses the engine's prefix cache, and its Done event hands the
     cache back holding the prompt and the answer. `time_limit`: seconds from `add` (None: the
     engine's `max_request_seconds`). `tokens` / `media`: the prompt's ids and spans.media_keys,
-    when the caller has them already."""
+    when the caller has them already. `kv`: how its KV cache is stored (KVSettings; None: the
+    engine's)."""
 
     inputs: dict
     params: SamplingParams = field(default_factory=SamplingParams)
@@ -51,6 +53,7 @@ class Request:
     time_limit: Optional[float] = None
     tokens: Optional[List[int]] = None
     media: Optional[list] = None
+    kv: Optional[KVSettings] = None
 
 
 @dataclass
@@ -104,8 +107,8 @@ class StepRecord:
 
 
 class _Waiting:
-    def __init__(self, request, sampler):
-        self.request, self.sampler = request, sampler
+    def __init__(self, request, sampler, kv):
+        self.request, self.sampler, self.kv = request, sampler, kv
 
 
 class _Job:
@@ -117,14 +120,14 @@ class _Job:
         return self.waiting.request.id
 
 
-def kv_bytes_per_token(model) -> int:
+def kv_bytes_per_token(model, kind=None) -> int:
     """KV bytes one position of the whole model's cache takes on each rank (from the config, so
-    every rank counts the same)."""
+    every rank counts the same); `kind`: None (float) or a quantized cache's (bits, group_size)."""
     t = model.config.text_config
     # The keys' dtype is the hidden state's: the embedding's output (a lazy graph, never evaluated).
     itemsize = model.language_model.embed_tokens(mx.zeros((1, 1), mx.int32)).dtype.size
     ranks = model.group.size() if getattr(model, "group", None) is not None else 1
-    return 2 * t.num_hidden_layers * t.num_key_value_heads * t.head_dim * itemsize // ranks
+    return bytes_per_position(t.num_hidden_layers, t.num_key_value_heads, t.head_dim, itemsize, kind) // ranks
 
 
 def auto_kv_budget(model) -> int:
@@ -163,11 +166,21 @@ class Engine:
     lookahead: queue each decode step before handing out the previous one's tokens (default:
       when the backend's forward is lazy, i.e. the plain MLX graph).
     check_time_limits: whether `step` ends requests past their time limit itself (a replicated
-      engine is told by rank 0 instead, `expired`)."""
+      engine is told by rank 0 instead, `expired`).
+    kv_bits / kv_group_size / quantized_kv_start: the KV cache of requests that name none
+      (mlx-lm's meanings, kv_settings.KVSettings). Rows are decoded in one batch per cache kind
+      (float, and each bits / group size), all of them every step; a row moves from the float
+      batch to its quantized one when its cache reaches `quantized_kv_start` positions.
+    prefix_cache_dir / prefix_cache_dir_bytes: the prefix cache's second tier, a folder of cache
+      files (engine/disk.py) kept within that many bytes; written when the engine is idle (at
+      the end of a step that leaves nothing to do, unless `flush_when_idle` is False: then the
+      caller runs `prefix.flush()`). One process only."""
 
     def __init__(self, model, processor, *, max_batch=8, prefill_step_size=2048, prefill_budget=None,
                  prefix_cache_bytes=0, feature_cache_bytes=0, kv_budget_bytes="auto", max_request_seconds=None,
-                 lookahead=None, check_time_limits=True, clock=time.monotonic, stream=None):
+                 lookahead=None, check_time_limits=True, clock=time.monotonic, stream=None, kv_bits=None,
+                 kv_group_size=None, quantized_kv_start=None, prefix_cache_dir=None, prefix_cache_dir_bytes=8 << 30,
+                 flush_when_idle=True):
         from mlx_lm.tokenizer_utils import TokenizerWrapper
 
         if max_batch < 1:
@@ -182,16 +195,30 @@ class Engine:
         self.lookahead = (not backend.eager) if lookahead is None else lookahead
         self.eos = eos_token_ids(model, processor)
         self.tokenizer = TokenizerWrapper(processor.tokenizer)
-        self.prefix = PrefixCache(prefix_cache_bytes, pipeline_scale(model))
+        self.kv = resolve(model, KVSettings.build(kv_bits, kv_group_size, quantized_kv_start))
+        disk = None
+        if prefix_cache_dir is not None:
+            if getattr(model, "group", None) is not None:
+                raise ConfigError("a prefix cache folder is not available under several ranks (each rank would have "
+                                  "to hold the same entries); leave it out there")
+            if not prefix_cache_bytes:
+                raise ConfigError("a prefix cache folder needs the in-memory prefix cache too (prefix_cache_bytes > 0)")
+            from .disk import DiskTier
+
+            disk = DiskTier(prefix_cache_dir, prefix_cache_dir_bytes, model, self.kv)
+        self.flush_when_idle = flush_when_idle
+        self.prefix = PrefixCache(prefix_cache_bytes, pipeline_scale(model), disk)
         from ..pipeline import FeatureCounter
 
         self.features = FeatureCache(feature_cache_bytes, keep=not isinstance(model.visual, FeatureCounter))
         self.kv_per_token = kv_bytes_per_token(model)
+        self._kv_per_kind = {None: self.kv_per_token}
         self.kv_budget = auto_kv_budget(model) if kv_budget_bytes == "auto" else kv_budget_bytes
         self.max_request_seconds = max_request_seconds
         self.check_time_limits, self.clock = check_time_limits, clock
         self.stream = stream
-        self.batch = Batch(model, backend.log_softmax)
+        self.log_softmax = backend.log_softmax
+        self.batches = {}  # cache kind (None: float, (bits, group_size)) → Batch
         self.waiting: collections.deque = collections.deque()
         self.jobs: List[_Job] = []  # prefilling, in order (the first is the one being worked on)
         self._cancels = {}  # id → reason, applied at the next step
@@ -214,7 +241,8 @@ class Engine:
             raise ContextLengthError(f"the prompt is {n} tokens but the model's context is {self.context} "
                                      "(max_position_embeddings); shorten it or use fewer or smaller images", n,
                                      self.context)
-        need = (n + request.params.max_tokens) * self.kv_per_token
+        kv = self.kv if request.kv is None else resolve(self.model, request.kv)
+        need = self._kv_bytes(kv, n + request.params.max_tokens)
         if self.kv_budget is not None and need > self.kv_budget:
             raise InputError(f"this request needs {need / 1e9:.2f} GB of KV cache ({n} prompt tokens + "
                              f"max_tokens {request.params.max_tokens}) but the engine's KV budget is "
@@ -229,7 +257,7 @@ class Engine:
         sampler = Sampler(request.params, processors=request.processors)
         limit = request.time_limit if request.time_limit is not None else self.max_request_seconds
         deadline = None if limit is None else self.clock() + limit
-        self.waiting.append(_Waiting(request, sampler))
+        self.waiting.append(_Waiting(request, sampler, kv))
         if deadline is not None:
             self._deadlines[request.id] = deadline
         self.metrics["requests"] += 1
@@ -246,21 +274,40 @@ class Engine:
 
     def fingerprint(self) -> tuple:
         """What every rank replaying the same calls must agree on (server/replica.py compares it)."""
-        b = self.batch
-        return (self.max_batch, self.prefill_budget, self.kv_budget, self.prefix.max_bytes, self.features.max_bytes,
-                self.metrics["errors"], [(r.id, len(r.answer.tokens), r.answer.tokens[-1:]) for r in b.rows],
-                b.cache[0].padding() if b.cache else [], b.cache[0].size() if b.cache else 0,
+        return (self.max_batch, self.prefill_budget, self.kv_budget, self.kv, self.prefix.max_bytes,
+                self.features.max_bytes, self.metrics["errors"],
+                [(b.kind, [(r.id, len(r.answer.tokens), r.answer.tokens[-1:]) for r in b.rows],
+                  b.cache[0].padding() if b.cache else [], b.cache[0].size() if b.cache else 0)
+                 for b in self._running()],
                 [(j.id, j.job.spent) for j in self.jobs], [w.request.id for w in self.waiting],
                 (list(self.prefix.entries), self.prefix.nbytes, self.prefix.reused_tokens),
                 (list(self.features.sizes), self.features.hits))
 
     @property
     def busy(self) -> bool:
-        return bool(self.batch.rows or self.jobs or self.waiting or self._cancels)
+        return bool(self.jobs or self.waiting or self._cancels or any(b.rows for b in self.batches.values()))
+
+    @property
+    def rows(self) -> List[Row]:
+        """The rows being decoded, batch by batch."""
+        return [r for b in self._running() for r in b.rows]
+
+    def kv_bytes(self) -> dict:
+        """KV cache bytes held now by the running and prefilling requests ("bytes", by cache kind
+        in "by_kind": "float", "8-bit/g64", ...) and the positions they hold ("positions")."""
+        by_kind, positions = collections.Counter(), 0
+        caches = [b.cache for b in self._running()] + [j.job.cache for j in self.jobs]
+        for cache in caches:
+            if cache and not cache[0].empty():
+                kind = cache[0].kind
+                by_kind["float" if kind is None else f"{kind[0]}-bit/g{kind[1]}"] += sum(c.nbytes for c in cache)
+                positions += cache[0].size() * max(1, cache[0].batch_size)
+        return {"bytes": sum(by_kind.values()), "positions": positions, "by_kind": dict(by_kind)}
 
     def stats(self) -> dict:
-        return {"running": len(self.batch), "prefilling": len(self.jobs), "waiting": len(self.waiting),
+        return {"running": len(self.rows), "prefilling": len(self.jobs), "waiting": len(self.waiting),
                 "max_batch": self.max_batch, "kv_budget_bytes": self.kv_budget, "kv_bytes_needed": self._kv_need(),
+                "kv_cache": {**self.kv_bytes(), "settings": self.kv.as_dict()},
                 **dict(self.metrics),
                 "decode_steps_by_batch_size": {str(k): v for k, v in sorted(self.batch_sizes.items())},
                 "prefix_cache": self.prefix.stats(), "vision_feature_cache": self.features.stats()}
@@ -281,6 +328,16 @@ class Engine:
         while self.busy:
             yield from self.step()
 
+    def _running(self) -> List[Batch]:
+        """The batches with rows, float first, then by bits and group size (one order on every rank)."""
+        return [self.batches[k] for k in sorted(self.batches, key=lambda k: (k is not None, k or ()))
+                if self.batches[k].rows]
+
+    def _batch(self, kind) -> Batch:
+        if kind not in self.batches:
+            self.batches[kind] = Batch(self.model, self.log_softmax, kind)
+        return self.batches[kind]
+
     def _step(self) -> list:
         events = []
         if self.check_time_limits and self._deadlines:
@@ -288,15 +345,14 @@ class Engine:
                 self.cancel(rid, "time_limit")
         if self._cancels:
             self._apply_cancels(events)
-        batch = self.batch
-        pending = None
+        pending = []
         tic = time.perf_counter()
-        if batch.rows:
+        for batch in self._running():
             rows = list(batch.rows)
             fresh = [r.fresh for r in rows]
             try:
                 if self.lookahead:  # the next step is queued before this one's tokens are read
-                    pending = (rows, batch.y, batch.lp, fresh)
+                    pending.append((rows, batch.y, batch.lp, fresh))
                     y, lp = batch.decode()
                     mx.async_eval(y, lp)
                     batch.y, batch.lp = y, lp
@@ -308,29 +364,50 @@ class Engine:
                     batch.y, batch.lp = y, lp
                     self._emit(rows, y, lp, [False] * len(rows), events)
             except Exception as e:  # noqa: BLE001 — the batch fails, the engine keeps serving
-                self._fail_batch(e, events)
-                pending = None
+                if pending and pending[-1][0] is rows:
+                    pending.pop()
+                self._fail_rows(batch.rows, e, events)
+        self._requantize()
         self.metrics["decode_s"] += time.perf_counter() - tic
         tic = time.perf_counter()
         spent, budget = self._prefill(events)
         self.metrics["prefill_s"] += time.perf_counter() - tic
         got = tuple(e.id for e in events if isinstance(e, Token))
-        if pending is not None:
-            rows, y, lp, fresh = pending
+        for rows, y, lp, fresh in pending:
             try:
                 got += self._emit(rows, y, lp, fresh, events)
             except Exception as e:  # noqa: BLE001
-                self._fail_batch(e, events)
+                self._fail_rows([r for r in rows if self._where(r) is not None], e, events)
         self.log.append(StepRecord(got, spent, budget, tuple(j.id for j in self.jobs)))
         self.metrics["steps"] += 1
+        if self.flush_when_idle and self.prefix.disk is not None and not self.busy:
+            self.prefix.flush()
         if self.metrics["steps"] % 256 == 0:
             mx.clear_cache()
         return events
 
+    def _requantize(self):
+        """Rows of the float batch whose cache has reached their kv.start positions: quantized and
+        moved to the batch of their kind, before the next decode reads them."""
+        batch = self.batches.get(None)
+        if batch is None or not batch.rows:
+            return
+        due = [i for i, r in enumerate(batch.rows) if r.kv.quantized and batch.length(i) >= r.kv.start]
+        for row, cache, y, lp, position in batch.take(due) if due else ():
+            quantize_if_due(cache, row.kv)
+            self._batch(cache[0].kind).join(row, cache, y, lp, position)
+
+    def _where(self, row) -> Optional[Batch]:
+        """The batch holding `row` (None: it has left)."""
+        for batch in self.batches.values():
+            if any(r is row for r in batch.rows):
+                return batch
+        return None
+
     # ------------------------------------------------------------------ decode
     def _emit(self, rows, y, lp, fresh, events) -> tuple:
-        """Hand out tokens y (B,) of `rows` (the batch's rows when y was made); `fresh[b]`: row b's
-        token came from its prefill. Rows that finish leave the batch."""
+        """Hand out tokens y (B,) of `rows` (a batch's rows when y was made); `fresh[b]`: row b's
+        token came from its prefill. Rows that finish leave their batch."""
         tokens = y.tolist()
         chosen = mx.take_along_axis(lp, y[:, None], axis=-1)[:, 0].astype(mx.float32).tolist()
         got = []
@@ -362,16 +439,20 @@ class Engine:
         events.append(Token(row.id, token, piece, logprob, logprobs, top, row.answer.finish))
 
     def _leave(self, rows, events, reason=None):
-        """Rows out of the batch: their caches to the prefix cache (or back to their request)."""
-        index = {id(r): i for i, r in enumerate(self.batch.rows)}
-        keep = [index[id(r)] for r in rows if r.request.cache is not None or self.prefix.max_bytes]
-        caches = self.batch.remove([index[id(r)] for r in rows], keep_caches=keep)
-        for row in rows:
-            cache = caches.get(index[id(row)])
-            if cache is not None and row.request.cache is None:
-                self.prefix.insert(row.request.tokens + row.answer.tokens[:-1], row.request.media, cache)
-                cache = None
-            self._finish(row, reason or row.answer.finish, cache, events)
+        """Rows out of their batches: their caches to the prefix cache (or back to their request)."""
+        for batch in self._running():
+            index = {id(r): i for i, r in enumerate(batch.rows)}
+            mine = [r for r in rows if id(r) in index]
+            if not mine:
+                continue
+            keep = [index[id(r)] for r in mine if r.request.cache is not None or self.prefix.max_bytes]
+            caches = batch.remove([index[id(r)] for r in mine], keep_caches=keep)
+            for row in mine:
+                cache = caches.get(index[id(row)])
+                if cache is not None and row.request.cache is None:
+                    self.prefix.insert(row.request.tokens + row.answer.tokens[:-1], row.request.media, cache, row.kv)
+                    cache = None
+                self._finish(row, reason or row.answer.finish, cache, events)
 
     def _finish(self, row: Row, reason: str, cache, events):
         self._deadlines.pop(row.id, None)
@@ -382,12 +463,14 @@ class Engine:
         events.append(Done(row.id, reason, a.text, list(a.tokens), list(row.logprobs), row.prompt_tokens,
                            row.cached, cache))
 
-    def _fail_batch(self, error, events):
+    def _fail_rows(self, rows, error, events):
+        """A failed decode: the batches holding `rows` fail whole (their caches are in doubt)."""
         self.metrics["errors"] += 1
-        for row in self.batch.rows:
-            self._deadlines.pop(row.id, None)
-            events.append(Failed(row.id, error))
-        self.batch = Batch(self.model, self.batch.log_softmax)
+        for batch in {id(b): b for b in (self._where(r) for r in rows) if b is not None}.values():
+            for row in batch.rows:
+                self._deadlines.pop(row.id, None)
+                events.append(Failed(row.id, error))
+            self.batches[batch.kind] = Batch(self.model, self.log_softmax, batch.kind)
 
     # ------------------------------------------------------------------ cancellations
     def _apply_cancels(self, events):
@@ -407,7 +490,7 @@ class Engine:
                 self._drop_job(j)
                 self._end_unstarted(j.waiting.request, reason, j.cached, events)
         by_reason = collections.defaultdict(list)
-        for r in self.batch.rows:
+        for r in self.rows:
             if r.id in cancels:
                 by_reason[cancels[r.id]].append(r)
         for reason, rows in by_reason.items():
@@ -421,7 +504,8 @@ class Engine:
 
     @staticmethod
     def _restored(request):
-        """A request's own cache as it was before its prefill began."""
+        """A request's own cache as it was before its prefill began (a quantized one stays
+        quantized: the caller's reuse rule, PromptCache.reuse, then starts it afresh)."""
         if request.cache is None:
             return None
         for c in request.cache:
@@ -433,29 +517,51 @@ class Engine:
             self._restored(j.waiting.request)
 
     # ------------------------------------------------------------------ prefill
+    def _kv_bytes(self, kv: KVSettings, length: int) -> int:
+        """Bytes a cache of `kv` reaches at `length` positions: float until kv.start, then the
+        quantized copy (the float one it replaces counted until then)."""
+        f = self.kv_per_token
+        if not kv.quantized or length < kv.start:
+            return length * f
+        if kv.kind not in self._kv_per_kind:
+            self._kv_per_kind[kv.kind] = kv_bytes_per_token(self.model, kv.kind)
+        return max(kv.start * f, length * self._kv_per_kind[kv.kind])
+
+    def kv_bytes_for(self, kv: KVSettings, positions: int) -> int:
+        """Bytes `positions` positions of a cache of `kv` hold once there (float below kv.start,
+        quantized from there), on this rank."""
+        kind = kv.kind if kv.quantized and positions >= kv.start else None
+        if kind not in self._kv_per_kind:
+            self._kv_per_kind[kind] = kv_bytes_per_token(self.model, kind)
+        return positions * self._kv_per_kind[kind]
+
     def _kv_need(self, extra=None) -> int:
-        """Bytes the batch's cache can reach: every row (running, prefilling, `extra`) padded to
-        the longest, until the row with the most tokens left ends."""
-        lengths, left = [], []
-        for row in self.batch.rows:
-            lengths.append(row.prompt_tokens + len(row.answer.tokens))
-            left.append(row.request.params.max_tokens - len(row.answer.tokens))
+        """Bytes the batches' caches can reach: every row (running, prefilling, `extra`) padded to
+        the longest row of the kind its cache ends as, until the row with the most tokens left
+        there ends."""
+        members = collections.defaultdict(list)  # final kind → [(kv, width, tokens left)]
+        for batch in self._running():
+            width = batch.cache[0].size()
+            for row in batch.rows:
+                n, left = row.prompt_tokens + len(row.answer.tokens), row.request.params.max_tokens - len(row.answer.tokens)
+                members[_final_kind(row.kv, n + left)].append((row.kv, max(width, n), left))
         for w in [j.waiting for j in self.jobs] + ([extra] if extra is not None else []):
-            lengths.append(len(w.request.tokens))
-            left.append(w.request.params.max_tokens)
-        if not lengths:
-            return 0
-        width = max(lengths) if not self.batch.rows else max(self.batch.cache[0].size(), max(lengths))
-        return len(lengths) * (width + max(left)) * self.kv_per_token
+            n, left = len(w.request.tokens), w.request.params.max_tokens
+            members[_final_kind(w.kv, n + left)].append((w.kv, n, left))
+        total = 0
+        for group in members.values():
+            length = max(width for _, width, _ in group) + max(left for _, _, left in group)
+            total += sum(self._kv_bytes(kv, length) for kv, _, _ in group)
+        return total
 
     def _admit(self, events) -> Optional[_Job]:
         """The next waiting request's prefill, if one fits (rows and KV budget), else None."""
         while self.waiting:
-            if len(self.batch) + len(self.jobs) >= self.max_batch:
+            running = len(self.rows)
+            if running + len(self.jobs) >= self.max_batch:
                 return None
             w = self.waiting[0]
-            if self.kv_budget is not None and (self.batch.rows or self.jobs) and \
-                    self._kv_need(w) > self.kv_budget:
+            if self.kv_budget is not None and (running or self.jobs) and self._kv_need(w) > self.kv_budget:
                 return None  # waits until rows leave
             self.waiting.popleft()
             try:
@@ -473,16 +579,18 @@ class Engine:
         if r.cache is not None:
             cache, start = r.cache, r.start
         else:
-            eid, start = self.prefix.lookup(r.inputs) if self.prefix.max_bytes else (None, 0)
+            eid, start = self.prefix.lookup(r.inputs, w.kv) if self.prefix.max_bytes else (None, 0)
             if start:
                 cache = self.prefix.take(eid, start)
             else:
                 self.prefix.misses += bool(self.prefix.max_bytes)
                 cache = self.model.make_cache()
-        item_budget = self.budget_flops if self.batch.rows else None
+        decoding = bool(self.rows)
+        item_budget = self.budget_flops if decoding else None
         job = PrefillJob(self.model, r.inputs, cache, start=start,
                          features=self.features if self.features.max_bytes else None,
-                         item_budget=item_budget, prefill_step_size=self.prefill_step_size, costs=self.costs)
+                         item_budget=item_budget, prefill_step_size=self.prefill_step_size, costs=self.costs,
+                         kv=w.kv)
         n = len(r.tokens)
         self.metrics["prompt_tokens"] += n
         self.metrics["prompt_tokens_computed"] += n - start
@@ -500,7 +608,7 @@ class Engine:
             j = self.jobs[0] if self.jobs else self._admit(events)
             if j is None:
                 break
-            budget = self.budget_flops if (self.batch.rows and self.budget_flops) else None
+            budget = self.budget_flops if (self.budget_flops and self.rows) else None
             if budget is not None:
                 held = budget
                 if spent >= budget:
@@ -526,29 +634,36 @@ class Engine:
         return spent, held
 
     def _complete(self, j: _Job, events):
-        """A finished prefill: sample its first token, then join the batch (or end at once)."""
+        """A finished prefill: sample its first token, then join the batch of its cache's kind (or
+        end at once)."""
         r, w = j.waiting.request, j.waiting
         logits, position = j.job.result()
         history = mx.array(r.tokens) if w.sampler.processors else None
-        y, lp = sample(logits, [w.sampler], [history], self.batch.log_softmax)
+        y, lp = sample(logits, [w.sampler], [history], self.log_softmax)
         answer = AnswerText(self.tokenizer.detokenizer, self.eos, r.params)
-        row = Row(r, w.sampler, answer, j.prompt_tokens, j.cached, history)
+        row = Row(r, w.sampler, answer, j.prompt_tokens, j.cached, history, w.kv)
+        cache = j.job.cache
+        batch = self._batch(cache[0].kind)
         if self.lookahead:  # its first token is read with the next step's
             mx.async_eval(y, lp)
             row.fresh = True
-            self.batch.join(row, j.job.cache, y, lp, position)
+            batch.join(row, cache, y, lp, position)
             return
         mx.eval(y, lp)
         self._token(row, int(y.item()), lp[0], events)
         if answer.finish:
-            cache = j.job.cache
             if r.cache is None:
                 if self.prefix.max_bytes:
-                    self.prefix.insert(r.tokens[:row.held], r.media, cache)
+                    self.prefix.insert(r.tokens[:row.held], r.media, cache, w.kv)
                 cache = None
             else:
                 for c in cache:
                     c.trim(c.size() - row.held)
             self._finish(row, answer.finish, cache, events)
             return
-        self.batch.join(row, j.job.cache, y, lp, position)
+        batch.join(row, cache, y, lp, position)
+
+
+def _final_kind(kv: KVSettings, length: int):
+    """The kind of cache a request of `kv` ends with at `length` positions."""
+    return kv.kind if kv.quantized and length >= kv.start else None

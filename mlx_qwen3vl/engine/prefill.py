@@ -15,6 +15,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from ..kv_settings import FLOAT, quantize_if_due
 from ..model import VisualFeatures
 from ..positions import IMAGE, VIDEO
 from ..spans import media_after, media_hashes, media_spans
@@ -57,11 +58,15 @@ class PrefillJob:
     Features of media already in `features` (a FeatureCache, batch-1 prompts only) are reused;
     the others are computed by the vision tower (the model's `visual`: the tower, or a pipeline
     stage's stand-in, which plans the same items) and stored there. `item_budget`: the most
-    FLOPs one item may cost (None: each stage whole, chunks of `prefill_step_size`)."""
+    FLOPs one item may cost (None: each stage whole, chunks of `prefill_step_size`).
+
+    `kv` (KVSettings, fitted to the model): a chunk never crosses `kv.start`, and once the cache
+    holds that many positions its layers are quantized in place (the `cache` list's items)."""
 
     def __init__(self, model, inputs, cache, *, start=0, features=None, item_budget: Optional[float] = None,
-                 prefill_step_size=2048, costs: Optional[Costs] = None, on_vision_done=None):
+                 prefill_step_size=2048, costs: Optional[Costs] = None, on_vision_done=None, kv=FLOAT):
         self.model, self.inputs, self.cache, self.start = model, inputs, cache, start
+        self.kv = kv
         self.features, self.item_budget = features, item_budget
         self.step_size = max(1, int(prefill_step_size))
         self.costs = costs or Costs(model.config)
@@ -194,6 +199,9 @@ class PrefillJob:
         if cap is not None:
             limit = min(limit, self.costs.tokens_within(cap, self.start + self.length))
         n = min(left, limit)
+        at = self.start + self._next
+        if self.kv.quantized and self.cache and self.cache[0].kind is None and at < self.kv.start < at + n:
+            n = self.kv.start - at  # the positions before it float, the rest against the quantized cache
         return n, self._next + n
 
     def advance(self, budget: Optional[float] = None, *, force_first=True, evaluate=True) -> float:
@@ -225,10 +233,12 @@ class PrefillJob:
             return
         if self._prepared is None:
             self._prepare()
+            quantize_if_due(self.cache, self.kv)  # a cache handed in already past kv.start
         n, end = self._chunk(budget)
         s = self._next
         self._hidden = self.model.decode_hidden(self._prepared, self._mask, self.cache, s, end)
         self._next = end
+        quantize_if_due(self.cache, self.kv)
         if end < self.length:
             state = [c.state for c in self.cache]
             if evaluate == "async":
@@ -267,7 +277,7 @@ def _mask_or_none(inputs):
     return mx.array(np.asarray(mask))
 
 
-def prefill(model, inputs, cache, *, start=0, prefill_step_size=2048, on_vision_done=None):
+def prefill(model, inputs, cache, *, start=0, prefill_step_size=2048, on_vision_done=None, kv=FLOAT):
     """Encode the new images/videos once, then run prompt positions [start, L) through the decoder
     in chunks of `prefill_step_size`, so activations stay bounded for long prompts.
 
@@ -276,8 +286,9 @@ def prefill(model, inputs, cache, *, start=0, prefill_step_size=2048, on_vision_
     measuring, not for normal runs.
 
     Returns (logits of the last position (B, V), next 1D position per sequence (B,)). DeepStack
-    tensors are sliced with the chunk, so features land on the right positions across chunks."""
+    tensors are sliced with the chunk, so features land on the right positions across chunks.
+    `kv`: KVSettings (see PrefillJob); `cache`'s items may be replaced by quantized ones."""
     job = PrefillJob(model, inputs, cache, start=start, prefill_step_size=prefill_step_size,
-                     on_vision_done=on_vision_done)
+                     on_vision_done=on_vision_done, kv=kv)
     job.advance(None)
     return job.result()

@@ -21,6 +21,7 @@ from ..engine import (AnswerText, Done, Engine, Failed, Request, decode_step, eo
                       sample, token_bytes)
 from ..engine.prefill import _mask_or_none
 from ..errors import ContextLengthError, InputError
+from ..kv_settings import FLOAT, FIELDS as KV_FIELDS, KVSettings, quantize_if_due, resolve
 from ..processor import renamed_source_fps
 from ..prompt_cache import PromptCache
 from ..sampling import FIELD_NAMES, SamplingParams
@@ -46,6 +47,7 @@ class GenerationResponse:
     finish_reason: Optional[str] = None  # "stop" (EOS or stop string) or "length", on the last piece
     from_draft: bool = False
     cached_tokens: int = 0  # prompt tokens reused from a previous turn's cache
+    kv_cache_bytes: int = 0  # bytes the request's KV cache holds (its positions, as stored: float or quantized)
 
     @property
     def peak_memory_gb(self):
@@ -64,6 +66,7 @@ class GenerationResult:
     finish_reason: str
     cached_tokens: int = 0
     logprobs: List[float] = field(default_factory=list)  # of each chosen token
+    kv_cache_bytes: int = 0  # bytes the request's KV cache holds at the end (as stored: float or quantized)
 
     @property
     def peak_memory_gb(self):
@@ -154,15 +157,19 @@ def _generation_stream():
 
 
 def generate_step(model, inputs, cache, *, sampler, max_tokens=256, start=0, prefill_step_size=2048,
-                  on_vision_done=None, on_prefill_done=None) -> Iterator[tuple]:
+                  on_vision_done=None, on_prefill_done=None, kv=FLOAT) -> Iterator[tuple]:
     """Yield (tokens (B,), log-probs (B, V)) one step at a time. A yielded token may or may not
     have been fed into `cache` yet (see `eager` below); callers keeping the cache trim it to what
-    they keep. `on_vision_done(seconds)` (see prefill) and `on_prefill_done()` are timing hooks."""
+    they keep. `on_vision_done(seconds)` (see prefill) and `on_prefill_done()` are timing hooks.
+    `kv` (KVSettings): the cache (a list, whose items may be replaced) is quantized when it holds
+    kv.start positions, as mlx-lm's maybe_quantize_kv_cache does (for a padded batch: counting the
+    padding)."""
     stream = _generation_stream()
     backend = backend_of(model)
+    kv = resolve(model, kv)
     with mx.stream(stream):
         logits, positions = prefill(model, inputs, cache, start=start, prefill_step_size=prefill_step_size,
-                                    on_vision_done=on_vision_done)
+                                    on_vision_done=on_vision_done, kv=kv)
         key_mask = _mask_or_none(inputs)
         histories = None
         if not callable(sampler) and any(s.processors for s in sampler):
@@ -187,6 +194,7 @@ def generate_step(model, inputs, cache, *, sampler, max_tokens=256, start=0, pre
             if histories is not None:
                 histories = [mx.concatenate([h, y[b: b + 1]]) for b, h in enumerate(histories)]
             logits = decode_step(model, y, cache, positions, key_mask)
+            quantize_if_due(cache, kv)
             positions = positions + 1
             step = sample(logits, sampler, histories, backend.log_softmax)
             mx.async_eval(*step)
@@ -233,7 +241,10 @@ def stream_generate(model, processor, prompt=None, *, messages=None, images=None
     names (max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop, ...).
 
     With `prompt_cache`, the KV cache of earlier turns is reused for the longest prefix that holds
-    the same tokens and the same images and videos, and only the rest is computed. `inputs` takes
+    the same tokens and the same images and videos, and only the rest is computed. `kv_bits` (4 or
+    8), `kv_group_size` and `quantized_kv_start` quantize the KV cache (mlx-lm's meanings; see
+    kv_settings.KVSettings: a group size that does not divide the head dimension is chosen down).
+    `inputs` takes
     processor outputs instead of a prompt. Videos: `fps` is the sampling rate (frames kept per
     second), `source_fps` the rate of frames passed as a list; `video_fps` is `source_fps`'s
     deprecated name. It runs on an Engine of its own (one request)."""
@@ -253,6 +264,7 @@ def _stream(model, processor, prompt=None, *, messages=None, images=None, videos
     """stream_generate's pieces, each with the engine's Token event it came from."""
     source_fps = renamed_source_fps(source_fps, video_fps, stacklevel=4)
     params = _sampling(sampling, sampling_kwargs)
+    kv = resolve(model, KVSettings.pop_from(sampling_kwargs))
     if sampling_kwargs:
         raise TypeError(f"stream_generate got unexpected argument(s) {', '.join(sorted(sampling_kwargs))}")
     if inputs is None:
@@ -264,10 +276,10 @@ def _stream(model, processor, prompt=None, *, messages=None, images=None, videos
     if ids.shape[0] != 1:
         raise InputError("stream_generate takes one prompt; use batch_generate for several")
     check_context(model, inputs)
-    start = prompt_cache.reuse(inputs) if prompt_cache is not None else 0
+    start = prompt_cache.reuse(inputs, kv, model.make_cache) if prompt_cache is not None else 0
     engine = Engine(model, processor, max_batch=1, prefill_step_size=prefill_step_size)
     rid = engine.add(Request(inputs, params, cache=prompt_cache.cache if prompt_cache is not None else None,
-                             start=start))
+                             start=start, kv=kv))
     mx.reset_peak_memory()
     tic = time.perf_counter()
     prompt_s, n, done = None, 0, None
@@ -277,7 +289,8 @@ def _stream(model, processor, prompt=None, *, messages=None, images=None, videos
         return dict(prompt_tokens=ids.shape[1], cached_tokens=start,
                     prompt_tps=(ids.shape[1] - start) / max(prompt_s, 1e-9), generation_tokens=n,
                     generation_tps=(n - 1) / max(elapsed - prompt_s, 1e-9) if n > 1 else 0.0,
-                    peak_memory=mx.get_peak_memory() / 1e9)
+                    peak_memory=mx.get_peak_memory() / 1e9,
+                    kv_cache_bytes=engine.kv_bytes_for(kv, ids.shape[1] + max(n - 1, 0)))
 
     from mlx_lm.generate import wired_limit
 
@@ -308,7 +321,7 @@ def _stream(model, processor, prompt=None, *, messages=None, images=None, videos
         if prompt_cache is not None:
             if done is not None and done.cache is not None and done.cache[0].size() >= ids.shape[1]:
                 prompt_cache.cache = done.cache
-                prompt_cache.record(inputs, done.token_ids)
+                prompt_cache.record(inputs, done.token_ids, kv)
             else:  # failed, or ended before its prefill: the cache holds what it held before
                 prompt_cache.trim(start)
 
@@ -323,11 +336,12 @@ def generate(model, processor, prompt=None, **kwargs) -> GenerationResult:
     return GenerationResult(text=text, token_ids=tokens, logprobs=logprobs, prompt_tokens=last.prompt_tokens,
                             generation_tokens=last.generation_tokens, prompt_tps=last.prompt_tps,
                             generation_tps=last.generation_tps, peak_memory=last.peak_memory,
-                            finish_reason=last.finish_reason, cached_tokens=last.cached_tokens)
+                            finish_reason=last.finish_reason, cached_tokens=last.cached_tokens,
+                            kv_cache_bytes=last.kv_cache_bytes)
 
 
 REQUEST_KEYS = {"prompt", "messages", "images", "videos", "fps", "source_fps", "video_fps", "system",
-                "templated"} | FIELD_NAMES
+                "templated"} | FIELD_NAMES | set(KV_FIELDS)
 
 
 def batch_generate(model, processor, requests, *, sampling: Optional[SamplingParams] = None, prefill_step_size=2048,
@@ -338,8 +352,11 @@ def batch_generate(model, processor, requests, *, sampling: Optional[SamplingPar
 
     A request is a dict with `prompt=` or `messages=` and optionally images, videos, fps,
     source_fps (video_fps, deprecated), system, templated (the rules of render_prompt), and any
-    sampling field to override the batch's (seed, temperature, max_tokens, stop, ...)."""
+    sampling field or kv_bits / kv_group_size / quantized_kv_start to override the batch's (seed,
+    temperature, max_tokens, stop, ...); rows of different KV cache kinds decode in batches of
+    their own."""
     base = _sampling(sampling, sampling_kwargs)
+    base_kv = KVSettings.pop_from(sampling_kwargs)
     if sampling_kwargs:
         raise TypeError(f"batch_generate got unexpected argument(s) {', '.join(sorted(sampling_kwargs))}")
     prepared = []
@@ -352,16 +369,17 @@ def batch_generate(model, processor, requests, *, sampling: Optional[SamplingPar
                                                images=r.get("images"), videos=r.get("videos"),
                                                system=r.get("system"), templated=r.get("templated", False))
         source_fps = renamed_source_fps(r.get("source_fps"), r.get("video_fps"))
-        prepared.append((text, found_i, found_v, r.get("fps"), source_fps, params))
+        kv = resolve(model, KVSettings.pop_from({k: r[k] for k in r if k in KV_FIELDS}, base_kv))
+        prepared.append((text, found_i, found_v, r.get("fps"), source_fps, params, kv))
     if not prepared:
         return []
     engine = Engine(model, processor, max_batch=len(prepared), prefill_step_size=prefill_step_size)
     ids = []
-    for text, found_i, found_v, fps, source_fps, params in prepared:
+    for text, found_i, found_v, fps, source_fps, params, kv in prepared:
         inputs = processor(text=text, images=found_i or None, videos=found_v or None, fps=fps, source_fps=source_fps,
                            min_pixels=min_pixels, max_pixels=max_pixels)
         check_context(model, inputs)
-        ids.append(engine.add(Request(inputs, params)))
+        ids.append(engine.add(Request(inputs, params, kv=kv)))
     mx.reset_peak_memory()
     tic = time.perf_counter()
     first, done = set(), {}

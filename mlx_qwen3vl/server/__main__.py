@@ -100,6 +100,20 @@ def build_parser():
     p.add_argument("--kv-cache-gb", type=float, default=None,
                    help="KV cache the running requests may take; a request waits until it fits, one that never "
                         "can is refused (default: 3/4 of the memory less the weights)")
+    p.add_argument("--kv-bits", type=int, default=None, choices=[4, 8],
+                   help="store the KV cache quantized to 4 or 8 bits once it holds --quantized-kv-start positions "
+                        "(mlx-lm's kv_bits); a request may set kv_bits / kv_group_size / quantized_kv_start itself "
+                        "(extra_body); none = float")
+    p.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64, 128],
+                   help="quantization group size of the KV cache; one that does not divide the model's head "
+                        "dimension is chosen down")
+    p.add_argument("--quantized-kv-start", type=int, default=5000, metavar="N",
+                   help="cache length at which the KV cache is quantized (mlx-lm's default)")
+    p.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                   help="keep cached KV prefixes in DIR too (created private to this user), so a restarted server's "
+                        "first turn of a known conversation reuses its history; one process only")
+    p.add_argument("--prefix-cache-dir-gb", type=_positive(float), default=8.0,
+                   help="disk budget of --prefix-cache-dir; the least recently used entries go first")
     p.add_argument("--max-request-seconds", type=float, default=600.0,
                    help="a request still generating after this many seconds ends with finish_reason "
                         "'time_limit' (0: no limit)")
@@ -162,6 +176,13 @@ def main(argv=None):
         if not ok:
             print(f"error: {flag} {value} is not allowed; use a number >= 0 (> 0 for --kv-cache-gb)", file=sys.stderr)
             return 2
+    if args.quantized_kv_start < 0:
+        print(f"error: --quantized-kv-start {args.quantized_kv_start} is not allowed; use an integer >= 0",
+              file=sys.stderr)
+        return 2
+    if args.prefix_cache_dir is not None and not args.prefix_cache_gb > 0:
+        print("error: --prefix-cache-dir needs the in-memory prefix cache too (--prefix-cache-gb > 0)", file=sys.stderr)
+        return 2
     for d in args.allowed_local_media_path:
         if not os.path.isdir(d):
             print(f"error: --allowed-local-media-path {d!r} is not a directory", file=sys.stderr)
@@ -173,6 +194,11 @@ def main(argv=None):
     from .. import distributed
 
     group = distributed.world()  # under `mlx.launch -n N`: rank 0 serves, every rank computes
+    if group is not None and args.prefix_cache_dir is not None:
+        if group.rank() == 0:
+            print("error: --prefix-cache-dir is not available under mlx.launch (every rank would have to hold the same "
+                  "entries of its own part of the cache); leave it out", file=sys.stderr)
+        return 2
     try:
         from ..cpu import threads
 
@@ -187,7 +213,11 @@ def main(argv=None):
                          feature_cache_bytes=int(args.vision_cache_gb * GB), prefill_step_size=args.prefill_step_size,
                          prefill_budget=args.prefill_budget,
                          kv_cache_bytes="auto" if args.kv_cache_gb is None else int(args.kv_cache_gb * GB),
-                         max_request_seconds=args.max_request_seconds or None)
+                         max_request_seconds=args.max_request_seconds or None, kv_bits=args.kv_bits,
+                         kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start)
+    if args.prefix_cache_dir is not None:
+        engine_kwargs.update(prefix_cache_dir=args.prefix_cache_dir,
+                             prefix_cache_dir_bytes=int(args.prefix_cache_dir_gb * GB))
     where = ""
     if group is not None:
         import signal
@@ -207,12 +237,16 @@ def main(argv=None):
                          max_media_bytes=args.max_media_bytes, allowed_local_paths=args.allowed_local_media_path,
                          allowed_hosts=args.allow_media_host, max_fetches=args.max_media_fetches)
     limits = Limits(max_request_pixels=args.max_request_pixels, max_video_frames=args.max_video_frames)
-    app, engine = build_server(
-        model, processor, model_id=args.served_model_name or args.model, api_key=api_key,
-        max_body_bytes=args.max_body_bytes, cors_origins=args.cors_allow_origin, media_policy=policy, limits=limits,
-        grammar_timeout_s=args.grammar_timeout, bound_host=args.host, ui=not args.no_ui,
-        agent_format=args.agent_format, responses_store=args.responses_store,
-        responses_store_bytes=int(args.responses_store_mb * (1 << 20)), **engine_kwargs)
+    try:
+        app, engine = build_server(
+            model, processor, model_id=args.served_model_name or args.model, api_key=api_key,
+            max_body_bytes=args.max_body_bytes, cors_origins=args.cors_allow_origin, media_policy=policy,
+            limits=limits, grammar_timeout_s=args.grammar_timeout, bound_host=args.host, ui=not args.no_ui,
+            agent_format=args.agent_format, responses_store=args.responses_store,
+            responses_store_bytes=int(args.responses_store_mb * (1 << 20)), **engine_kwargs)
+    except Qwen3VLError as e:  # e.g. a --prefix-cache-dir of another user, a KV group size the model cannot take
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"[mlx_qwen3vl] serving {args.model} on http://{args.host}:{args.port}/v1{where}"
           + ("" if args.no_ui else f"; playground: http://{args.host}:{args.port}/"), file=sys.stderr, flush=True)
     run = dict(host=args.host, port=args.port, log_level=args.log_level, max_connections=args.max_connections,

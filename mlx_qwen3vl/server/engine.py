@@ -34,7 +34,8 @@ class Engine:
 
     def __init__(self, model, processor, *, max_batch=8, max_queue=64, prefill_step_size=2048, prefill_budget=256,
                  prefix_cache_bytes=2 << 30, feature_cache_bytes=512 << 20, default_max_tokens=512,
-                 kv_cache_bytes="auto", max_request_seconds=None, replicas=None):
+                 kv_cache_bytes="auto", max_request_seconds=None, replicas=None, kv_bits=None, kv_group_size=None,
+                 quantized_kv_start=None, prefix_cache_dir=None, prefix_cache_dir_bytes=8 << 30):
         self.model, self.processor = model, processor
         self.max_batch, self.max_queue = max_batch, max_queue
         self.prefill_step_size = prefill_step_size
@@ -48,7 +49,9 @@ class Engine:
                             feature_cache_bytes=feature_cache_bytes, kv_budget_bytes=kv_cache_bytes,
                             max_request_seconds=max_request_seconds,
                             lookahead=False if replicas is not None else None,
-                            check_time_limits=replicas is None)
+                            check_time_limits=replicas is None, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                            quantized_kv_start=quantized_kv_start, prefix_cache_dir=prefix_cache_dir,
+                            prefix_cache_dir_bytes=prefix_cache_dir_bytes, flush_when_idle=False)
         if replicas is not None and self.core.kv_budget is not None:
             self.core.kv_budget = replicas.agree_min(self.core.kv_budget)  # the smallest machine's
         self.prefix, self.features = self.core.prefix, self.core.features
@@ -108,10 +111,13 @@ class Engine:
                     plan = self.replicas.exchange(plan, self._state())
                     self.metrics["exchange_s"] += time.perf_counter() - tic  # includes waiting for the others
                 if plan.stop:
+                    self.core.prefix.flush()
                     return
                 self._apply(plan)
                 if self.core.busy:
                     self._route(self.core.step())
+                    if not self.core.busy:  # idle: the disk tier's writes, after the answers went out
+                        self.core.prefix.flush()
                 self._iteration += 1
         except BaseException as e:
             if self.replicas is None:
@@ -143,7 +149,7 @@ class Engine:
     def _apply(self, plan):
         for handle in plan.admit:
             try:
-                self.core.add(handle.prepared.request(handle.id))
+                self.core.add(handle.prepared.request(handle.id, self.core.kv))
             except Exception as e:  # noqa: BLE001 — the request fails, the server keeps serving
                 self._failed(e)
                 handle.emit({"type": "error", "error": _as_api_error(e)})

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from ..engine import Request
+from ..kv_settings import KVSettings
 from ..sampling import SamplingParams
 
 
@@ -22,15 +23,18 @@ class Prepared:
     max_tokens: int
     grammar: Optional[list] = None  # the grammar's description (grammar.GrammarFactory.build)
     processors: list = field(default_factory=list)  # extra mlx-lm-style logits processors (grammar)
+    kv: Optional[dict] = None  # the request's KV cache settings over the server's (None: the server's)
 
     @property
     def prompt_tokens(self) -> int:
         return len(self.tokens)
 
-    def request(self, rid: int) -> Request:
-        """The engine's request, named `rid`."""
+    def request(self, rid: int, kv_base: Optional[KVSettings] = None) -> Request:
+        """The engine's request, named `rid`; its KV settings are what it set over `kv_base`
+        (the engine's), or the engine's when it set none."""
+        kv = KVSettings.pop_from(dict(self.kv), kv_base) if self.kv else None
         return Request(self.inputs, dataclasses.replace(self.sampling, max_tokens=self.max_tokens),
-                       processors=self.processors, id=rid, tokens=self.tokens, media=self.media)
+                       processors=self.processors, id=rid, tokens=self.tokens, media=self.media, kv=kv)
 
 
 class Handle:

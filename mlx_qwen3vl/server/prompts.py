@@ -112,4 +112,4 @@ class PromptBuilder:
             name = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
             grammar = ["tool_call", req.tools, name]
         return Prepared(inputs=inputs, tokens=tokens, media=media, sampling=req.sampling, max_tokens=max_tokens,
-                        grammar=grammar, processors=self.grammars.build(grammar))
+                        grammar=grammar, processors=self.grammars.build(grammar), kv=req.kv)

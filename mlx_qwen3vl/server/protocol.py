@@ -11,6 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from ..errors import InputError
+from ..kv_settings import FIELDS as KV_FIELDS, KVSettings
 from ..sampling import SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -56,6 +58,7 @@ class ChatRequest:
     min_pixels: Optional[int] = None
     max_pixels: Optional[int] = None
     chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    kv: Optional[dict] = None  # kv_bits / kv_group_size / quantized_kv_start the request set (extra_body)
     media_params: Optional[Dict[tuple, str]] = None  # {(message, part): param} where another protocol named it
 
 
@@ -282,12 +285,25 @@ def parse_chat_request(body) -> ChatRequest:
         raise _invalid("chat_template", "'chat_template' cannot be sent; this server renders with its checkpoint's "
                        "template (switches go in 'chat_template_kwargs')", "unsupported_field")
     kwargs = _template_switches(body.get("chat_template_kwargs") or {})
+    kv = _kv_settings(body)
     return ChatRequest(
         messages=messages, sampling=sampling, max_tokens=max_tokens, model=model, stream=bool(body.get("stream")),
         include_usage=bool(stream_options.get("include_usage")), tools=tools or None,
         tool_choice=tool_choice if tools else "none", response_format=_check_response_format(body.get("response_format")),
-        chat_template_kwargs=kwargs, **pixels,
+        chat_template_kwargs=kwargs, kv=kv, **pixels,
     )
+
+
+def _kv_settings(body) -> Optional[dict]:
+    """The KV cache settings a request may set (as mlx-lm names them; null: the server's)."""
+    given = {k: body[k] for k in KV_FIELDS if body.get(k) is not None}
+    if not given:
+        return None
+    try:
+        KVSettings.build(**given, name=lambda f: f"'{f}'")
+    except InputError as e:
+        raise _invalid(next(iter(given)), str(e)) from None
+    return given
 
 
 # ------------------------------------------------------------------------------------ responses

@@ -154,7 +154,7 @@ def encode(plan: Plan) -> bytes:
                 inputs[k] = {"value": v}
         requests.append({"id": handle.id, "inputs": inputs, "tokens": p.tokens, "media": p.media,
                          "sampling": dataclasses.asdict(p.sampling), "max_tokens": p.max_tokens,
-                         "grammar": p.grammar})
+                         "grammar": p.grammar, "kv": p.kv})
     buf = io.BytesIO()
     np.savez(buf, **arrays)
     return json.dumps({"admit": requests, "cancel": plan.cancel, "expire": plan.expire}).encode() + b"\n" + buf.getvalue()
@@ -175,6 +175,6 @@ def decode(data: bytes, grammars) -> Plan:
                     inputs[k] = mx.array(a) if kind == "mlx" else a
             p = Prepared(inputs=inputs, tokens=r["tokens"], media=[tuple(m) for m in r["media"]],
                          sampling=SamplingParams(**r["sampling"]), max_tokens=r["max_tokens"],
-                         grammar=r["grammar"], processors=grammars.build(r["grammar"]))
+                         grammar=r["grammar"], processors=grammars.build(r["grammar"]), kv=r.get("kv"))
             admit.append(_Ghost(p, r["id"]))
     return Plan(admit=admit, cancel=info["cancel"], expire=info.get("expire", []))
