@@ -109,10 +109,11 @@ def part_decode(model, processor, args):
     L = args.long_context
     rng = np.random.default_rng(0)
     H, hd = t.num_key_value_heads, t.head_dim
+    dtype = model.language_model.embed_tokens.weight.dtype  # the cache holds the model's dtype
     for name, bits in KINDS.items():
         cache = model.make_cache()
         for c in cache:
-            k = mx.array(rng.standard_normal((1, H, L, hd), dtype=np.float32))
+            k = mx.array(rng.standard_normal((1, H, L, hd), dtype=np.float32)).astype(dtype)
             c.update_and_fetch(k, k)
             mx.eval(c.keys, c.values)
         if bits is not None:

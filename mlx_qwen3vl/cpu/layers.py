@@ -30,6 +30,16 @@ class Attention(language.Attention):
     def attend(self, q, k, v, mask):
         return kernels.attention(q, k, v, self.scale, mask)
 
+    def attend_quantized(self, q, k, v, mask, bits, group_size):
+        """A prefill chunk over a quantized cache: MLX's quantized matmuls on the CPU device are far
+        slower than BLAS for many queries (benchmarks/README.md, "Quantized KV cache"), so this
+        layer's keys and values are unpacked for the chunk and dropped after it, one layer at a
+        time, never the whole cache. One query (decode) reads the packed cache as it is."""
+        if q.shape[2] == 1:
+            return super().attend_quantized(q, k, v, mask, bits, group_size)
+        k, v = (mx.dequantize(*t, group_size=group_size, bits=bits).astype(q.dtype) for t in (k, v))
+        return self.attend(q, k, v, mask)
+
 
 class MLP(activations.MLP):  # the plain graph's module on the CPU device (a language.MLP)
     def __call__(self, x):
