@@ -1,10 +1,10 @@
 """Load an optimized CBLAS before MLX does, on Linux.
 
-MLX's Linux CPU wheel links netlib's reference BLAS (about 6 GFLOP/s for float32 matmul on a
-2-core machine). Its `cblas_sgemm` calls resolve through the global symbol scope, so a faster
-CBLAS loaded there first with RTLD_GLOBAL — pip's `mkl` (the `cpu` extra) or a system OpenBLAS —
-serves them instead (about 200 GFLOP/s). This must run before `mlx.core` is first imported,
-which is why the package imports this module first.
+MLX's Linux CPU wheel links netlib's reference BLAS, many times slower at float32 matmuls than an
+optimized one (benchmarks/README.md, "Measurements behind choices in the code"). Its `cblas_sgemm`
+calls resolve through the global symbol scope, so a faster CBLAS loaded there first with
+RTLD_GLOBAL — pip's `mkl` (the `cpu` extra) or a system OpenBLAS — serves them instead. This must
+run before `mlx.core` is first imported, which is why the package imports this module first.
 
 With the CPU path installed (cpu/layers.py), the large float32 matmuls go through numpy's own
 BLAS instead; this one serves MLX's remaining matmuls, and all of them on the plain MLX graph.
@@ -50,9 +50,9 @@ def load():
         return None
     for path in _candidates():
         if "mkl" in os.path.basename(path):
-            # GNU OpenMP threading: at least as fast as MKL's others here (benchmarks/README.md,
-            # "What bounds each figure"), and the OpenMP runtime most wheels already load, so no
-            # second one (libiomp5 spin-waits after each call, stealing a core from MLX's threads).
+            # GNU OpenMP threading: the OpenMP runtime most wheels already load, so no second one
+            # (libiomp5 spin-waits after each call, stealing a core from MLX's threads), and no
+            # slower than MKL's other layers (benchmarks/README.md).
             os.environ.setdefault("MKL_THREADING_LAYER", "GNU")
         try:
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
@@ -66,7 +66,7 @@ def load():
 
 def _warn_late():
     """Too late to load a BLAS: libmlx's cblas calls already resolve to the wheel's reference BLAS,
-    which loaded first. Say so once where it costs (MLX computing on the CPU): 20x slower matmuls."""
+    which loaded first. Say so once, where it costs: MLX computing on the CPU."""
     import warnings
 
     mx = sys.modules["mlx.core"]

@@ -29,7 +29,8 @@
   machines fail at once.
 
 - Ranks on one machine (same host name) split its cores at load: a rank waiting in a collective
-  spins on its core, so two ranks each using every core slowed a 2-rank run 3x here.
+  spins on its core, so ranks that each use every core slow each other down (benchmarks/README.md,
+  "Several ranks").
 
 - MoE layers (moe.py): the router replicated, every expert's intermediate dimension split (as
   mlx-lm's Qwen3-MoE `shard`), one `all_sum` per layer.
@@ -78,7 +79,7 @@ def is_sharded(model) -> bool:
 def _drain():
     """Finish what other streams still have queued before a host collective: a decode step queued
     ahead by the token loop (async_eval) holds collectives too, and collectives queued on two streams
-    can pair up in a different order on each rank (seen once: a broadcast size read from logits)."""
+    can pair up in a different order on each rank."""
     gen = sys.modules.get("mlx_lm.generate")
     if gen is not None:
         mx.synchronize(gen.generation_stream)

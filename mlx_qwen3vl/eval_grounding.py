@@ -1,4 +1,4 @@
-"""`python -m mlx_qwen3vl.eval_grounding`: the command now lives in mlx_qwen3vl/agent/eval_grounding.py."""
+"""`python -m mlx_qwen3vl.eval_grounding`: the evaluation command, whose code is mlx_qwen3vl/agent/eval_grounding.py."""
 
 import sys
 

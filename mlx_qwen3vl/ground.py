@@ -1,4 +1,4 @@
-"""`python -m mlx_qwen3vl.ground`: the command now lives in mlx_qwen3vl/agent/ground_cli.py."""
+"""`python -m mlx_qwen3vl.ground`: the grounding command, whose code is mlx_qwen3vl/agent/ground_cli.py."""
 
 import sys
 

@@ -13,8 +13,8 @@ array is evaluated, and nothing is), so the figures are this engine's own module
   affine, groups of 64, scales and biases in bfloat16, the vision tower, norms and biases left
   float, MoE routers at 8 bits);
 - KV cache bytes per 1,024 tokens from mlx-lm's own cache classes: KVCache in bfloat16 and
-  float32, and QuantizedKVCache at 8 and 4 bits (groups of 64), the layout a quantized KV cache
-  would take (this engine's is issue #29);
+  float32, and QuantizedKVCache at 8 and 4 bits (groups of 64), the layout this engine's quantized
+  KV cache (kv_bits) takes;
 - the vision tower at a screenshot size: the image as the checkpoint's processor resizes it, its
   patches and LLM tokens, an estimate of the activations live at once, and the size of the full
   attention-score matrix (fused away on Apple GPUs, computed in bounded chunks by the CPU path);

@@ -47,7 +47,8 @@ class ImageConfig(vid.PixelConfig):
 @lru_cache(maxsize=8)
 def _rescale_by_division(rescale_factor):
     """Whether float32 division by 1/rescale_factor gives, for all 256 levels, the pillow
-    backend's float32(level · rescale_factor in float64) (true for 1/255); it is ~10x faster."""
+    backend's float32(level · rescale_factor in float64) (true for 1/255): then the float32
+    division, much faster than the float64 product, gives the same pixels."""
     levels = np.arange(256)
     by_division = levels.astype(np.float32) / np.float32(1 / rescale_factor)
     return np.array_equal(by_division, (levels * rescale_factor).astype(np.float32))
@@ -465,8 +466,8 @@ class Processor:
 
 
 def renamed_source_fps(source_fps, video_fps, stacklevel=3):
-    """`video_fps=` is `source_fps=`'s old name: accepted with a DeprecationWarning. (It named the
-    source's frame rate, while qwen-vl-utils' users read `fps` as the sampling rate, which `fps=` now is.)"""
+    """`video_fps=` is `source_fps=`'s deprecated name, accepted with a DeprecationWarning: it names the
+    source's frame rate, while qwen-vl-utils' users read `fps` as the sampling rate, which `fps=` is."""
     if video_fps is None:
         return source_fps
     warnings.warn("video_fps= is deprecated: it is the source's frame rate, now source_fps= "

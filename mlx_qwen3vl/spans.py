@@ -63,7 +63,8 @@ def media_spans(inputs) -> List[MediaSpan]:
 def content_hash(pixels: np.ndarray, grid) -> str:
     """A cryptographic digest of one image's or video's preprocessed pixels and grid (a collision
     would serve another image's keys and values, so a fast non-cryptographic hash will not do).
-    BLAKE3 (SIMD, multi-threaded) hashes a 1080p screenshot's pixels in a few ms."""
+    BLAKE3 (SIMD, multi-threaded) keeps it a small share of preprocessing (benchmarks/README.md,
+    "Content hashes for prefix reuse")."""
     h = blake3(max_threads=blake3.AUTO)
     h.update(np.asarray(grid, dtype=np.int64).tobytes())
     h.update(str(pixels.dtype).encode())

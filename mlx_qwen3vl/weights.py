@@ -379,8 +379,8 @@ def check_and_load(model: nn.Module, weights: dict, where: str):
 
 
 def default_dtype(config: ModelConfig):
-    """float32 on the CPU backend (its bf16/fp16 matmuls never reach BLAS and run ~40x slower);
-    the checkpoint's dtype on a GPU."""
+    """float32 on the CPU backend (its bf16/fp16 matmuls never reach BLAS and run far slower:
+    benchmarks/README.md); the checkpoint's dtype on a GPU."""
     if mx.default_device().type == mx.DeviceType.cpu:
         return mx.float32
     return DTYPES.get(str(config.torch_dtype), mx.bfloat16)

@@ -1,10 +1,10 @@
 /* The work between the weight GEMVs of a CPU decode step, in C (see cpu/decode.py).
  *
- * A 2B decode step streams ~7 GB of weights through ~200 numpy GEMVs. Everything between them (RMS
- * norms, q/k norm and rotary, attention over the KV cache, SwiGLU) runs with caches the last GEMV
- * has just flushed, so its cost is set by how many calls it takes: as numpy calls (NumpyOps) the
- * norms, rotary and SwiGLU took 11 ms of a ~220 ms step, as these four C calls 1.7 ms. The
- * attention reads each cached key and value once for all query heads of its group.
+ * A decode step streams the decoder's weights through ~200 numpy GEMVs. Everything between them
+ * (RMS norms, q/k norm and rotary, attention over the KV cache, SwiGLU) runs with caches the last
+ * GEMV has just flushed, so its cost is set by how many calls it takes: four C calls per layer
+ * instead of numpy's many (NumpyOps; both timed in benchmarks/README.md, "What bounds each
+ * figure"). The attention reads each cached key and value once for all query heads of its group.
  *
  * Same float32 formulas as the numpy versions; only the summation order (and exp, a polynomial
  * within ~2 ulp) differ. Arrays must be C-contiguous float32 (checked, with the sizes); what the
@@ -181,8 +181,8 @@ static inline float hsum(v8f a) {
 }
 
 /* q . k for head-size vectors, two accumulator chains, the row read front to back. Reading keys
- * strictly in order matters more than anything else here: four keys at a time (four chains, the
- * rows interleaved) streamed a cold cache at ~11 GB/s, one row at a time at ~16. */
+ * strictly in order matters more than anything else here: rows interleaved (four keys at a time)
+ * stream a cold cache slower than one row at a time (benchmarks/README.md). */
 static inline float dot_row(const float *q, const float *k, Py_ssize_t hd) {
     if (hd % 16) return dot(q, k, hd);
     v8f a0 = splat(0.0f), a1 = a0;
@@ -198,10 +198,8 @@ static inline float dot_row(const float *q, const float *k, Py_ssize_t hd) {
  *
  * Memory access decides the speed: each key and value row is read once for every query head of
  * the group, front to back, in four streams (positions s, s + S/4, s + S/2, s + 3S/4 side by
- * side), which keeps more reads in flight than one core's prefetcher does for a single stream.
- * Measured cold over a 2117-token cache of 28 layers (485 MB), medians of runs on this shared
- * host: 29-34 ms with four streams, 28-38 with two, 38-46 with one, 55-68 for the first version
- * (keys four rows interleaved, values in 32-lane strided passes). */
+ * side), which keeps more reads in flight than one core's prefetcher does for a single stream
+ * (four streams against one and two: benchmarks/README.md, "What bounds each figure"). */
 VECTOR_CLONES
 static void attend_group(const float *qkv, const float *keys, const float *values, float *out,
                          float *scores, float *qs, Py_ssize_t b, Py_ssize_t g, Py_ssize_t nq,
@@ -394,9 +392,8 @@ static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nar
     NEED(b[1].n == b[2].n && b[1].n % (batch * nkv * hd) == 0, "attend: keys / values do not match");
     Py_ssize_t cap = b[1].n / (batch * nkv * hd);
     NEED(S <= cap, "attend: S exceeds the cache's capacity");
-    /* One thread: inside a decode step a second one only fought the BLAS's spinning worker for the
-     * other core (2B, interleaved in-step: 33 / 60 ms per step at 1024 / 2117 tokens on one thread,
-     * 40 / 64 on two, 39 / 63 for the numpy version). */
+    /* One thread: inside a decode step a second one only fights the BLAS's spinning worker for the
+     * other core, and the step measured slower with it (benchmarks/README.md). */
     scratch = malloc(sizeof(float) * (rep * (S + 1) + rep * hd));
     if (!scratch) {
         PyErr_NoMemory();

@@ -1,15 +1,16 @@
 """One decode token through the whole decoder stack, outside MLX: the CPU path's decoder layer.
 
-A decode step of the 2B model streams ~7 GB of weights through ~200 GEMVs and leaves room for
-little else: through MLX each layer paid per-op dispatch and several host syncs. Here the token
-runs the whole stack on one numpy hidden state: per layer the GEMVs (numpy's BLAS) write into
-reused buffers, and the rest is four calls (norm with the residual add, q/k norm with rotary,
+A decode step streams every weight of the decoder through ~200 GEMVs (the 2B model's) and leaves
+room for little else: through MLX ops each layer pays per-op dispatch and several host syncs. Here
+the token runs the whole stack on one numpy hidden state: per layer the GEMVs (numpy's BLAS) write
+into reused buffers, and the rest is four calls (norm with the residual add, q/k norm with rotary,
 attention, SwiGLU) into the C extension (_decode.c), or into their numpy versions (NumpyOps)
-where it is not built. Modules are read as dict items (nn.Module attribute lookup costs ~2 us a
-level). Nothing syncs on the KV cache inside the step: the attention reads each cache's earlier
-positions in place and scores the new key on its own, and the step's new keys and values are
-queued (KVCache.queue) and evaluated with the next step's inputs, in one sync. Measurements:
-benchmarks/README.md, "What bounds each figure".
+where it is not built. Modules are read as dict items (nn.Module's attribute lookup, paid at
+every level, is slower). Nothing syncs on the KV cache inside the step: the attention reads each
+cache's earlier positions in place and scores the new key on its own, and the step's new keys and
+values are queued (KVCache.queue) and evaluated with the next step's inputs, in one sync.
+Measurements: benchmarks/README.md, "What bounds each figure" and "Measurements behind choices in
+the code".
 
 A quantized cache (kv_bits) is read as it is stored: the attention (`attend_quantized` in C, or
 `attend_cached_quantized` in numpy) turns a bounded block of packed positions into float32 at a
@@ -63,8 +64,8 @@ class QuantizedKVCache(kv_cache.QuantizedKVCache):
 
 class KVCache(kv_cache.KVCache):
     """The cache type, plus what the decode stack needs: its positions in use as numpy views, and
-    the write it queues for a step (the new key and value go in lazily, without the fetch: the
-    type's own indexing costs ~40 us a layer in Python)."""
+    the write it queues for a step (the new key and value go in lazily, without the fetch: its
+    Python indexing is a cost per layer the step does not need)."""
 
     Quantized = QuantizedKVCache
 
@@ -305,7 +306,7 @@ def attend_cached(q, k, v, keys, values, S, scale):
     """Attention of one query token per sequence, q (B, H, hd), over the S earlier positions of
     the cache's buffers keys / values (B, Hkv, capacity, hd) and the new k, v (B, Hkv, hd) not yet
     in them → (B, H * hd); kernels.np_attention's math. Per (kv head, query head of its group) the
-    scores are a GEMV over the cached keys, read in place (faster here than GEMMs over the group)."""
+    scores are a GEMV over the cached keys, read in place (GEMMs over the group measured slower)."""
     B, H, hd = q.shape
     nkv = k.shape[1]
     keys = keys[:, :, None, :S]  # (B, Hkv, 1, S, hd), views of the cache's buffer

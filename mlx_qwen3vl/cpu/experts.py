@@ -1,11 +1,12 @@
 """The mixture-of-experts block in numpy: the CPU path's version of moe.SparseMoeBlock.
 
 MLX's CPU `gather_mm` runs each (token, expert) pair as its own small product: a decode token's
-eight experts stream at ~40% of the bandwidth a GEMV reaches, and a prefill chunk re-reads an
-expert's weights once per token that chose it (512 tokens through one 30B-A3B-shaped layer: ~33 s).
-Here tokens are grouped by expert: each selected expert's weights are read once, by one GEMM over
-the tokens that chose it (one GEMV per expert for a decode token), and the experts nobody chose
-are never touched. The router is the same float32 softmax, top-k and renormalisation.
+experts stream well below a GEMV's bandwidth, and a prefill chunk re-reads an expert's weights
+once per token that chose it (benchmarks/README.md, "Mixture of experts" and "Measurements behind
+choices in the code"). Here tokens are grouped by expert: each selected expert's weights are read
+once, by one GEMM over the tokens that chose it (one GEMV per expert for a decode token), and the
+experts nobody chose are never touched. The router is the same float32 softmax, top-k and
+renormalisation.
 """
 
 import numpy as np

@@ -3,11 +3,11 @@ the MLP activations and the sampler's log-softmax.
 
 MLX's CPU backend has no fused attention, evaluates exp/tanh/sigmoid with scalar code, and sends
 every float32 matmul, even a matrix-vector product, to `cblas_sgemm`. numpy vectorizes the
-transcendentals and calls its own OpenBLAS, whose GEMV and GEMM are faster here (measured in
-benchmarks/README.md, "What bounds each figure"). Each function takes and returns MLX arrays: it
-evaluates its inputs (a host sync), computes in numpy with the same float32 formulas as MLX (only
-the summation order differs) and hands the result back to MLX. Below the size thresholds MLX's own
-op is cheaper than the sync and runs instead.
+transcendentals and calls its own OpenBLAS, whose GEMV and GEMM beat that path (benchmarks/README.md,
+"What bounds each figure"). Each function takes and returns MLX arrays: it evaluates its inputs (a
+host sync), computes in numpy with the same float32 formulas as MLX (only the summation order
+differs) and hands the result back to MLX. Below the size thresholds MLX's own op is cheaper than
+the sync and runs instead.
 """
 
 import math
@@ -135,7 +135,8 @@ def np_silu_mul(g, up):
 
 def log_softmax(logits):
     """logits - logsumexp(logits) over the last axis: the sampler's normalization of a decode
-    step's vocabulary, ~10x faster through numpy's vectorized exp."""
+    step's vocabulary, in numpy for its vectorized exp (benchmarks/README.md, "Measurements behind
+    choices in the code")."""
     if logits.size < ACTIVATION_MIN_SIZE or logits.dtype != mx.float32:
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     mx.eval(logits)

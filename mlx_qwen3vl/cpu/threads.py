@@ -3,10 +3,10 @@ other processes want them.
 
 A decode step makes ~200 GEMVs through numpy's OpenBLAS. With two threads each GEMV is split in
 halves and returns only when both are done, so on an oversubscribed machine every GEMV waits for
-its second thread to be scheduled: 2B decode fell from 6.5 to 0.8-1.0 tok/s at load 4-7, while
-one thread keeps its fair share of a core (measured in benchmarks/README.md, "BLAS threads under
-contention"). On a quiet machine the second thread is worth having, so the count is chosen per
-forward from what the scheduler reports: the runnable tasks that are not ours.
+its second thread to be scheduled, while one thread keeps its fair share of a core. On a quiet
+machine the second thread is worth having, so the count is chosen per forward from what the
+scheduler reports: the runnable tasks that are not ours. Measured: benchmarks/README.md, "BLAS
+threads under contention" and "Measurements behind choices in the code".
 
 MLX_QWEN3VL_BLAS_THREADS=auto (default) or N fixes the count (the CLI's --blas-threads).
 """
@@ -115,8 +115,8 @@ def blas_libraries():
 class BlasPool:
     """Sets the thread count of every BLAS library loaded in the process (numpy's OpenBLAS, the MKL
     of blas.py, and any loaded later: scipy brings its own OpenBLAS) through threadpoolctl, only
-    when it changes. The libraries are looked up again at each change (~2 ms, at most once per
-    Policy interval), so one loaded after the first forward is not left at its default count."""
+    when it changes. The libraries are looked up again at each change (at most once per Policy
+    interval), so one loaded after the first forward is not left at its default count."""
 
     def __init__(self, find=blas_libraries):
         self.find, self.current = find, None

@@ -2,7 +2,7 @@
 found through a radix tree, and vision features keyed by pixels.
 
 Same-size images expand to identical placeholder tokens, so a prefix cache matched on token ids
-alone would hand one screenshot's keys and values to another (issue #19). Each entry keeps its
+alone would hand one screenshot's keys and values to another. Each entry keeps its
 token ids and its media keys (kind, span, content hash: spans.media_keys), and a request reuses
 what `spans.reusable_prefix` allows: the common prefix, cut before the first image or video that
 is not the same content at the same place.

@@ -1,7 +1,7 @@
 """Constrained decoding with llguidance: `response_format` (json_object, json_schema) and forced
 tool calls (`tool_choice` "required" or a named function) as mlx-lm-style logits processors.
 
-llguidance was picked over xgrammar (which needs torch, not a runtime dependency here) and
+llguidance rather than xgrammar (which needs torch, not a runtime dependency here) or
 outlines-core; its mask is computed per token on the CPU (see benchmarks/README.md, "Server").
 """
 

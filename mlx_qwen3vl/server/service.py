@@ -28,7 +28,7 @@ async def read_body(request: Request, limit: int) -> bytearray:
     length = request.headers.get("content-length")
     if length and length.isdigit() and int(length) > limit:
         raise too_big
-    body = bytearray()  # one buffer: a list of chunks joined at the end held the body twice
+    body = bytearray()  # one buffer: a list of chunks joined at the end would hold the body twice
     try:
         async for chunk in request.stream():
             if len(body) + len(chunk) > limit:
@@ -43,7 +43,7 @@ def parse_json(raw: bytearray):
     """The body as JSON (UTF-8, RFC 8259). The raw bytes are released before parsing: a large body
     is held at most twice (its text, then what is parsed from it)."""
     try:
-        text = raw.decode("utf-8-sig")  # a leading BOM is tolerated, as json.loads(bytes) did
+        text = raw.decode("utf-8-sig")  # a leading BOM is tolerated, as json.loads(bytes) does
         raw.clear()
         body = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
