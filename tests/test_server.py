@@ -471,6 +471,24 @@ def test_disconnect_frees_the_slot(server):
     assert m["running"] == 0 and m.get("cancelled", 0) > before
 
 
+def test_an_answer_stops_at_the_context_as_generate_s(server, local):
+    """A prompt 3 tokens short of the 4,096-token context: the server's answer is generate()'s
+    (the library's rule, fit_to_context: finish_reason "length" there); one that fills it is a 400."""
+    model, processor = local
+    context = model.config.text_config.max_position_embeddings
+    template = M.generate(model, processor, "7", max_tokens=1).prompt_tokens - 1  # "7" is one token
+    messages = [{"role": "user", "content": "7" * (context - 3 - template)}]
+    want = M.generate(model, processor, messages=messages, max_tokens=20)
+    assert (want.prompt_tokens, len(want.token_ids), want.finish_reason) == (context - 3, 3, "length")
+    r = server.client().chat.completions.create(model="m", messages=messages, max_tokens=20, temperature=0)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens) == (
+        want.text, "length", 3)
+    status, err = server.request("POST", "/v1/chat/completions",
+                                 {"messages": [{"role": "user", "content": "7" * (context - template)}]})
+    assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
+    assert f"the model's context is {context}" in err["error"]["message"]
+
+
 TOOLS = [{"type": "function", "function": {
     "name": "click", "description": "Click a point on the screen",
     "parameters": {"type": "object", "properties": {"target": {"type": "string", "enum": ["ok", "cancel"]},

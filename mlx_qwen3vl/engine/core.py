@@ -9,6 +9,7 @@ so several ranks replaying the same calls run the same steps (server/replica.py)
 """
 
 import collections
+import dataclasses
 import itertools
 import os
 import time
@@ -74,8 +75,9 @@ class Token:
 
 @dataclass
 class Done:
-    """Request `id` ended: finish_reason "stop" (EOS or a stop string), "length" (max_tokens),
-    "time_limit" or "cancelled". `cache`: the request's own cache, when it brought one."""
+    """Request `id` ended: finish_reason "stop" (EOS or a stop string), "length" (max_tokens, or
+    the model's context), "time_limit" or "cancelled". `cache`: the request's own cache, when it
+    brought one."""
 
     id: int
     finish_reason: str
@@ -118,6 +120,17 @@ class _Job:
     @property
     def id(self):
         return self.waiting.request.id
+
+
+def fit_to_context(prompt_tokens: int, max_tokens: int, context: int) -> int:
+    """The context rule of every entry point: a prompt must leave room for one token of answer
+    (else ContextLengthError, before any work), and the answer stops at the context: the most
+    tokens it may have, max_tokens or fewer (it then ends with finish_reason "length")."""
+    if prompt_tokens >= context:
+        raise ContextLengthError(f"the prompt is {prompt_tokens} tokens but the model's context is {context} "
+                                 "(max_position_embeddings); shorten it or use fewer or smaller images",
+                                 prompt_tokens, context)
+    return min(max_tokens, context - prompt_tokens)
 
 
 def kv_bytes_per_token(model, kind=None) -> int:
@@ -230,17 +243,18 @@ class Engine:
 
     # ------------------------------------------------------------------ requests in
     def add(self, request: Request) -> int:
-        """Queue a request; returns its id. Raises InputError for one that can never be served
-        (a prompt past the context, a KV cache larger than the whole budget)."""
+        """Queue a request; returns its id. Its answer stops at the model's context (its params'
+        max_tokens lowered to fit, fit_to_context). Raises InputError for one that can never be
+        served (ContextLengthError: a prompt that fills the context; a KV cache larger than the
+        whole budget)."""
         inputs = request.inputs
         ids = np.asarray(inputs["input_ids"])
         if ids.ndim != 2 or ids.shape[0] != 1:
             raise InputError("an engine request holds one prompt (input_ids of shape (1, L))")
         n = int(ids.shape[1])
-        if n >= self.context:
-            raise ContextLengthError(f"the prompt is {n} tokens but the model's context is {self.context} "
-                                     "(max_position_embeddings); shorten it or use fewer or smaller images", n,
-                                     self.context)
+        max_tokens = fit_to_context(n, request.params.max_tokens, self.context)
+        if max_tokens < request.params.max_tokens:  # the answer stops at the context
+            request.params = dataclasses.replace(request.params, max_tokens=max_tokens)
         kv = self.kv if request.kv is None else resolve(self.model, request.kv)
         need = self._kv_bytes(kv, n + request.params.max_tokens)
         if self.kv_budget is not None and need > self.kv_budget:

@@ -17,10 +17,10 @@ import mlx.core as mx
 import numpy as np
 
 from ..backend import backend_of
-from ..engine import (AnswerText, Done, Engine, Failed, Request, decode_step, eos_token_ids, prefill,  # noqa: F401
-                      sample, token_bytes)
+from ..engine import (AnswerText, Done, Engine, Failed, Request, decode_step, eos_token_ids,  # noqa: F401
+                      fit_to_context, prefill, sample, token_bytes)
 from ..engine.prefill import _mask_or_none
-from ..errors import ContextLengthError, InputError
+from ..errors import InputError
 from ..kv_settings import FLOAT, FIELDS as KV_FIELDS, KVSettings, quantize_if_due, resolve
 from ..processor import renamed_source_fps
 from ..prompt_cache import PromptCache
@@ -138,12 +138,10 @@ def encode_prompt(processor, prompt=None, *, messages=None, images=None, videos=
 
 
 def check_context(model, inputs):
-    """Refuse a prompt the model's positions do not reach, before any work is done."""
-    limit = model.config.text_config.max_position_embeddings
-    n = int(np.asarray(inputs["input_ids"]).shape[1])
-    if n >= limit:
-        raise ContextLengthError(f"the prompt is {n} tokens but the model's context is {limit} "
-                                 "(max_position_embeddings); shorten it or use fewer or smaller images", n, limit)
+    """Refuse a prompt the model's positions do not reach, before any work is done (the engine's
+    rule, fit_to_context; Engine.add applies it too, and stops answers at the context)."""
+    fit_to_context(int(np.asarray(inputs["input_ids"]).shape[1]), 1,
+                   int(model.config.text_config.max_position_embeddings))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,7 +273,7 @@ def _stream(model, processor, prompt=None, *, messages=None, images=None, videos
     ids = np.asarray(inputs["input_ids"])
     if ids.shape[0] != 1:
         raise InputError("stream_generate takes one prompt; use batch_generate for several")
-    check_context(model, inputs)
+    check_context(model, inputs)  # before the prompt cache is touched
     start = prompt_cache.reuse(inputs, kv, model.make_cache) if prompt_cache is not None else 0
     engine = Engine(model, processor, max_batch=1, prefill_step_size=prefill_step_size)
     rid = engine.add(Request(inputs, params, cache=prompt_cache.cache if prompt_cache is not None else None,
@@ -378,7 +376,6 @@ def batch_generate(model, processor, requests, *, sampling: Optional[SamplingPar
     for text, found_i, found_v, fps, source_fps, params, kv in prepared:
         inputs = processor(text=text, images=found_i or None, videos=found_v or None, fps=fps, source_fps=source_fps,
                            min_pixels=min_pixels, max_pixels=max_pixels)
-        check_context(model, inputs)
         ids.append(engine.add(Request(inputs, params, kv=kv)))
     mx.reset_peak_memory()
     tic = time.perf_counter()
