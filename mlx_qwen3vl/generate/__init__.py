@@ -47,7 +47,7 @@ class GenerationResponse:
     finish_reason: Optional[str] = None  # "stop" (EOS or stop string) or "length", on the last piece
     from_draft: bool = False
     cached_tokens: int = 0  # prompt tokens reused from a previous turn's cache
-    kv_cache_bytes: int = 0  # bytes the request's KV cache holds (its positions, as stored: float or quantized)
+    kv_cache_bytes: int = 0  # KV bytes in use: the request's cache buffers as allocated (float or quantized)
 
     @property
     def peak_memory_gb(self):
@@ -66,7 +66,7 @@ class GenerationResult:
     finish_reason: str
     cached_tokens: int = 0
     logprobs: List[float] = field(default_factory=list)  # of each chosen token
-    kv_cache_bytes: int = 0  # bytes the request's KV cache holds at the end (as stored: float or quantized)
+    kv_cache_bytes: int = 0  # KV bytes in use at the end: its cache buffers as allocated (a batch row: its share)
 
     @property
     def peak_memory_gb(self):
@@ -282,13 +282,12 @@ def _stream(model, processor, prompt=None, *, messages=None, images=None, videos
     tic = time.perf_counter()
     prompt_s, n, done = None, 0, None
 
-    def stats():
+    def stats(kv_bytes):
         elapsed = time.perf_counter() - tic
         return dict(prompt_tokens=ids.shape[1], cached_tokens=start,
                     prompt_tps=(ids.shape[1] - start) / max(prompt_s, 1e-9), generation_tokens=n,
                     generation_tps=(n - 1) / max(elapsed - prompt_s, 1e-9) if n > 1 else 0.0,
-                    peak_memory=mx.get_peak_memory() / 1e9,
-                    kv_cache_bytes=engine.kv_bytes_for(kv, ids.shape[1] + max(n - 1, 0)))
+                    peak_memory=mx.get_peak_memory() / 1e9, kv_cache_bytes=kv_bytes)
 
     from mlx_lm.generate import wired_limit
 
@@ -305,7 +304,7 @@ def _stream(model, processor, prompt=None, *, messages=None, images=None, videos
                         prompt_s = time.perf_counter() - tic
                     n += 1
                     yield GenerationResponse(text=event.text, token=event.token, logprobs=event.logprobs,
-                                             finish_reason=event.finish_reason, **stats()), event
+                                             finish_reason=event.finish_reason, **stats(event.kv_bytes)), event
     finally:
         if done is None and engine.busy:  # the caller stopped early: end the request, keep its cache
             engine.cancel(rid)
@@ -403,4 +402,4 @@ def batch_generate(model, processor, requests, *, sampling: Optional[SamplingPar
         text=d.text, token_ids=d.token_ids, logprobs=d.logprobs, prompt_tokens=d.prompt_tokens,
         generation_tokens=len(d.token_ids), prompt_tps=prompt_tokens / max(prompt_s, 1e-9),
         generation_tps=generated / max(total - prompt_s, 1e-9), peak_memory=mx.get_peak_memory() / 1e9,
-        finish_reason=d.finish_reason) for d in results]
+        finish_reason=d.finish_reason, kv_cache_bytes=d.kv_bytes) for d in results]
