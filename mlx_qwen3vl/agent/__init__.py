@@ -41,8 +41,8 @@ from .zoom import ZOOM_FRACTION, choose, covers, crop, zoom_fraction, zoom_windo
 class GroundingPass:
     """One pass of two-stage grounding: its raw answer, read in pixels of the ORIGINAL image
     (pass 2's answer about the crop included), the size of the image it was shown, timing, and why
-    its generation ended (`finish_reason`: "stop", "length" or "time_limit"; None when `ask`
-    answered with a str)."""
+    its generation ended (`finish_reason`: "stop", "length" or "time_limit"; None, and left out of
+    to_dict, when `ask` answered with a str)."""
 
     answer: str
     status: str
@@ -58,12 +58,14 @@ class GroundingPass:
     finish_reason: Optional[str] = None
 
     def to_dict(self) -> dict:
-        return {"answer": self.answer, "finish_reason": self.finish_reason, "status": self.status,
-                "point": list(self.point) if self.point else None,
-                "box": list(self.box) if self.box else None, "image_size": list(self.image_size),
-                "timing": {"seconds": round(self.seconds, 4), "prompt_tokens": self.prompt_tokens,
-                           "cached_tokens": self.cached_tokens, "generation_tokens": self.generation_tokens,
-                           "prompt_tps": round(self.prompt_tps, 2), "generation_tps": round(self.generation_tps, 2)}}
+        out = {"answer": self.answer, "status": self.status, "point": list(self.point) if self.point else None,
+               "box": list(self.box) if self.box else None, "image_size": list(self.image_size),
+               "timing": {"seconds": round(self.seconds, 4), "prompt_tokens": self.prompt_tokens,
+                          "cached_tokens": self.cached_tokens, "generation_tokens": self.generation_tokens,
+                          "prompt_tps": round(self.prompt_tps, 2), "generation_tps": round(self.generation_tps, 2)}}
+        if self.finish_reason is not None:
+            out["finish_reason"] = self.finish_reason
+        return out
 
 
 @dataclass
@@ -75,7 +77,7 @@ class GroundingResult:
     (x1, y1, x2, y2: its first and last pixel on each axis; None when pass 1 gave no point),
     `used_pass` the pass whose answer this is, `passes` both passes (GroundingPass), and the timing
     fields are the two passes' totals. `finish_reason` is the used pass's (a point cut short by
-    max_tokens reads "length")."""
+    max_tokens reads "length"; None, and left out of to_dict, for an answer obtained elsewhere)."""
 
     point: Optional[Tuple[int, int]]
     box: Optional[Tuple[int, int, int, int]]
@@ -97,12 +99,13 @@ class GroundingResult:
 
     def to_dict(self) -> dict:
         out = {"point": list(self.point) if self.point else None, "box": list(self.box) if self.box else None,
-               "status": self.status, "answer": self.answer, "finish_reason": self.finish_reason,
-               "image_size": [self.width, self.height],
+               "status": self.status, "answer": self.answer, "image_size": [self.width, self.height],
                "format": self.format,
                "timing": {"seconds": round(self.seconds, 4), "prompt_tokens": self.prompt_tokens,
                           "generation_tokens": self.generation_tokens, "prompt_tps": round(self.prompt_tps, 2),
                           "generation_tps": round(self.generation_tps, 2)}}
+        if self.finish_reason is not None:
+            out["finish_reason"] = self.finish_reason
         if self.zoom is not None:
             out["zoom"] = {"fraction": self.zoom, "window": list(self.window) if self.window else None,
                            "pass": self.used_pass, "passes": [p.to_dict() for p in self.passes]}
