@@ -66,7 +66,7 @@ def build_parser():
                         "while others run) or a fixed N; none = $MLX_QWEN3VL_BLAS_THREADS, else auto")
     p.add_argument("--chat", action="store_true", help="interactive multi-turn chat with prefix reuse")
     p.add_argument("--verbose", action="store_true",
-                   help="print the backend (and BLAS) in use, the prompt and the KV cache's size")
+                   help="print the backend (and BLAS) in use, the prompt and the KV bytes in use")
     return p
 
 
@@ -77,8 +77,9 @@ def _print_stats(last, out=None, kv=None):
           f"\nGeneration: {last.generation_tokens} tokens, {last.generation_tps:.2f} tokens/s"
           f"\nPeak memory: {last.peak_memory:.2f} GB", file=out or sys.stderr)  # stderr as it is now
     if kv is not None:  # --verbose
-        print(f"KV cache: {last.kv_cache_bytes / 1e6:.2f} MB for {last.prompt_tokens + max(last.generation_tokens - 1, 0)}"
-              f" positions ({kv.describe()})", file=out or sys.stderr)
+        print(f"KV cache: {last.kv_cache_bytes / 1e6:.2f} MB in use for "
+              f"{last.prompt_tokens + max(last.generation_tokens - 1, 0)} positions ({kv.describe()})",
+              file=out or sys.stderr)
 
 
 def main(argv=None):

@@ -110,6 +110,14 @@ def test_both_entry_points_and_help_show_defaults():
     p = cli("--model", TINY, "--prompt", "hi", "--max-tokens", "2", "--verbose")
     assert p.returncode == 0
     assert "backend: cpu path" in p.stderr and "BLAS for MLX: " in p.stderr and "prompt: 'hi'" in p.stderr
+    # --verbose's KV figure is the bytes in use: the cache's buffers (grown 256 positions at a time),
+    # as a session's cache holds them after the same turn, not the positions' bytes alone
+    session = M.ChatSession(load_fixture_model("tiny-b"), M.Processor.from_pretrained(TINY), max_tokens=2)
+    session.send("hi")
+    last, held = session.last, sum(c.nbytes for c in session.prompt_cache.cache)
+    positions = last.prompt_tokens + last.generation_tokens - 1
+    assert last.kv_cache_bytes == held
+    assert f"KV cache: {held / 1e6:.2f} MB in use for {positions} positions (float)" in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("kwargs, needle", [

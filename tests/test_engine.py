@@ -178,6 +178,39 @@ def test_admission_waits_for_memory_and_refuses_what_never_fits(processor):
         engine.add(request(processor, asks[0], max_tokens=4000))
 
 
+def test_answers_stop_at_the_context_on_every_entry_point(processor, monkeypatch):
+    """A prompt 5 tokens short of the model's context (lowered to keep it small): generate,
+    batch_generate, ChatSession and the engine (beside a row far from it) stop there with
+    finish_reason "length", token for token the plain run's answer; a max_tokens past any KV budget
+    is then no refusal; a prompt that fills the context is one ContextLengthError, at add."""
+    model = load_fixture_model("tiny-a")
+    messages, short = conversation("Tell me a long story about the sea."), conversation("Hi.")
+    n = encode_prompt(processor, messages=messages)["input_ids"].shape[1]
+    plain = M.generate(model, processor, messages=messages, max_tokens=5, ignore_eos=True)
+    beside = M.generate(model, processor, messages=short, max_tokens=3, ignore_eos=True)
+    monkeypatch.setattr(model.config.text_config, "max_position_embeddings", n + 5)
+    got = M.generate(model, processor, messages=messages, max_tokens=10**9, ignore_eos=True)
+    assert (got.token_ids, got.finish_reason) == (plain.token_ids, "length")
+    asks = [dict(messages=messages, max_tokens=40), dict(messages=short, max_tokens=3)]
+    batch = M.batch_generate(model, processor, asks, ignore_eos=True)
+    want = [(plain.token_ids, "length"), (beside.token_ids, "length")]
+    assert [(r.token_ids, r.finish_reason) for r in batch] == want
+    session = M.ChatSession(model, processor, max_tokens=40, ignore_eos=True)
+    assert session.send("Tell me a long story about the sea.") == plain.text
+    assert session.last.finish_reason == "length"
+    with pytest.raises(M.ContextLengthError, match=f"context is {n + 5}"):
+        session.send("And then?")
+    engine = Engine(model, processor)
+    ids = [engine.add(request(processor, messages, max_tokens=40, ignore_eos=True)),
+           engine.add(request(processor, short, max_tokens=3, ignore_eos=True))]
+    out = drive(engine)
+    assert [(tokens_of(out[i]), done_of(out[i]).finish_reason) for i in ids] == want
+    assert [e.finish_reason for e in out[ids[0]] if isinstance(e, Token)][-1] == "length"
+    monkeypatch.setattr(model.config.text_config, "max_position_embeddings", n)
+    with pytest.raises(M.ContextLengthError, match=f"prompt is {n} tokens but the model's context is {n}"):
+        Engine(model, processor).add(request(processor, messages))
+
+
 def _linear_scan(entries, inputs):
     """The prefix cache's lookup before its index: every entry's reusable prefix, the longest."""
     return max((reusable_prefix(tokens, media, inputs) for tokens, media in entries), default=0)

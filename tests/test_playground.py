@@ -105,6 +105,7 @@ def post_ground(server, body, key=None):
     # computer_use's system prompt is ~2,800 tokens: a smaller screenshot keeps it in the 4,096 context
     ("the camera @bad", "computer_use", None, {"max_pixels": 200_000}),
     ("the Apply button @apply", "computer_use", 0.5, {"max_pixels": 200_000, "min_pixels": 100_000}),
+    ("the Apply button @apply", "venus", True, {"max_tokens": 3}),  # cut short: "length", malformed, no pass 2
 ])
 def test_ground_endpoint_equals_the_library(servers, local, world, instruction, fmt, zoom, pixels):
     body = {"image": data_url(world.data), "instruction": instruction, "format": fmt, **pixels}
@@ -117,6 +118,7 @@ def test_ground_endpoint_equals_the_library(servers, local, world, instruction, 
         list(want.point) if want.point else None, list(want.box) if want.box else None, want.status, want.answer,
         list(SIZE))
     assert got["note"] == M.agent.missing_point_note(want.status)
+    assert got["finish_reason"] == want.finish_reason == ("length" if "max_tokens" in pixels else "stop")
     assert got["usage"]["prompt_tokens"] == want.prompt_tokens
     assert got["usage"]["completion_tokens"] == want.generation_tokens
     if zoom is None:
@@ -126,9 +128,10 @@ def test_ground_endpoint_equals_the_library(servers, local, world, instruction, 
     assert (z["window"], z["pass"], len(z["passes"])) == (
         list(want.window) if want.window else None, want.used_pass, len(want.passes))
     for mine, theirs in zip(z["passes"], want.passes):
-        assert (mine["answer"], mine["point"], mine["image_size"], mine["timing"]["prompt_tokens"]) == (
-            theirs.answer, list(theirs.point) if theirs.point else None, list(theirs.image_size),
-            theirs.prompt_tokens)
+        assert (mine["answer"], mine["finish_reason"], mine["point"], mine["image_size"],
+                mine["timing"]["prompt_tokens"]) == (theirs.answer, theirs.finish_reason,
+                                                     list(theirs.point) if theirs.point else None,
+                                                     list(theirs.image_size), theirs.prompt_tokens)
     if fmt == "venus" and want.used_pass == 2:  # pass 2 really ran and moved the point
         assert got["point"] != z["passes"][0]["point"]
 

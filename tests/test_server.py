@@ -20,6 +20,7 @@ import pytest
 from PIL import Image
 
 import mlx_qwen3vl as M
+from mlx_qwen3vl.engine.core import kv_bytes_per_token
 from mlx_qwen3vl.generate import token_bytes
 from mlx_qwen3vl.server.__main__ import BLAS_ENV
 from conftest import FIXTURES, load_fixture_model, write_fixture_video
@@ -458,17 +459,45 @@ def test_api_key_required(server):
     assert server.request("POST", "/v1/chat/completions", GOOD)[0] == 200
 
 
-def test_disconnect_frees_the_slot(server):
+def test_disconnect_frees_the_slot(server, local):
+    """And while the request decodes, /metrics reports its KV bytes in use: the cache's buffers
+    (grown 256 positions at a time), not what admission reserves for it (kv_bytes_needed)."""
     before = server.metrics().get("cancelled", 0)
     stream = server.client().chat.completions.create(model="m", messages=[user("Tell a long story.")],
                                                      max_tokens=3000, temperature=0, stream=True)
     next(iter(stream))
+    for _ in range(5000):  # bounded: each poll is one request round trip
+        m = server.metrics()
+        if m["running"] == 1:
+            break
+    kv, per = m["kv_cache"], kv_bytes_per_token(local[0])
+    assert kv["by_kind"] == {"float": kv["bytes"]} and kv["positions"] > 20, m
+    # (one position of slack either side: the model thread may be mid-step while /metrics reads)
+    assert (kv["positions"] - 1) * per <= kv["bytes"] <= (kv["positions"] + 257) * per < m["kv_bytes_needed"], m
     stream.close()
     for _ in range(5000):  # bounded: each poll is one request round trip
         m = server.metrics()
         if m["running"] == 0 and m.get("cancelled", 0) > before:
             break
     assert m["running"] == 0 and m.get("cancelled", 0) > before
+
+
+def test_an_answer_stops_at_the_context_as_generate_s(server, local):
+    """A prompt 3 tokens short of the 4,096-token context: the server's answer is generate()'s
+    (the library's rule, fit_to_context: finish_reason "length" there); one that fills it is a 400."""
+    model, processor = local
+    context = model.config.text_config.max_position_embeddings
+    template = M.generate(model, processor, "7", max_tokens=1).prompt_tokens - 1  # "7" is one token
+    messages = [{"role": "user", "content": "7" * (context - 3 - template)}]
+    want = M.generate(model, processor, messages=messages, max_tokens=20)
+    assert (want.prompt_tokens, len(want.token_ids), want.finish_reason) == (context - 3, 3, "length")
+    r = server.client().chat.completions.create(model="m", messages=messages, max_tokens=20, temperature=0)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens) == (
+        want.text, "length", 3)
+    status, err = server.request("POST", "/v1/chat/completions",
+                                 {"messages": [{"role": "user", "content": "7" * (context - template)}]})
+    assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
+    assert f"the model's context is {context}" in err["error"]["message"]
 
 
 TOOLS = [{"type": "function", "function": {

@@ -40,7 +40,9 @@ from .zoom import ZOOM_FRACTION, choose, covers, crop, zoom_fraction, zoom_windo
 @dataclass
 class GroundingPass:
     """One pass of two-stage grounding: its raw answer, read in pixels of the ORIGINAL image
-    (pass 2's answer about the crop included), the size of the image it was shown, and timing."""
+    (pass 2's answer about the crop included), the size of the image it was shown, timing, and why
+    its generation ended (`finish_reason`: "stop", "length" or "time_limit"; None, and left out of
+    to_dict, when `ask` answered with a str)."""
 
     answer: str
     status: str
@@ -53,13 +55,17 @@ class GroundingPass:
     generation_tokens: int = 0
     prompt_tps: float = 0.0
     generation_tps: float = 0.0
+    finish_reason: Optional[str] = None
 
     def to_dict(self) -> dict:
-        return {"answer": self.answer, "status": self.status, "point": list(self.point) if self.point else None,
-                "box": list(self.box) if self.box else None, "image_size": list(self.image_size),
-                "timing": {"seconds": round(self.seconds, 4), "prompt_tokens": self.prompt_tokens,
-                           "cached_tokens": self.cached_tokens, "generation_tokens": self.generation_tokens,
-                           "prompt_tps": round(self.prompt_tps, 2), "generation_tps": round(self.generation_tps, 2)}}
+        out = {"answer": self.answer, "status": self.status, "point": list(self.point) if self.point else None,
+               "box": list(self.box) if self.box else None, "image_size": list(self.image_size),
+               "timing": {"seconds": round(self.seconds, 4), "prompt_tokens": self.prompt_tokens,
+                          "cached_tokens": self.cached_tokens, "generation_tokens": self.generation_tokens,
+                          "prompt_tps": round(self.prompt_tps, 2), "generation_tps": round(self.generation_tps, 2)}}
+        if self.finish_reason is not None:
+            out["finish_reason"] = self.finish_reason
+        return out
 
 
 @dataclass
@@ -70,7 +76,8 @@ class GroundingResult:
     With zoom (two-stage grounding): `zoom` is the window fraction, `window` the crop pass 2 saw
     (x1, y1, x2, y2: its first and last pixel on each axis; None when pass 1 gave no point),
     `used_pass` the pass whose answer this is, `passes` both passes (GroundingPass), and the timing
-    fields are the two passes' totals."""
+    fields are the two passes' totals. `finish_reason` is the used pass's (a point cut short by
+    max_tokens reads "length"; None, and left out of to_dict, for an answer obtained elsewhere)."""
 
     point: Optional[Tuple[int, int]]
     box: Optional[Tuple[int, int, int, int]]
@@ -88,6 +95,7 @@ class GroundingResult:
     window: Optional[Tuple[int, int, int, int]] = None
     used_pass: int = 1
     passes: List[GroundingPass] = field(default_factory=list)
+    finish_reason: Optional[str] = None
 
     def to_dict(self) -> dict:
         out = {"point": list(self.point) if self.point else None, "box": list(self.box) if self.box else None,
@@ -96,6 +104,8 @@ class GroundingResult:
                "timing": {"seconds": round(self.seconds, 4), "prompt_tokens": self.prompt_tokens,
                           "generation_tokens": self.generation_tokens, "prompt_tps": round(self.prompt_tps, 2),
                           "generation_tps": round(self.generation_tps, 2)}}
+        if self.finish_reason is not None:
+            out["finish_reason"] = self.finish_reason
         if self.zoom is not None:
             out["zoom"] = {"fraction": self.zoom, "window": list(self.window) if self.window else None,
                            "pass": self.used_pass, "passes": [p.to_dict() for p in self.passes]}
@@ -142,6 +152,8 @@ def ground_with(ask: Callable, image, instruction: str, *, format: str = "venus"
         g = parse_grounding(text, width, height, window=window)
         stats = {} if isinstance(out, str) else {k: getattr(out, k, 0) or 0 for k in (
             "prompt_tokens", "cached_tokens", "generation_tokens", "prompt_tps", "generation_tps")}
+        if not isinstance(out, str):
+            stats["finish_reason"] = getattr(out, "finish_reason", None)
         return g, GroundingPass(text, g.status, g.point, g.box, (pixels.shape[1], pixels.shape[0]), seconds, **stats)
 
     first, p1 = run(rgb)
@@ -155,7 +167,8 @@ def ground_with(ask: Callable, image, instruction: str, *, format: str = "venus"
     timing = _totals(passes)
     return GroundingResult(final.point, final.box, final.status, final.answer, width, height, format, **timing,
                            zoom=None if fraction is None else float(fraction),
-                           window=None if window is None else window.box, used_pass=used, passes=passes)
+                           window=None if window is None else window.box, used_pass=used, passes=passes,
+                           finish_reason=passes[used - 1].finish_reason)
 
 
 def ground(model, processor, image, instruction: str, *, format: str = "venus", allow_refusal: bool = True,

@@ -24,8 +24,9 @@ rank 0's calls to it (server/replica.py).
 
 from .answer import AnswerText, eos_token_ids, token_bytes  # noqa: F401
 from .caches import FeatureCache, PrefixCache  # noqa: F401
-from .core import Done, Engine, Failed, Request, StepRecord, Token  # noqa: F401
+from .core import Done, Engine, Failed, Request, StepRecord, Token, fit_to_context  # noqa: F401
 from .prefill import PrefillJob, prefill  # noqa: F401
 from .step import decode_step, sample  # noqa: F401
 
-__all__ = ["Engine", "Request", "Token", "Done", "Failed", "StepRecord", "PrefixCache", "FeatureCache"]
+__all__ = ["Engine", "Request", "Token", "Done", "Failed", "StepRecord", "PrefixCache", "FeatureCache",
+           "fit_to_context"]

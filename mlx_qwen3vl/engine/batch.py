@@ -21,6 +21,7 @@ class Row:
         self.history = history  # mx.array of the tokens so far, for processors; None without them
         self.logprobs: List[float] = []  # of each chosen token
         self.fresh = False  # its token not yet handed out came from its prefill, not a decode step
+        self.kv_bytes = 0  # its share of the cache's buffers when its newest token was computed
 
     @property
     def held(self) -> int:
@@ -69,6 +70,12 @@ class Batch:
                 self.positions[i:i + 1]) for i in indices]
         self.remove(indices)
         return out
+
+    def measure(self):
+        """Each row's Row.kv_bytes: its share of the cache's buffers as they are now (padding included)."""
+        share = sum(c.nbytes for c in self.cache) // len(self.rows)
+        for row in self.rows:
+            row.kv_bytes = share
 
     def decode(self):
         """Feed `y` and sample the next token of every row → (y, lp), left lazy."""

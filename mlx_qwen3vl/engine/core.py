@@ -9,6 +9,7 @@ so several ranks replaying the same calls run the same steps (server/replica.py)
 """
 
 import collections
+import dataclasses
 import itertools
 import os
 import time
@@ -70,12 +71,15 @@ class Token:
     logprobs: mx.array
     top_logprobs: list = field(default_factory=list)
     finish_reason: Optional[str] = None  # "stop" / "length" when this token ended the answer
+    kv_bytes: int = 0  # KV bytes in use by its request when it was computed (see Done.kv_bytes)
 
 
 @dataclass
 class Done:
-    """Request `id` ended: finish_reason "stop" (EOS or a stop string), "length" (max_tokens),
-    "time_limit" or "cancelled". `cache`: the request's own cache, when it brought one."""
+    """Request `id` ended: finish_reason "stop" (EOS or a stop string), "length" (max_tokens, or
+    the model's context), "time_limit" or "cancelled". `cache`: the request's own cache, when it
+    brought one. `kv_bytes`: the bytes its KV cache's buffers held when its last token was computed
+    (in a batch its share, padding included: what kv_bytes() counts for it), on this rank."""
 
     id: int
     finish_reason: str
@@ -85,6 +89,7 @@ class Done:
     prompt_tokens: int
     cached_tokens: int
     cache: Optional[list] = None
+    kv_bytes: int = 0
 
 
 @dataclass
@@ -118,6 +123,17 @@ class _Job:
     @property
     def id(self):
         return self.waiting.request.id
+
+
+def fit_to_context(prompt_tokens: int, max_tokens: int, context: int) -> int:
+    """The context rule of every entry point: a prompt must leave room for one token of answer
+    (else ContextLengthError, before any work), and the answer stops at the context: the most
+    tokens it may have, max_tokens or fewer (it then ends with finish_reason "length")."""
+    if prompt_tokens >= context:
+        raise ContextLengthError(f"the prompt is {prompt_tokens} tokens but the model's context is {context} "
+                                 "(max_position_embeddings); shorten it or use fewer or smaller images",
+                                 prompt_tokens, context)
+    return min(max_tokens, context - prompt_tokens)
 
 
 def kv_bytes_per_token(model, kind=None) -> int:
@@ -230,17 +246,18 @@ class Engine:
 
     # ------------------------------------------------------------------ requests in
     def add(self, request: Request) -> int:
-        """Queue a request; returns its id. Raises InputError for one that can never be served
-        (a prompt past the context, a KV cache larger than the whole budget)."""
+        """Queue a request; returns its id. Its answer stops at the model's context (its params'
+        max_tokens lowered to fit, fit_to_context). Raises InputError for one that can never be
+        served (ContextLengthError: a prompt that fills the context; a KV cache larger than the
+        whole budget)."""
         inputs = request.inputs
         ids = np.asarray(inputs["input_ids"])
         if ids.ndim != 2 or ids.shape[0] != 1:
             raise InputError("an engine request holds one prompt (input_ids of shape (1, L))")
         n = int(ids.shape[1])
-        if n >= self.context:
-            raise ContextLengthError(f"the prompt is {n} tokens but the model's context is {self.context} "
-                                     "(max_position_embeddings); shorten it or use fewer or smaller images", n,
-                                     self.context)
+        max_tokens = fit_to_context(n, request.params.max_tokens, self.context)
+        if max_tokens < request.params.max_tokens:  # the answer stops at the context
+            request.params = dataclasses.replace(request.params, max_tokens=max_tokens)
         kv = self.kv if request.kv is None else resolve(self.model, request.kv)
         need = self._kv_bytes(kv, n + request.params.max_tokens)
         if self.kv_budget is not None and need > self.kv_budget:
@@ -293,14 +310,16 @@ class Engine:
         return [r for b in self._running() for r in b.rows]
 
     def kv_bytes(self) -> dict:
-        """KV cache bytes held now by the running and prefilling requests ("bytes", by cache kind
-        in "by_kind": "float", "8-bit/g64", ...) and the positions they hold ("positions")."""
+        """KV cache bytes in use now by the running and prefilling requests: their caches' buffers
+        as allocated (mlx-lm's grow in steps of 256 positions; a batch's padding included), in all
+        ("bytes") and by cache kind ("by_kind": "float", "8-bit/g64", ...), and the positions they
+        hold ("positions"). The prefix cache's entries are its own (PrefixCache.stats)."""
         by_kind, positions = collections.Counter(), 0
         caches = [b.cache for b in self._running()] + [j.job.cache for j in self.jobs]
         for cache in caches:
             if cache and not cache[0].empty():
                 kind = cache[0].kind
-                by_kind["float" if kind is None else f"{kind[0]}-bit/g{kind[1]}"] += sum(c.nbytes for c in cache)
+                by_kind["float" if kind is None else f"{kind[0]}-bit/g{kind[1]}"] += _nbytes(cache)
                 positions += cache[0].size() * max(1, cache[0].batch_size)
         return {"bytes": sum(by_kind.values()), "positions": positions, "by_kind": dict(by_kind)}
 
@@ -353,6 +372,7 @@ class Engine:
             try:
                 if self.lookahead:  # the next step is queued before this one's tokens are read
                     pending.append((rows, batch.y, batch.lp, fresh))
+                    batch.measure()  # the cache the pending tokens came from
                     y, lp = batch.decode()
                     mx.async_eval(y, lp)
                     batch.y, batch.lp = y, lp
@@ -362,6 +382,7 @@ class Engine:
                     y, lp = batch.decode()
                     mx.eval(y, lp)
                     batch.y, batch.lp = y, lp
+                    batch.measure()
                     self._emit(rows, y, lp, [False] * len(rows), events)
             except Exception as e:  # noqa: BLE001 — the batch fails, the engine keeps serving
                 if pending and pending[-1][0] is rows:
@@ -436,7 +457,7 @@ class Engine:
             lp = np.asarray(logprobs.astype(mx.float32))
             best = np.argsort(-lp, kind="stable")[:k]
             top = [(int(t), float(lp[t])) for t in best]
-        events.append(Token(row.id, token, piece, logprob, logprobs, top, row.answer.finish))
+        events.append(Token(row.id, token, piece, logprob, logprobs, top, row.answer.finish, row.kv_bytes))
 
     def _leave(self, rows, events, reason=None):
         """Rows out of their batches: their caches to the prefix cache (or back to their request)."""
@@ -461,7 +482,7 @@ class Engine:
             self.metrics[reason] += 1
         a = row.answer
         events.append(Done(row.id, reason, a.text, list(a.tokens), list(row.logprobs), row.prompt_tokens,
-                           row.cached, cache))
+                           row.cached, cache, row.kv_bytes))
 
     def _fail_rows(self, rows, error, events):
         """A failed decode: the batches holding `rows` fail whole (their caches are in doubt)."""
@@ -481,14 +502,15 @@ class Engine:
             if reason is None:
                 kept.append(w)
             else:
-                self._end_unstarted(w.request, reason, 0, events)
+                self._end_unstarted(w.request, reason, 0, events, 0)
         self.waiting = kept
         for j in list(self.jobs):
             reason = cancels.pop(j.id, None)
             if reason is not None:
                 self.jobs.remove(j)
+                held = _nbytes(j.job.cache)
                 self._drop_job(j)
-                self._end_unstarted(j.waiting.request, reason, j.cached, events)
+                self._end_unstarted(j.waiting.request, reason, j.cached, events, held)
         by_reason = collections.defaultdict(list)
         for r in self.rows:
             if r.id in cancels:
@@ -496,11 +518,11 @@ class Engine:
         for reason, rows in by_reason.items():
             self._leave(rows, events, reason)
 
-    def _end_unstarted(self, request, reason, cached, events):
+    def _end_unstarted(self, request, reason, cached, events, kv_bytes):
         self._deadlines.pop(request.id, None)
         self.metrics[reason] += 1
         events.append(Done(request.id, reason, "", [], [], len(request.tokens), cached,
-                           self._restored(request)))
+                           self._restored(request), kv_bytes))
 
     @staticmethod
     def _restored(request):
@@ -526,14 +548,6 @@ class Engine:
         if kv.kind not in self._kv_per_kind:
             self._kv_per_kind[kv.kind] = kv_bytes_per_token(self.model, kv.kind)
         return max(kv.start * f, length * self._kv_per_kind[kv.kind])
-
-    def kv_bytes_for(self, kv: KVSettings, positions: int) -> int:
-        """Bytes `positions` positions of a cache of `kv` hold once there (float below kv.start,
-        quantized from there), on this rank."""
-        kind = kv.kind if kv.quantized and positions >= kv.start else None
-        if kind not in self._kv_per_kind:
-            self._kv_per_kind[kind] = kv_bytes_per_token(self.model, kind)
-        return positions * self._kv_per_kind[kind]
 
     def _kv_need(self, extra=None) -> int:
         """Bytes the batches' caches can reach: every row (running, prefilling, `extra`) padded to
@@ -643,6 +657,7 @@ class Engine:
         answer = AnswerText(self.tokenizer.detokenizer, self.eos, r.params)
         row = Row(r, w.sampler, answer, j.prompt_tokens, j.cached, history, w.kv)
         cache = j.job.cache
+        row.kv_bytes = _nbytes(cache)  # the cache its first token came from
         batch = self._batch(cache[0].kind)
         if self.lookahead:  # its first token is read with the next step's
             mx.async_eval(y, lp)
@@ -662,6 +677,11 @@ class Engine:
             self._finish(row, answer.finish, cache, events)
             return
         batch.join(row, cache, y, lp, position)
+
+
+def _nbytes(cache) -> int:
+    """Bytes of a cache's buffers, over its layers (0: none yet)."""
+    return sum(c.nbytes for c in cache) if cache else 0
 
 
 def _final_kind(kv: KVSettings, length: int):

@@ -17,10 +17,10 @@ import mlx.core as mx
 import numpy as np
 
 from ..backend import backend_of
-from ..engine import (AnswerText, Done, Engine, Failed, Request, decode_step, eos_token_ids, prefill,  # noqa: F401
-                      sample, token_bytes)
+from ..engine import (AnswerText, Done, Engine, Failed, Request, decode_step, eos_token_ids,  # noqa: F401
+                      fit_to_context, prefill, sample, token_bytes)
 from ..engine.prefill import _mask_or_none
-from ..errors import ContextLengthError, InputError
+from ..errors import InputError
 from ..kv_settings import FLOAT, FIELDS as KV_FIELDS, KVSettings, quantize_if_due, resolve
 from ..processor import renamed_source_fps
 from ..prompt_cache import PromptCache
@@ -47,7 +47,7 @@ class GenerationResponse:
     finish_reason: Optional[str] = None  # "stop" (EOS or stop string) or "length", on the last piece
     from_draft: bool = False
     cached_tokens: int = 0  # prompt tokens reused from a previous turn's cache
-    kv_cache_bytes: int = 0  # bytes the request's KV cache holds (its positions, as stored: float or quantized)
+    kv_cache_bytes: int = 0  # KV bytes in use: the request's cache buffers as allocated (float or quantized)
 
     @property
     def peak_memory_gb(self):
@@ -66,7 +66,7 @@ class GenerationResult:
     finish_reason: str
     cached_tokens: int = 0
     logprobs: List[float] = field(default_factory=list)  # of each chosen token
-    kv_cache_bytes: int = 0  # bytes the request's KV cache holds at the end (as stored: float or quantized)
+    kv_cache_bytes: int = 0  # KV bytes in use at the end: its cache buffers as allocated (a batch row: its share)
 
     @property
     def peak_memory_gb(self):
@@ -138,12 +138,10 @@ def encode_prompt(processor, prompt=None, *, messages=None, images=None, videos=
 
 
 def check_context(model, inputs):
-    """Refuse a prompt the model's positions do not reach, before any work is done."""
-    limit = model.config.text_config.max_position_embeddings
-    n = int(np.asarray(inputs["input_ids"]).shape[1])
-    if n >= limit:
-        raise ContextLengthError(f"the prompt is {n} tokens but the model's context is {limit} "
-                                 "(max_position_embeddings); shorten it or use fewer or smaller images", n, limit)
+    """Refuse a prompt the model's positions do not reach, before any work is done (the engine's
+    rule, fit_to_context; Engine.add applies it too, and stops answers at the context)."""
+    fit_to_context(int(np.asarray(inputs["input_ids"]).shape[1]), 1,
+                   int(model.config.text_config.max_position_embeddings))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,7 +273,7 @@ def _stream(model, processor, prompt=None, *, messages=None, images=None, videos
     ids = np.asarray(inputs["input_ids"])
     if ids.shape[0] != 1:
         raise InputError("stream_generate takes one prompt; use batch_generate for several")
-    check_context(model, inputs)
+    check_context(model, inputs)  # before the prompt cache is touched
     start = prompt_cache.reuse(inputs, kv, model.make_cache) if prompt_cache is not None else 0
     engine = Engine(model, processor, max_batch=1, prefill_step_size=prefill_step_size)
     rid = engine.add(Request(inputs, params, cache=prompt_cache.cache if prompt_cache is not None else None,
@@ -284,13 +282,12 @@ def _stream(model, processor, prompt=None, *, messages=None, images=None, videos
     tic = time.perf_counter()
     prompt_s, n, done = None, 0, None
 
-    def stats():
+    def stats(kv_bytes):
         elapsed = time.perf_counter() - tic
         return dict(prompt_tokens=ids.shape[1], cached_tokens=start,
                     prompt_tps=(ids.shape[1] - start) / max(prompt_s, 1e-9), generation_tokens=n,
                     generation_tps=(n - 1) / max(elapsed - prompt_s, 1e-9) if n > 1 else 0.0,
-                    peak_memory=mx.get_peak_memory() / 1e9,
-                    kv_cache_bytes=engine.kv_bytes_for(kv, ids.shape[1] + max(n - 1, 0)))
+                    peak_memory=mx.get_peak_memory() / 1e9, kv_cache_bytes=kv_bytes)
 
     from mlx_lm.generate import wired_limit
 
@@ -307,7 +304,7 @@ def _stream(model, processor, prompt=None, *, messages=None, images=None, videos
                         prompt_s = time.perf_counter() - tic
                     n += 1
                     yield GenerationResponse(text=event.text, token=event.token, logprobs=event.logprobs,
-                                             finish_reason=event.finish_reason, **stats()), event
+                                             finish_reason=event.finish_reason, **stats(event.kv_bytes)), event
     finally:
         if done is None and engine.busy:  # the caller stopped early: end the request, keep its cache
             engine.cancel(rid)
@@ -378,7 +375,6 @@ def batch_generate(model, processor, requests, *, sampling: Optional[SamplingPar
     for text, found_i, found_v, fps, source_fps, params, kv in prepared:
         inputs = processor(text=text, images=found_i or None, videos=found_v or None, fps=fps, source_fps=source_fps,
                            min_pixels=min_pixels, max_pixels=max_pixels)
-        check_context(model, inputs)
         ids.append(engine.add(Request(inputs, params, kv=kv)))
     mx.reset_peak_memory()
     tic = time.perf_counter()
@@ -406,4 +402,4 @@ def batch_generate(model, processor, requests, *, sampling: Optional[SamplingPar
         text=d.text, token_ids=d.token_ids, logprobs=d.logprobs, prompt_tokens=d.prompt_tokens,
         generation_tokens=len(d.token_ids), prompt_tps=prompt_tokens / max(prompt_s, 1e-9),
         generation_tps=generated / max(total - prompt_s, 1e-9), peak_memory=mx.get_peak_memory() / 1e9,
-        finish_reason=d.finish_reason) for d in results]
+        finish_reason=d.finish_reason, kv_cache_bytes=d.kv_bytes) for d in results]

@@ -40,7 +40,6 @@ class Engine:
         self.max_batch, self.max_queue = max_batch, max_queue
         self.prefill_step_size = prefill_step_size
         self.default_max_tokens = default_max_tokens
-        self.context = int(model.config.text_config.max_position_embeddings)
         self.replicas = replicas  # replica.Leader / Follower on several ranks, else None
         # Several ranks: the step is evaluated before the next exchange (no step queued ahead, whose
         # collectives would meet the exchange's), and rank 0 alone reads the clock for time limits.
@@ -55,6 +54,7 @@ class Engine:
         if replicas is not None and self.core.kv_budget is not None:
             self.core.kv_budget = replicas.agree_min(self.core.kv_budget)  # the smallest machine's
         self.prefix, self.features = self.core.prefix, self.core.features
+        self.context = self.core.context  # the library engine's: its rule (fit_to_context) caps answers
         self._pending: collections.deque = collections.deque()
         self._handles = {}  # engine request id → Handle (or a replica's ghost)
         self._cv = threading.Condition()

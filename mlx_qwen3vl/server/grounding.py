@@ -5,8 +5,11 @@ ground() answers it (one pass, or two with zoom), each pass a request through th
      "format": "venus" | "qwen" | "computer_use", "zoom": false | true | 0.4,
      "allow_refusal": true, "min_pixels": ..., "max_pixels": ..., "max_tokens": 128}
     → {"point": [x, y] | null, "box": [x1, y1, x2, y2] | null, "status": "ok" | "refused" | "malformed",
-       "answer": ..., "note": ..., "image_size": [w, h], "format": ..., "timing": {...},
-       "zoom": {"fraction", "window", "pass", "passes": [...]}, "usage": {...}}
+       "answer": ..., "finish_reason": "stop" | "length" | "time_limit", "note": ..., "image_size": [w, h],
+       "format": ..., "timing": {...}, "zoom": {"fraction", "window", "pass", "passes": [...]}, "usage": {...}}
+
+`finish_reason` is the answer's pass's, each of `zoom.passes` has its own: the engine's, as the
+chat route reports it (a point cut short by max_tokens is "length", its status "malformed").
 
 The grounding itself is agent.ground_with's (prompts, crop, mapping); this module gives it an
 `ask` that renders each pass with the chat route's PromptBuilder (budgets, template, processor,

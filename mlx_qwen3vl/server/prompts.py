@@ -7,7 +7,8 @@ import threading
 
 import numpy as np
 
-from ..errors import Qwen3VLError
+from ..engine import fit_to_context
+from ..errors import ContextLengthError, Qwen3VLError
 from ..spans import media_keys
 from .prepared import Prepared
 from .fetch import resolve_image, resolve_video
@@ -97,12 +98,11 @@ class PromptBuilder:
             inputs["mm_token_type_ids"] = np.zeros_like(inputs["input_ids"])
         tokens = np.asarray(inputs["input_ids"])[0].tolist()
         media = media_keys(inputs)  # content hashes, computed here, off the model thread
-        n_prompt, context = len(tokens), self.engine.context
-        if n_prompt >= context:
-            raise APIError(400, f"the prompt has {n_prompt} tokens, past this model's context of {context}; "
-                           "send fewer or smaller images, or shorter messages", param="messages",
-                           code="context_length_exceeded")
-        max_tokens = min(req.max_tokens or self.engine.default_max_tokens, context - n_prompt)
+        try:  # the library's rule, here too so that a prompt past the context is refused before it queues
+            max_tokens = fit_to_context(len(tokens), req.max_tokens or self.engine.default_max_tokens,
+                                        self.engine.context)
+        except ContextLengthError as e:
+            raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
         grammar = None
         if req.response_format is not None:
             rf = req.response_format
