@@ -315,7 +315,7 @@ class Engine:
         ("bytes") and by cache kind ("by_kind": "float", "8-bit/g64", ...), and the positions they
         hold ("positions"). The prefix cache's entries are its own (PrefixCache.stats)."""
         by_kind, positions = collections.Counter(), 0
-        caches = [b.cache for b in self._running()] + [j.job.cache for j in self.jobs]
+        caches = [b.cache for b in self._running()] + [j.job.cache for j in tuple(self.jobs)]
         for cache in caches:
             if cache and not cache[0].empty():
                 kind = cache[0].kind
@@ -349,8 +349,9 @@ class Engine:
 
     def _running(self) -> List[Batch]:
         """The batches with rows, float first, then by bits and group size (one order on every rank)."""
-        return [self.batches[k] for k in sorted(self.batches, key=lambda k: (k is not None, k or ()))
-                if self.batches[k].rows]
+        # a snapshot (one C-level copy): /metrics reads this from the server's thread mid-step
+        batches = dict(self.batches)
+        return [batches[k] for k in sorted(batches, key=lambda k: (k is not None, k or ())) if batches[k].rows]
 
     def _batch(self, kind) -> Batch:
         if kind not in self.batches:
