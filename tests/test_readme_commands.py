@@ -490,3 +490,27 @@ def test_command_runs(unit, scratch):
     assert r.returncode == 0, f"{where}: {p.command.text}\nran as: {p.shell}\n{r.stdout[-1500:]}\n{r.stderr[-3000:]}"
     for out in p.outputs:
         assert (scratch / out).exists(), f"{where}: {out} was not written"
+
+
+def _anchors(path):
+    """GitHub's anchors of a page's headings."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
+    return {re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            for m in re.finditer(r"^#{1,6} (.*)$", text, re.M)}
+
+
+def test_links_between_the_pages_resolve():
+    """README.md and docs/ point at each other and at benchmarks/: every relative link names a
+    file that exists, and a heading of it where it names one."""
+    pages = PAGES + [ROOT / "benchmarks" / "README.md", *sorted((ROOT / "benchmarks" / "results").glob("*.md"))]
+    bad = []
+    for page in pages:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith(("http://", "https://")):
+                continue
+            path, _, anchor = target.partition("#")
+            file = page.parent / path if path else page
+            if not file.exists() or (anchor and file.suffix == ".md" and anchor not in _anchors(file)):
+                bad.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not bad, bad
