@@ -514,3 +514,14 @@ def test_links_between_the_pages_resolve():
             if not file.exists() or (anchor and file.suffix == ".md" and anchor not in _anchors(file)):
                 bad.append(f"{page.relative_to(ROOT)}: {target}")
     assert not bad, bad
+
+
+def test_the_server_page_names_every_server_flag():
+    """docs/server.md, whose table holds every flag that bounds a request, names every flag the
+    server has."""
+    from mlx_qwen3vl.server.__main__ import build_parser
+
+    page = (ROOT / "docs" / "server.md").read_text()
+    flags = [a.option_strings[-1] for a in build_parser()._actions if a.option_strings[-1] != "--help"]
+    missing = [f for f in flags if not re.search(re.escape(f) + r"(?![\w-])", page)]
+    assert not missing, missing
