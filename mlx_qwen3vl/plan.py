@@ -175,7 +175,7 @@ def kv_rows(config, tokens=KV_TOKENS) -> list:
         rows.append(dict(name=name, bits=bits, group_size=KV_GROUP_SIZE,
                          bytes=nbytes(QuantizedKVCache(KV_GROUP_SIZE, bits), mx.bfloat16),
                          note=f"mlx-lm QuantizedKVCache layout, groups of {KV_GROUP_SIZE}, scales in bfloat16 "
-                              "(this engine's quantized KV cache: issue #29)"))
+                              "(--kv-bits 8|4)"))
     return rows
 
 
@@ -338,7 +338,7 @@ def format_plan(plan) -> str:
                  for n, r in kv.items() if n.endswith("-bit")]
     lines += ["", f"KV cache per {plan['kv_cache']['tokens']:,} tokens: bfloat16 {size_label(kv['bfloat16']['bytes'])}, float32 "
                   f"{size_label(kv['float32']['bytes'])}; quantized as mlx-lm's QuantizedKVCache would hold it: "
-                  + ", ".join(quantized) + " (this engine's quantized KV cache: issue #29)",
+                  + ", ".join(quantized) + " (this engine: --kv-bits, docs/kv-cache.md)",
               f"screenshot {v['screenshot'][0]}x{v['screenshot'][1]} -> {v['resized'][0]}x{v['resized'][1]} "
               f"({v['pixel_budget_from']}): {v['patches']} patches, {v['tokens']} tokens; vision activations "
               f"~{size_label(v['activation_bytes'])} in bfloat16, attention scores {size_label(v['attention_scores_bytes'])} if "

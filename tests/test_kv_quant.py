@@ -1,4 +1,4 @@
-"""Quantized KV caches (kv_bits / kv_group_size / quantized_kv_start, issue #29) and caches on
+"""Quantized KV caches (kv_bits / kv_group_size / quantized_kv_start) and caches on
 disk (ChatSession.save / load, the prefix cache's disk tier).
 
 Every quantized answer is compared token for token with a fresh `generate(kv_bits=...)` of the
