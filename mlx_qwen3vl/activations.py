@@ -1,5 +1,6 @@
 """SwiGLU and the tanh GELU as MLX's CPU device computes them fastest, put in place of the model's
-standard ones when its plain MLX graph runs on the CPU (backend.plain_graph_on_cpu).
+standard ones when its plain MLX graph runs on the CPU (backend.plain_graph_on_cpu); with them the
+decoder's text rotary by its tables (TextRotary below).
 
 MLX's CPU backend evaluates exp with vectorized code but sigmoid and tanh with scalar code, so
 both are written through exp, each one compiled kernel in float32 inside (benchmarks/README.md,
@@ -12,7 +13,7 @@ from functools import partial
 
 import mlx.core as mx
 
-from . import language, vision
+from . import language, rope, vision
 
 
 @partial(mx.compile, shapeless=True)
@@ -43,13 +44,28 @@ class VisionMLP(vision.VisionMLP):
         return self.linear_fc2(gelu_tanh(self.linear_fc1(x)))
 
 
+class TextRotary(rope.TextRotary):
+    """A float32 text-only chunk (a decode step) rotated by cos/sin tables built once per forward
+    instead of by mx.fast.rope in every layer: on the CPU device that op is its fallback, more ops
+    than the tables' product (benchmarks/README.md, "The plain MLX graph"); bit for bit the same."""
+
+    def __call__(self, position_ids, length, dtype=mx.float32):
+        if position_ids.ndim != 1 or dtype != mx.float32:
+            return super().__call__(position_ids, length, dtype)
+        cos, sin = self.cos_sin(position_ids, length, dtype)
+        return lambda x: rope.apply_rotary(x, cos, sin)
+
+
 TWINS = {language.MLP: MLP, vision.VisionMLP: VisionMLP}
 
 
 def install(model):
-    """Swap the model's MLPs for their exp-based forms, in place; returns the model."""
+    """Swap the model's MLPs for their exp-based forms and its text rotary for TextRotary, in
+    place; returns the model."""
     for _, module in model.named_modules():
         twin = TWINS.get(type(module))
         if twin is not None:
             module.__class__ = twin
+        if type(getattr(module, "rotary", None)) is rope.TextRotary:
+            module.rotary.__class__ = TextRotary
     return model

@@ -117,3 +117,20 @@ def test_importing_the_package_loads_no_backend_nor_mlx_lm():
                        cwd=Path(__file__).resolve().parents[1])
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]"
+
+
+def test_plain_graph_on_the_cpu_rotates_text_by_tables_bit_for_bit(on_cpu):
+    """On MLX's CPU device the plain graph's text rotary uses the cos/sin tables (mx.fast.rope's
+    fallback there is more ops); a decode chunk and a text chunk rotate exactly as mx.fast.rope."""
+    import numpy as np
+
+    from mlx_qwen3vl import activations, rope
+
+    model = load_model(FIXTURES / "tiny-a", backend="mlx")
+    assert type(model.language_model.rotary) is activations.TextRotary
+    plain = rope.TextRotary(128, 5e6, [24, 20, 20])
+    tables = activations.TextRotary(128, 5e6, [24, 20, 20])
+    for length, positions in ((1, [265, 1000, 40000]), (7, [0, 3])):
+        x = mx.random.normal((len(positions), 4, length, 128), key=mx.random.key(length))
+        pos = mx.array(positions)
+        assert np.array_equal(np.array(plain(pos, length)(x)), np.array(tables(pos, length)(x)))
