@@ -1,6 +1,7 @@
 """python -m mlx_qwen3vl.mcp --model PATH|HUB_ID [--transport stdio|http] [--host 127.0.0.1] [--port 8765] ..."""
 
 import os
+import signal
 import sys
 
 from ..cli import FLAGS, Parser
@@ -100,14 +101,31 @@ def main(argv=None):
             from ..server.connections import serve
 
             app = http_app(server, api_key=api_key, bound_host=args.host, max_body_bytes=args.max_body_bytes)
+
+            def stopped(sig, frame):  # a signal before uvicorn's own handlers are in place: a clean stop too
+                raise SystemExit(0)
+
+            signal.signal(signal.SIGTERM, stopped)
+            signal.signal(signal.SIGINT, stopped)
             print(f"[mlx_qwen3vl.mcp] serving {args.model} on http://{args.host}:{args.port}/mcp", file=sys.stderr,
                   flush=True)
-            serve(app, host=args.host, port=args.port, log_level=args.log_level)
+            try:
+                serve(app, host=args.host, port=args.port, log_level=args.log_level)
+            except SystemExit as e:
+                return e.code if isinstance(e.code, int) else 0
             return 0
         finally:
-            worker.shutdown(wait=False, cancel_futures=True)
+            worker.shutdown(wait=True, cancel_futures=True)  # the model thread ends before the interpreter does
 
-    return cli.run(body)
+    status = cli.run(body)
+    if args.transport == "http":
+        # Stopped and its model thread joined: end here, as the server's ranks do (server/__main__.py
+        # _leave), since the interpreter's teardown of MLX after uvicorn sometimes aborts
+        # ("terminate called without an active exception", status 134) instead of exiting.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
 
 
 def _fail(message):
