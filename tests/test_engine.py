@@ -162,8 +162,10 @@ def test_admission_waits_for_memory_and_refuses_what_never_fits(processor):
     asks = [conversation("Describe the picture.", image("img_123x77.png")), conversation("And this one?")]
     per_token = Engine(model, processor).kv_per_token
     n0 = encode_prompt(processor, messages=asks[0])["input_ids"].shape[1]
-    # Room for the first request alone (its prompt and 8 tokens), not for both together.
-    engine = Engine(model, processor, kv_budget_bytes=(n0 + 8) * per_token)
+    # Room for the first request alone (its prompt and 8 tokens, in one 256-position buffer step),
+    # not for both together.
+    assert n0 + 8 <= 256
+    engine = Engine(model, processor, kv_budget_bytes=256 * per_token)
     a, b = (engine.add(request(processor, m, max_tokens=8)) for m in asks)
     out = drive(engine, until=lambda out: True if engine.log else False)  # one step
     assert engine.stats()["running"] + engine.stats()["prefilling"] == 1 and engine.stats()["waiting"] == 1
@@ -338,3 +340,20 @@ def test_server_ends_a_request_past_its_time_limit_and_refuses_one_that_never_fi
     for flag, value in (("--max-request-seconds", "-1"), ("--prefill-budget", "-5"), ("--kv-cache-gb", "0")):
         assert main(["--model", str(FIXTURES / "tiny-a"), flag, value]) == 2
         assert capsys.readouterr().err.startswith(f"error: {flag}")
+
+
+def test_one_request_object_added_twice_gets_two_answers_and_is_left_as_it_was(processor):
+    """An agent loop that keeps one Request and adds it again (a retry, a second sample) gets a new
+    id and its own answer each time, and its Request is not changed by add; an id the caller
+    chooses that a live request holds is refused."""
+    model = load_fixture_model("tiny-a", backend="mlx")
+    messages = conversation("Where is the menu?", image("img_123x77.png"))
+    want = M.generate(model, processor, messages=messages, max_tokens=6, ignore_eos=True)
+    req = request(processor, messages, max_tokens=6, ignore_eos=True)
+    engine = Engine(model, processor, max_batch=4)
+    a, b = engine.add(req), engine.add(req)
+    assert a != b and req.id is None and req.tokens is None and req.params.max_tokens == 6
+    with pytest.raises(InputError, match=f"request id {a} is already in use"):
+        engine.add(Request(req.inputs, req.params, id=a))
+    out = drive(engine)
+    assert tokens_of(out[a]) == tokens_of(out[b]) == want.token_ids

@@ -31,6 +31,11 @@ from .prefill import Costs, PrefillJob
 from .step import sample
 
 FINISH_REASONS = ("stop", "length", "time_limit", "cancelled")
+CACHE_STEP = 256  # mlx-lm's KVCache and QuantizedKVCache grow their buffers by this many positions
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
 @dataclass
@@ -249,7 +254,8 @@ class Engine:
         """Queue a request; returns its id. Its answer stops at the model's context (its params'
         max_tokens lowered to fit, fit_to_context). Raises InputError for one that can never be
         served (ContextLengthError: a prompt that fills the context; a KV cache larger than the
-        whole budget)."""
+        whole budget). The caller's Request is left as it was (the same one may be added again)."""
+        request = dataclasses.replace(request)
         inputs = request.inputs
         ids = np.asarray(inputs["input_ids"])
         if ids.ndim != 2 or ids.shape[0] != 1:
@@ -261,15 +267,18 @@ class Engine:
         kv = self.kv if request.kv is None else resolve(self.model, request.kv)
         need = self._kv_bytes(kv, n + request.params.max_tokens)
         if self.kv_budget is not None and need > self.kv_budget:
-            raise InputError(f"this request needs {need / 1e9:.2f} GB of KV cache ({n} prompt tokens + "
+            raise InputError(f"this request needs {_size(need)} of KV cache ({n} prompt tokens + "
                              f"max_tokens {request.params.max_tokens}) but the engine's KV budget is "
-                             f"{self.kv_budget / 1e9:.2f} GB; lower max_tokens or the prompt, or raise the budget")
+                             f"{_size(self.kv_budget)}; lower max_tokens or the prompt, or raise the budget")
         if request.tokens is None:
             request.tokens = ids[0].tolist()
         if request.media is None:
             request.media = media_keys(inputs)
         if request.id is None:
             request.id = next(self._ids)
+        elif request.id in self._deadlines or any(request.id == w.request.id for w in self.waiting) or any(
+                request.id == j.id for j in self.jobs) or any(request.id == r.request.id for r in self.rows):
+            raise InputError(f"request id {request.id} is already in use by a request of this engine")
         # The sampler now: an unseeded one draws its seed from MLX's global stream in add order.
         sampler = Sampler(request.params, processors=request.processors)
         limit = request.time_limit if request.time_limit is not None else self.max_request_seconds
@@ -542,8 +551,10 @@ class Engine:
     # ------------------------------------------------------------------ prefill
     def _kv_bytes(self, kv: KVSettings, length: int) -> int:
         """Bytes a cache of `kv` reaches at `length` positions: float until kv.start, then the
-        quantized copy (the float one it replaces counted until then)."""
+        quantized copy (the float one it replaces counted until then). Caches grow in steps of
+        CACHE_STEP positions, so a length counts as the buffer holding it."""
         f = self.kv_per_token
+        length = -(-length // CACHE_STEP) * CACHE_STEP
         if not kv.quantized or length < kv.start:
             return length * f
         if kv.kind not in self._kv_per_kind:
