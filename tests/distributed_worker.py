@@ -41,12 +41,20 @@ def quantized_kv(M, model, processor, images, rank):
     """A quantized KV cache on every rank's share of the model: a two-turn 8-bit chat (quantized
     inside turn 1, reused quantized in turn 2) and a 4-bit answer whose 16-token prefill chunks
     cross quantized_kv_start."""
+    import numpy as np
+
+    def margin(piece):  # the chosen token's lead over the runner-up, in log-probability
+        top = np.sort(np.array(piece.logprobs, dtype=np.float32).ravel())[-2:]
+        return float(top[1] - top[0])
+
     session = M.ChatSession(model, processor, max_tokens=8, kv_bits=8, quantized_kv_start=40)
-    chat = [[p.token for p in session.stream(text, images=[image])]
-            for text, image in zip(("Where is the search box?", "Now click it."), images)]
-    four = M.generate(model, processor, messages=case_messages("image", rank)[0], max_tokens=8, kv_bits=4,
-                      quantized_kv_start=20, prefill_step_size=16).token_ids
-    return {"chat": chat, "chat_cached": session.last.cached_tokens, "four": four}
+    turns = [list(session.stream(text, images=[image]))
+             for text, image in zip(("Where is the search box?", "Now click it."), images)]
+    four = list(M.stream_generate(model, processor, messages=case_messages("image", rank)[0], max_tokens=8,
+                                  kv_bits=4, quantized_kv_start=20, prefill_step_size=16))
+    return {"chat": [[p.token for p in t] for t in turns], "chat_cached": session.last.cached_tokens,
+            "four": [p.token for p in four],
+            "margins": {"chat": [[margin(p) for p in t] for t in turns], "four": [margin(p) for p in four]}}
 
 
 def main():

@@ -123,11 +123,32 @@ def kv_single(checkpoint):
     return quantized_kv(M, model, M.Processor.from_pretrained(FIXTURES / checkpoint), images, 0)
 
 
+NEAR_TIE = 0.01  # log-probability lead below which the ranks' other summation order may pick the runner-up
+
+
+def same_until_a_near_tie(got, want, margins) -> bool:
+    """got == want, or they part at a token one process chose by less than NEAR_TIE over the
+    runner-up (tensor parallel sums each layer's halves in another order, and a quantized cache
+    turns that rounding into a whole quantization step now and then). False when they part there."""
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            assert margins[i] < NEAR_TIE, f"token {i}: {g} vs one process's {w}, chosen by {margins[i]:.4f}"
+            return False
+    assert len(got) == len(want)
+    return True
+
+
 def test_quantized_kv_cache_answers_as_one_process(sharded_run):
+    """Token for token as one process, up to a near-tie there (which a different BLAS can bring:
+    one process chose 240 over 372 by 0.0003 where the ranks chose 372, with MLX's own BLAS)."""
     checkpoint, ranks = sharded_run
     want = kv_single(checkpoint)
-    for out in ranks:
-        assert out["kv"] == want and want["chat_cached"] > 40
+    assert ranks[0]["kv"] == ranks[1]["kv"] and want["chat_cached"] > 40
+    got = ranks[0]["kv"]
+    if same_until_a_near_tie(got["chat"][0], want["chat"][0], want["margins"]["chat"][0]):
+        assert got["chat_cached"] == want["chat_cached"]  # turn 2 reused the same quantized prefix
+        same_until_a_near_tie(got["chat"][1], want["chat"][1], want["margins"]["chat"][1])
+    same_until_a_near_tie(got["four"], want["four"], want["margins"]["four"])
 
 
 def test_sampling_agrees_across_ranks(sharded_run, single):
