@@ -463,9 +463,8 @@ def load_sharded(path, group, dtype=None, backend=None, vision: str = VISION_DEF
     return model, RankZeroProcessor(Processor.from_pretrained(Path(path)), group)
 
 
-def local_launch_command(n: int, command) -> list:
-    """`mlx.launch` running `command` (an argv list) as n ranks on this machine, ring backend over
-    127.0.0.1 on free ports (one per rank): for tests and benchmarks."""
+def free_ports(n: int = 1) -> int:
+    """The first of n consecutive free ports on 127.0.0.1."""
     import socket
 
     for _ in range(50):
@@ -478,10 +477,16 @@ def local_launch_command(n: int, command) -> list:
                     s.bind(("127.0.0.1", port + k))
         except OSError:
             continue
-        # "--": everything after it is the program's own (mlx.launch would take --verbose, -p, --env...)
-        return ["mlx.launch", "-n", str(n), "--backend", "ring", "--hosts", "127.0.0.1",
-                "--starting-port", str(port), "--", *command]
+        return port
     raise RuntimeError(f"no {n} consecutive free ports on 127.0.0.1")
+
+
+def local_launch_command(n: int, command) -> list:
+    """`mlx.launch` running `command` (an argv list) as n ranks on this machine, ring backend over
+    127.0.0.1 on free ports (one per rank): for tests and benchmarks."""
+    # "--": everything after it is the program's own (mlx.launch would take --verbose, -p, --env...)
+    return ["mlx.launch", "-n", str(n), "--backend", "ring", "--hosts", "127.0.0.1",
+            "--starting-port", str(free_ports(n)), "--", *command]
 
 
 def quiet_other_ranks(group=None):

@@ -23,7 +23,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from mlx_qwen3vl.distributed import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -204,22 +205,6 @@ def substitute(words, port=None):
     return out
 
 
-def free_port(n=1):
-    """A free 127.0.0.1 port (with n - 1 free ones after it)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            for k in range(1, n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port + k))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free ports on 127.0.0.1")
-
-
 @dataclass
 class Plan:
     """How one command runs: its shell line, whether it serves (and on which port), its stdin."""
@@ -246,7 +231,7 @@ def plan(c):
         if words[0] == "mlx.launch":
             assert words[1:4] == ["-n", "2", "--backend"] and "--" in words, f"{c.where}: not a local 2-rank launch"
             cut = words.index("--")
-            first = free_port(2)
+            first = free_ports(2)
             launch = [*words[:cut], "--hosts", "127.0.0.1", "--starting-port", str(first), "--"]
             words = words[cut + 1:]
         name, args = program(words)
@@ -255,7 +240,7 @@ def plan(c):
             continue
         serves = name in SERVERS or (name == "mlx_qwen3vl.mcp" and "--transport" in args)
         if serves:
-            p.port = free_port()
+            p.port = free_ports()
             p.serve = "mcp" if name == "mlx_qwen3vl.mcp" else "http"
             if "--port" not in args:
                 args = [*args, "--port", str(p.port)]

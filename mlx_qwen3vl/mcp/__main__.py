@@ -118,14 +118,12 @@ def main(argv=None):
             worker.shutdown(wait=True, cancel_futures=True)  # the model thread ends before the interpreter does
 
     status = cli.run(body)
-    if args.transport == "http":
-        # Stopped and its model thread joined: end here, as the server's ranks do (server/__main__.py
-        # _leave), since the interpreter's teardown of MLX after uvicorn sometimes aborts
-        # ("terminate called without an active exception", status 134) instead of exiting.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-    return status
+    # Stopped (SIGTERM, or stdin closed) and its model thread joined: end here, as the server's ranks
+    # do (server/__main__.py _leave), since the interpreter's teardown of MLX after a model thread
+    # sometimes aborts ("terminate called without an active exception", status 134) instead.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _fail(message):

@@ -32,12 +32,18 @@ from .limits import check_pixel_options
 from .protocol import APIError, ChatRequest
 
 
-def find_tool(declarations, where: str = "tools") -> Optional[ComputerTool]:
-    """The request's one computer-use tool (None without one); a 400 naming the field otherwise."""
+def find_tool(declarations, where: str = "tools", others=None) -> Optional[ComputerTool]:
+    """The request's one computer-use tool (None without one); a 400 naming the field otherwise,
+    also when `others` (the request's other tools) is not empty: the model's computer-use prompt
+    has only the computer."""
     try:
-        return find_computer_tool(declarations, where)
+        tool = find_computer_tool(declarations, where)
     except InputError as e:
         raise APIError(400, str(e), param=where, code="invalid_value") from None
+    if tool is not None and others:
+        raise APIError(400, "a request with a computer-use tool may declare no other tools: this model's "
+                       "computer-use prompt has only the computer", param=where, code="unsupported_tool")
+    return tool
 
 
 def sampling_defaults(agent_format: str) -> dict:

@@ -217,11 +217,7 @@ def _tools(tools):
         else:
             raise P.invalid(f"{p}.type", f"'{p}.type' is {kind!r}; this server takes 'function', "
                             "'computer_use_preview' and 'computer' tools", "unsupported_tool")
-    tool = computer.find_tool(tools, "tools")
-    if tool is not None and functions:
-        raise P.invalid("tools", "a request with a computer-use tool may declare no other tools: this model's "
-                        "computer-use prompt has only the computer", "unsupported_tool")
-    return functions or None, tool
+    return functions or None, computer.find_tool(tools, "tools", others=functions)
 
 
 def _tool_choice(choice, functions, tool):
