@@ -1,3 +1,4 @@
+import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,22 @@ CHECKPOINTS = ["tiny-a", "tiny-b"]
 CASES = ["text", "image", "two_images", "video", "batch"]
 MODEL_KEYS = ["input_ids", "attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
               "video_grid_thw", "mm_token_type_ids"]
+
+
+def asgi_status(app, method, path, headers, server=("127.0.0.1", 1)) -> int:
+    """The status an ASGI app answers one bodiless request with, called directly (no socket)."""
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": method, "path": path, "scheme": "http", "server": server, "query_string": b"",
+             "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
+    asyncio.run(app(scope, receive, send))
+    return sent[0]["status"]
 
 
 def case_inputs(case):

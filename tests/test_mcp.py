@@ -26,6 +26,7 @@ import mlx_qwen3vl as M  # noqa: E402
 from mlx_qwen3vl.agent import ground, parse_grounding  # noqa: E402
 from mlx_qwen3vl.agent.computer_use import AGENT_SAMPLING, ComputerStep, computer_messages, map_answer  # noqa: E402
 from anyio.from_thread import start_blocking_portal  # noqa: E402
+from conftest import asgi_status  # noqa: E402
 from scripted import write_scripted_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -287,8 +288,6 @@ def test_http_transport_key_rule_and_body_limit(world, local):
 
 def test_without_a_key_only_this_machine_s_names_and_origin():
     """The no-key guard in front of the transport: the HTTP server's local-only rule."""
-    import asyncio
-
     from mlx_qwen3vl.mcp.server import BearerKey, http_app
 
     reached = []
@@ -304,18 +303,7 @@ def test_without_a_key_only_this_machine_s_names_and_origin():
             return inner
 
     def request(app, headers):
-        sent = []
-
-        async def receive():
-            return {"type": "http.request", "body": b"", "more_body": False}
-
-        async def send(message):
-            sent.append(message)
-
-        scope = {"type": "http", "method": "POST", "path": "/mcp", "scheme": "http", "server": ("127.0.0.1", 8765),
-                 "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
-        asyncio.run(app(scope, receive, send))
-        return sent[0]["status"]
+        return asgi_status(app, "POST", "/mcp", headers, server=("127.0.0.1", 8765))
 
     app = http_app(FakeServer(), api_key=None, bound_host="127.0.0.1", max_body_bytes=1234)
     assert request(app, {"host": "127.0.0.1:8765"}) == 204

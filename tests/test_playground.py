@@ -10,7 +10,6 @@ streaming its answer as text; a server with a key asking for it; a phone's width
 session and two server processes for the module: the page against a server without a key (so
 its Host / Origin rule is what the page's calls meet) and one with a key."""
 
-import asyncio
 import base64
 import math
 import os
@@ -22,6 +21,7 @@ import pytest
 from PIL import Image, ImageDraw
 
 import mlx_qwen3vl as M
+from conftest import asgi_status
 from mlx_qwen3vl.agent import ground
 from scripted import write_scripted_checkpoint
 from test_server import Server
@@ -161,18 +161,7 @@ def test_page_headers_and_no_ui(servers):
     assert server.request("GET", "/ui/grounding.py", key=None)[0] == 404
 
     def get(app, path):
-        sent = []
-
-        async def receive():
-            return {"type": "http.request", "body": b"", "more_body": False}
-
-        async def send(message):
-            sent.append(message)
-
-        scope = {"type": "http", "method": "GET", "path": path, "scheme": "http", "server": ("127.0.0.1", 1),
-                 "query_string": b"", "headers": [(b"host", b"127.0.0.1:1")]}
-        asyncio.run(app(scope, receive, send))
-        return sent[0]["status"]
+        return asgi_status(app, "GET", path, {"host": "127.0.0.1:1"})
 
     engine = SimpleNamespace(close=lambda: None, processor=SimpleNamespace(tokenizer=None))  # no model: routes only
     assert get(create_app(engine, None, model_id="m", ui=False), "/") == 404  # --no-ui

@@ -32,7 +32,7 @@ class Attention(language.Attention):
 
     def attend_quantized(self, q, k, v, mask, bits, group_size):
         """A prefill chunk over a quantized cache: MLX's quantized matmuls on the CPU device are far
-        slower than BLAS for many queries (benchmarks/README.md, "Quantized KV cache"), so this
+        slower than BLAS for many queries (benchmarks/README.md, "Quantized KV cache and the disk tier"), so this
         layer's keys and values are unpacked for the chunk and dropped after it, one layer at a
         time, never the whole cache. One query (decode) reads the packed cache as it is."""
         if q.shape[2] == 1:
