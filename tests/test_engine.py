@@ -164,7 +164,11 @@ def test_admission_waits_for_memory_and_refuses_what_never_fits(processor):
     n0 = encode_prompt(processor, messages=asks[0])["input_ids"].shape[1]
     # Room for the first request alone (its prompt and 8 tokens, in one 256-position buffer step),
     # not for both together.
-    assert n0 + 8 <= 256
+    from mlx_lm.models.cache import KVCache
+
+    from mlx_qwen3vl.engine.core import CACHE_STEP
+
+    assert CACHE_STEP == KVCache.step == 256 and n0 + 8 <= 256
     engine = Engine(model, processor, kv_budget_bytes=256 * per_token)
     a, b = (engine.add(request(processor, m, max_tokens=8)) for m in asks)
     out = drive(engine, until=lambda out: True if engine.log else False)  # one step

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..backend import backend_of
 from ..errors import ConfigError, ContextLengthError, InputError
-from ..kv_settings import FLOAT, KVSettings, bytes_per_position, quantize_if_due, resolve
+from ..kv_settings import KVSettings, bytes_per_position, quantize_if_due, resolve
 from ..sampling import Sampler, SamplingParams
 from ..spans import media_keys
 from .answer import AnswerText, eos_token_ids
@@ -276,8 +276,7 @@ class Engine:
             request.media = media_keys(inputs)
         if request.id is None:
             request.id = next(self._ids)
-        elif request.id in self._deadlines or any(request.id == w.request.id for w in self.waiting) or any(
-                request.id == j.id for j in self.jobs) or any(request.id == r.request.id for r in self.rows):
+        elif request.id in self._live_ids():
             raise InputError(f"request id {request.id} is already in use by a request of this engine")
         # The sampler now: an unseeded one draws its seed from MLX's global stream in add order.
         sampler = Sampler(request.params, processors=request.processors)
@@ -288,6 +287,10 @@ class Engine:
             self._deadlines[request.id] = deadline
         self.metrics["requests"] += 1
         return request.id
+
+    def _live_ids(self) -> set:
+        """Ids of the requests waiting, prefilling or decoding."""
+        return {w.request.id for w in self.waiting} | {j.id for j in self.jobs} | {r.request.id for r in self.rows}
 
     def cancel(self, rid: int, reason: str = "cancelled"):
         """End request `rid` at the next step (queued, prefilling or decoding), with Done(reason)."""
