@@ -354,6 +354,9 @@ BAD = [  # (name, path, body, status, what the message names)
     ("temperature", "/v1/messages", {**GOOD_M, "temperature": 1.5}, 400, "temperature"),
     ("count with stream", "/v1/messages/count_tokens", {"model": "m", "messages": GOOD_M["messages"], "stream": True},
      400, "stream"),
+    ("logit_bias", "/v1/messages", {**GOOD_M, "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ("logit_bias", "/v1/responses", {**GOOD_R, "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ("vLLM stop ids", "/v1/responses", {**GOOD_R, "stop_token_ids": [5]}, 400, "stop_token_ids"),
     ("bad json", "/v1/messages", b'{"model": ', 400, "JSON"),
     ("not an object", "/v1/messages", b"[1, 2]", 400, "object"),
     ("computer tool_choice", "/v1/messages", {**GOOD_M, "tool_choice": {"type": "any"}, "tools": [
@@ -408,6 +411,7 @@ SCRIPT = {
     "Step 2 done": CALL(action="terminate", status="success"),
     "@drag": CALL(action="left_click_drag", coordinate=[900, 100]),
     "@phone": "LongPress(box=(500, 500))",
+    "@check": 'Let me check.\n<tool_call>\n{"name": "lookup", "arguments": {"q": "weather"}}\n</tool_call>',
 }
 DISPLAY = (1366, 768)
 rng = np.random.default_rng(0)
@@ -521,6 +525,45 @@ def test_the_example_loop_runs_against_the_server(scripted):
                      "step 1 does: left_click(coordinate=[683, 230])",
                      "step 2 does: type(text=display)",
                      "done after 3 step(s): end_turn"], out.stdout
+
+
+LOOKUP = {"name": "lookup", "description": "Look a word up.",
+          "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}
+
+
+def test_a_tool_call_answer_is_the_same_streamed_and_not(scripted):
+    """The answer 'Let me check.\n<tool_call>...': every protocol hands out the text beside the call
+    without its blank space, streamed or not, and the same call."""
+    s, _ = scripted
+    ask = "What is the weather? @check"
+    chat = dict(model="m", max_tokens=64, messages=[{"role": "user", "content": ask}],
+                tools=[{"type": "function", "function": LOOKUP}])
+    plain = oai(s).chat.completions.create(**chat).choices[0]
+    pieces, args = [], ""
+    for c in oai(s).chat.completions.create(**chat, stream=True):
+        for choice in c.choices:
+            pieces.append(choice.delta.content or "")
+            args += "".join(t.function.arguments or "" for t in choice.delta.tool_calls or [])
+    assert plain.message.content == "".join(pieces) == "Let me check." and plain.finish_reason == "tool_calls"
+    assert json.loads(plain.message.tool_calls[0].function.arguments) == json.loads(args) == {"q": "weather"}
+
+    resp = dict(model="m", input=ask, tools=[{"type": "function", **LOOKUP}], max_output_tokens=64)
+    plain = oai(s).responses.create(**resp)
+    with oai(s).responses.stream(**resp) as stream:
+        streamed = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert plain.output_text == streamed == final.output_text == "Let me check."
+    assert [(o.type, getattr(o, "arguments", None)) for o in plain.output][-1] == ("function_call", '{"q": "weather"}')
+
+    msg = dict(model="m", max_tokens=64, messages=[{"role": "user", "content": ask}],
+               tools=[{"name": "lookup", "description": "Look a word up.", "input_schema": LOOKUP["parameters"]}])
+    plain = claude(s).messages.create(**msg)
+    with claude(s).messages.stream(**msg) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert plain.content[0].text == streamed == final.content[0].text == "Let me check."
+    assert [(b.type, getattr(b, "input", None)) for b in plain.content] == [("text", None), ("tool_use", {"q": "weather"})]
+    assert plain.stop_reason == final.stop_reason == "tool_use"
 
 
 def test_venus_format_renders_navigation_prompts():

@@ -651,14 +651,15 @@ def test_plan_round_trip_rebuilds_inputs_sampling_and_grammar(local):
     builder = PromptBuilder(Engine(), MediaPolicy(), grammars)
     schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
     req = parse_chat_request({"messages": [user("Where?", png_bytes("img_123x77.png"))], "max_tokens": 5,
-                              "temperature": 0.7, "top_k": 3, "stop": ["ab"],
+                              "temperature": 0.7, "top_k": 3, "stop": ["ab"], "logit_bias": {"9": -2.5, "4": 1},
+                              "stop_token_ids": [3], "min_tokens": 2,
                               "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}})
     handle = replica._Ghost(builder.build(req), 7)
     plan = replica.decode(replica.encode(replica.Plan(admit=[handle], cancel=[3, 5])), grammars)
     assert plan.cancel == [3, 5] and not plan.stop
     got, sent = plan.admit[0].prepared, handle.prepared
     assert plan.admit[0].id == 7 and got.tokens == sent.tokens and got.media == sent.media
-    assert got.sampling == sent.sampling and got.max_tokens == sent.max_tokens and got.grammar == sent.grammar
+    assert got.sampling == sent.sampling and got.sampling.logit_bias == ((4, 1), (9, -2.5)) and got.max_tokens == sent.max_tokens and got.grammar == sent.grammar
     assert set(got.inputs) == set(sent.inputs)
     for k, v in sent.inputs.items():
         if isinstance(v, (np.ndarray, mx.array)):

@@ -5,7 +5,7 @@ submitted, clients gone away), hands it to the engine, runs one engine step (one
 every running row, a bounded share of the waiting requests' prefill) and routes the step's events
 to each request's asyncio queue as the dictionaries app.py reads: {"type": "token", "text",
 "token"[, "logprobs"]}, {"type": "done", "finish_reason", "prompt_tokens", "completion_tokens",
-"cached_tokens"}, {"type": "error", "error": APIError}.
+"cached_tokens", "stop"}, {"type": "error", "error": APIError}.
 
 Under `mlx.launch` every rank runs this loop on its shard of the model (replica.py): rank 0 takes
 requests from HTTP and broadcasts each iteration's inputs (the requests, the cancellations, the
@@ -175,7 +175,7 @@ class Engine:
                 if ev.finish_reason != "cancelled":
                     handle.emit({"type": "done", "finish_reason": ev.finish_reason,
                                  "prompt_tokens": ev.prompt_tokens, "completion_tokens": len(ev.token_ids),
-                                 "cached_tokens": ev.cached_tokens})
+                                 "cached_tokens": ev.cached_tokens, "stop": ev.stop})
             elif isinstance(ev, Failed):
                 del self._handles[ev.id]
                 self._failed(ev.error)

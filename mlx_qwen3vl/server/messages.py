@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from . import computer
 from . import protocol as P
-from .answer import AnswerStream, matched_stop, prompt_opens_reasoning
+from .answer import AnswerStream, prompt_opens_reasoning
 from .conversation import Call, Part, Turn, chat_messages, function_tool
 from .protocol import APIError, ChatRequest
 
@@ -280,15 +280,13 @@ class Writer:
     """One message as it is produced: each engine event → the stream events it makes (a plain
     request ignores them and takes `message` at the end)."""
 
-    def __init__(self, chat: ChatRequest, model: str, prompt_tokens: int, opened: bool, computer_request, eos,
-                 tokenizer):
+    def __init__(self, chat: ChatRequest, model: str, prompt_tokens: int, opened: bool, computer_request):
         self.chat, self.model, self.computer = chat, model, computer_request
-        self.eos, self.tokenizer = eos, tokenizer
         self.id = _id("msg")
         self.content: List[dict] = []
         self.open = None
         self.parts = AnswerStream(tools=bool(chat.tools) and chat.tool_choice != "none", opened=opened)
-        self.raw, self.token_ids = [], []
+        self.raw = []
         self.stop_reason, self.stop_sequence = None, None
         self.usage = {"input_tokens": prompt_tokens, "output_tokens": 0, "cache_read_input_tokens": 0,
                       "cache_creation_input_tokens": 0}
@@ -366,7 +364,6 @@ class Writer:
 
     def token(self, ev) -> List[tuple]:
         self.raw.append(ev["text"])
-        self.token_ids.append(ev["token"])
         if self.computer is not None:
             return []
         return [e for kind, value in self.parts.feed(ev["text"]) for e in self._segment(kind, value)]
@@ -396,9 +393,7 @@ class Writer:
         elif finish in ("length", "time_limit"):
             self.stop_reason = "max_tokens"
         else:
-            stop = None
-            if not (self.token_ids and self.token_ids[-1] in self.eos):
-                stop = matched_stop(self.tokenizer, self.token_ids, answer, self.chat.sampling.stop_strings)
+            stop = ev.get("stop")
             self.stop_reason, self.stop_sequence = ("stop_sequence", stop) if stop else ("end_turn", None)
         cached = ev["cached_tokens"]
         self.usage = {"input_tokens": ev["prompt_tokens"] - cached, "output_tokens": ev["completion_tokens"],
@@ -434,7 +429,7 @@ def routes(service) -> list:
         prepared, computer_request = await prepare(turns, chat, tool)
         handle = service.submit(prepared)
         writer = Writer(chat, chat.model, prepared.prompt_tokens, prompt_opens_reasoning(tokenizer, prepared.tokens),
-                        computer_request, service.eos, tokenizer)
+                        computer_request)
         if stream:
             return StreamingResponse(_stream(service, handle, writer), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -12,7 +12,7 @@ from ..errors import ContextLengthError, Qwen3VLError
 from ..spans import media_keys
 from .prepared import Prepared
 from .fetch import resolve_image, resolve_video
-from .limits import Limits, check_media, check_pixel_options
+from .limits import Limits, check_media, check_pixel_options, check_token_ids
 from .protocol import APIError, ChatRequest
 
 
@@ -81,6 +81,7 @@ class PromptBuilder:
         computer-use prompt (computer.py) and the grounding route's passes (grounding.py: the
         screenshot and its crop) come in here too."""
         check_pixel_options(req, self.limits)
+        check_token_ids(req.sampling, self.grammars.vocab_size)
         check_media(images, videos, req, self.processor, self.limits)  # before any decoding
         tools = req.tools if req.tool_choice != "none" else None
         with self._lock:

@@ -6,8 +6,6 @@ body `{"error": {"message", "type", "param", "code"}}`.
 """
 
 import math
-import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -20,6 +18,28 @@ MAX_STOP = 16
 MAX_STOP_CHARS = 256  # each stop string is searched for after every token
 MAX_TOP_LOGPROBS = 20
 MAX_JSON_DEPTH = 64  # nesting of the request body (a JSON schema included)
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's bound), each a bias in [-100, 100]
+MAX_STOP_TOKEN_IDS = 64
+# Every field a chat-completions body may hold; any other is a 400 naming it (never ignored).
+CHAT_FIELDS = {
+    # OpenAI's, implemented
+    "messages", "model", "stream", "stream_options", "n", "max_tokens", "max_completion_tokens", "stop",
+    "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "logprobs", "top_logprobs",
+    "logit_bias", "tools", "tool_choice", "parallel_tool_calls", "response_format", "modalities", "store",
+    # OpenAI's identifiers and routing hints: no effect on what a local server answers
+    "user", "safety_identifier", "prompt_cache_key", "service_tier",
+    # vLLM's extensions (extra_body), implemented
+    "top_k", "min_p", "repetition_penalty", "stop_token_ids", "min_tokens", "ignore_eos", "chat_template",
+    "chat_template_kwargs", "mm_processor_kwargs",
+    # this server's: pixels per image, the KV cache's storage
+    "min_pixels", "max_pixels", *("kv_bits", "kv_group_size", "quantized_kv_start")}
+CHAT_REFUSED = {
+    "max_new_tokens": "use 'max_tokens' (or 'max_completion_tokens'), as OpenAI and vLLM name it",
+    "functions": "use 'tools'", "function_call": "use 'tool_choice'",
+    "audio": "this model answers in text", "prediction": "predicted outputs are not available here",
+    "reasoning_effort": "this checkpoint's thinking is switched by 'chat_template_kwargs': {'enable_thinking': ...}",
+    "verbosity": "not available here", "web_search_options": "web search is not available here",
+    "metadata": "completions are not stored here"}
 # The chat template switches a request may set: they change how the conversation is rendered and
 # nothing else (the Qwen3-VL templates read these). Anything else the template or the processor
 # would take (tokenize, images, videos, chat_template, ...) could reach files, URLs or memory.
@@ -200,7 +220,7 @@ def stop_strings(stop, name="stop") -> List[str]:
     return stop
 
 
-def sampling_params(body, stop=(), *, defaults=None, logprobs=False, top_logprobs=0) -> SamplingParams:
+def sampling_params(body, stop=(), *, defaults=None, logprobs=False, top_logprobs=0, **more) -> SamplingParams:
     """The sampling fields of a request body (SAMPLING_FIELDS) → SamplingParams; a field the body
     leaves out takes `defaults`' value, else OpenAI's default temperature (1.0), not the library's
     greedy one."""
@@ -216,7 +236,7 @@ def sampling_params(body, stop=(), *, defaults=None, logprobs=False, top_logprob
         presence_penalty=_number(body, "presence_penalty", -2, 2, default=d.get("presence_penalty")),
         frequency_penalty=_number(body, "frequency_penalty", -2, 2, default=d.get("frequency_penalty")),
         seed=_number(body, "seed", 0, 2**63 - 1, integer=True),
-        stop=list(stop), logprobs=logprobs, top_logprobs=top_logprobs,
+        stop=list(stop), logprobs=logprobs, top_logprobs=top_logprobs, **more,
     )
 
 
@@ -235,6 +255,15 @@ def template_switches(kwargs):
 def parse_chat_request(body) -> ChatRequest:
     if not isinstance(body, dict):
         raise _invalid(None, "the request body must be a JSON object", "invalid_type")
+    check_fields(body, CHAT_FIELDS, None, CHAT_REFUSED)
+    if body.get("modalities") not in (None, ["text"]):
+        raise _invalid("modalities", "'modalities' may only be [\"text\"]: this model answers in text",
+                       "unsupported_field")
+    if body.get("store") not in (None, False):
+        raise _invalid("store", "'store' must be false: completions are not stored here", "unsupported_field")
+    if body.get("parallel_tool_calls") not in (None, True):
+        raise _invalid("parallel_tool_calls", "'parallel_tool_calls' must be true: this model may answer with "
+                       "several calls and the server does not cut them", "unsupported_field")
     messages = body.get("messages")
     if messages is None:
         raise _invalid("messages", "'messages' is required", "missing_field")
@@ -264,7 +293,8 @@ def parse_chat_request(body) -> ChatRequest:
     top_logprobs = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True, default=0)
     if top_logprobs and not body.get("logprobs"):
         raise _invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
-    sampling = sampling_params(body, stop, logprobs=bool(body.get("logprobs")), top_logprobs=top_logprobs)
+    sampling = sampling_params(body, stop, logprobs=bool(body.get("logprobs")), top_logprobs=top_logprobs,
+                               **_stopping(body, max_tokens))
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise _invalid("stream_options", "'stream_options' must be an object", "invalid_type")
@@ -294,6 +324,42 @@ def parse_chat_request(body) -> ChatRequest:
     )
 
 
+def _stopping(body, max_tokens) -> dict:
+    """logit_bias (OpenAI: {"token id": bias in [-100, 100]}) and vLLM's stop_token_ids,
+    min_tokens, ignore_eos → SamplingParams fields (token ids are checked against the vocabulary
+    when the engine takes the request)."""
+    out = {}
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise _invalid("logit_bias", "'logit_bias' must be an object {\"token id\": bias}", "invalid_type")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise _invalid("logit_bias", f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens")
+        pairs = {}
+        for key in bias:
+            name = f"logit_bias.{key}"
+            if not (key.isascii() and key.isdigit()) or len(key) > 12:
+                raise _invalid(name, f"'logit_bias' keys are token ids (decimal strings), not {key[:40]!r}")
+            pairs[int(key)] = number(bias, key, -100, 100, param=name)
+        out["logit_bias"] = pairs or None
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in ids):
+            raise _invalid("stop_token_ids", f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token "
+                           "ids (integers >= 0)")
+        out["stop_token_ids"] = tuple(ids)
+    min_tokens = _number(body, "min_tokens", 0, integer=True)
+    if min_tokens is not None:
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise _invalid("min_tokens", f"'min_tokens' ({min_tokens}) is larger than the request's max_tokens "
+                           f"({max_tokens})")
+        out["min_tokens"] = min_tokens
+    if body.get("ignore_eos") is not None:
+        out["ignore_eos"] = flag(body, "ignore_eos", None)
+    return out
+
+
 def _kv_settings(body) -> Optional[dict]:
     """The KV cache settings a request may set (as mlx-lm names them; null: the server's)."""
     given = {k: body[k] for k in KV_FIELDS if body.get(k) is not None}
@@ -304,34 +370,6 @@ def _kv_settings(body) -> Optional[dict]:
     except InputError as e:
         raise _invalid(next(iter(given)), str(e)) from None
     return given
-
-
-# ------------------------------------------------------------------------------------ responses
-
-
-def completion_id() -> str:
-    return "chatcmpl-" + uuid.uuid4().hex[:24]
-
-
-def usage(prompt_tokens, completion_tokens, cached_tokens) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def chat_response(cid, model, message, finish_reason, logprobs, use) -> dict:
-    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
-            "usage": use}
-
-
-def chunk(cid, model, delta=None, finish_reason=None, logprobs=None, use=None, choices=True) -> dict:
-    out = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-           "choices": [{"index": 0, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish_reason}]
-           if choices else []}
-    if use is not None:
-        out["usage"] = use
-    return out
 
 
 # ----------------------------------------------------------------- shared by the other protocols

@@ -4,7 +4,6 @@ requests the server ends when it stops, and waiting for a whole answer while wat
 app.py builds one; responses.py and messages.py take it."""
 
 import asyncio
-import functools
 import hmac
 import json
 from typing import Optional
@@ -12,7 +11,6 @@ from typing import Optional
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 
-from ..engine import eos_token_ids
 from . import protocol as P
 from .protocol import APIError
 
@@ -75,10 +73,6 @@ class Service:
     @property
     def processor(self):
         return self.engine.processor
-
-    @functools.cached_property
-    def eos(self) -> set:
-        return eos_token_ids(self.engine.model, self.engine.processor)
 
     def check_auth(self, request: Request):
         """With a key, `Authorization: Bearer KEY` or (Anthropic's clients) `x-api-key: KEY`."""
