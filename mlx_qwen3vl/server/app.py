@@ -18,7 +18,7 @@ from starlette.routing import Route
 from . import chat, messages, responses
 from . import grounding as G
 from .protocol import APIError
-from .service import Service, disconnected, parse_json, read_body, shutting_down
+from .service import Service, disconnected, shutting_down
 from .store import ResponseStore
 from .ui import routes as ui_routes
 
@@ -109,16 +109,19 @@ def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None,
 
     async def metrics(request):
         check_auth(request)
-        return JSONResponse({**engine.stats(), **store.stats()})
+        return JSONResponse({**engine.stats(), **store.stats(), "requests_built": service.built})
 
     async def ground(request: Request):
-        """POST /v1/ground (grounding.py): each pass a request through the engine, on a worker thread."""
-        check_auth(request)
-        if stopping:
-            raise shutting_down()
-        req = G.parse_ground_request(parse_json(await read_body(request, max_body_bytes)))
-        job = G.GroundJob(engine, builder, req, asyncio.get_running_loop(), running, stopping, shutting_down)
-        hit = await job.serve(disconnected(request))
+        """POST /v1/ground (grounding.py): the same admission, then each pass a request through the
+        engine, on a worker thread; the job holds its place in the queue from before the image is read."""
+        req = await service.read(request, G.parse_ground_request)
+        slot = engine.reserve()
+        try:
+            job = G.GroundJob(engine, builder, req, asyncio.get_running_loop(), running, stopping, shutting_down,
+                              slot)
+            hit = await job.serve(disconnected(request))
+        finally:
+            slot.release()
         if hit is None:  # the client went away
             return JSONResponse({}, status_code=499)
         return JSONResponse(G.response(hit, req.model or model_id))

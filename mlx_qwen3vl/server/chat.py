@@ -90,12 +90,11 @@ class Answer:
 
 
 def routes(service) -> list:
+    def build(req):
+        return service.builder.build(req), None
+
     async def create(request):
-        body = await service.read_json(request)
-        req = P.parse_chat_request(body)
-        del body
-        prepared = await service.prepare(service.builder.build, req)
-        handle = service.submit(prepared)
+        req, _, _, handle = await service.admit(request, P.parse_chat_request, build)
         answer = Answer(req, completion_id(), req.model or service.model_id)
         if req.stream:
             return StreamingResponse(_stream(service, handle, answer), media_type="text/event-stream",

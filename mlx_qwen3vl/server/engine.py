@@ -56,6 +56,7 @@ class Engine:
         self.prefix, self.features = self.core.prefix, self.core.features
         self.context = self.core.context  # the library engine's: its rule (fit_to_context) caps answers
         self._pending: collections.deque = collections.deque()
+        self._reserved = 0  # slots held by requests being built (Slot)
         self._handles = {}  # engine request id → Handle (or a replica's ghost)
         self._cv = threading.Condition()
         self._stopping = False
@@ -67,14 +68,32 @@ class Engine:
         self._thread.start()
 
     # ------------------------------------------------------------------ called from the HTTP side
-    def submit(self, prepared: Prepared, loop) -> Handle:
+    def _check_room(self):
+        """A 503 when --max-queue requests wait already: submitted, or holding a slot while their
+        media are read and their prompt built (under self._cv)."""
+        waiting = len(self._pending) + len(self.core.waiting) + self._reserved
+        if waiting >= self.max_queue:
+            self.metrics["rejected"] += 1
+            raise APIError(503, f"the server is busy ({waiting} requests waiting); retry shortly",
+                           code="queue_full", headers={"Retry-After": "1"})
+
+    def reserve(self) -> "Slot":
+        """A place in the queue for a request about to be built (before any of its media is read):
+        a full queue refuses it here, before the work."""
+        with self._cv:
+            self._check_room()
+            self._reserved += 1
+        return Slot(self)
+
+    def submit(self, prepared: Prepared, loop, slot: "Slot" = None) -> Handle:
+        """Queue `prepared` in the place `slot` holds (or a new one, if there is room)."""
         handle = Handle(prepared, loop)
         with self._cv:
-            waiting = len(self._pending) + len(self.core.waiting)
-            if waiting >= self.max_queue:
-                self.metrics["rejected"] += 1
-                raise APIError(503, f"the server is busy ({waiting} requests waiting); retry shortly",
-                               code="queue_full", headers={"Retry-After": "1"})
+            if slot is not None and slot.held:
+                slot.held = False
+                self._reserved -= 1
+            else:
+                self._check_room()
             self._pending.append(handle)
             self._cv.notify()
         return handle
@@ -203,6 +222,20 @@ class Engine:
         """A digest of what every rank must agree on before the next iteration."""
         return digest(self._iteration, self.max_batch, self.prefill_step_size, self.default_max_tokens,
                       self.core.fingerprint())
+
+
+class Slot:
+    """A request's place in the queue from before its media are read until it is submitted (or
+    given back: a count, an error)."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.held = engine, True
+
+    def release(self):
+        with self.engine._cv:
+            if self.held:
+                self.held = False
+                self.engine._reserved -= 1
 
 
 def _settle(model):

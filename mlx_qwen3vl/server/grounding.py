@@ -143,8 +143,9 @@ class GroundJob:
     ground_with; its `ask` prepares each pass on that thread and waits for the engine's answer,
     which the event loop collects. `abandon` (on the loop) ends it when the client goes away."""
 
-    def __init__(self, engine, builder, req: GroundRequest, loop, running: set, stopping: list, shutting_down):
-        self.engine, self.builder, self.req, self.loop = engine, builder, req, loop
+    def __init__(self, engine, builder, req: GroundRequest, loop, running: set, stopping: list, shutting_down,
+                 slot=None):
+        self.engine, self.builder, self.req, self.loop, self.slot = engine, builder, req, loop, slot
         self.running, self.stopping, self.shutting_down = running, stopping, shutting_down
         self.chat = req.chat()
         self.current = None  # the pass's Handle while it runs
@@ -196,7 +197,7 @@ class GroundJob:
         if self.stopping:
             raise self.shutting_down()
         tic = time.perf_counter()
-        handle = self.engine.submit(prepared, self.loop)
+        handle = self.engine.submit(prepared, self.loop, self.slot)  # the first pass takes the job's place
         self.running.add(handle)
         self.current = handle
         text, first = "", None

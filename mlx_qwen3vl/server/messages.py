@@ -416,18 +416,16 @@ def _sse(event) -> str:
 def routes(service) -> list:
     tokenizer = service.processor.tokenizer
 
-    async def prepare(turns, chat, tool):
+    def build(parsed):
+        turns, chat, tool, _ = parsed
         if tool is not None:
-            return await service.prepare(computer.prepare, service.builder, chat, turns, tool, service.agent_format)
+            return computer.prepare(service.builder, chat, turns, tool, service.agent_format)
         chat.messages, chat.media_params = chat_messages(turns)
-        return await service.prepare(service.builder.build, chat), None
+        return service.builder.build(chat), None
 
     async def create(request):
-        body = await service.read_json(request)
-        turns, chat, tool, stream = parse_request(body, service.agent_format)
-        del body
-        prepared, computer_request = await prepare(turns, chat, tool)
-        handle = service.submit(prepared)
+        (turns, chat, tool, stream), prepared, computer_request, handle = await service.admit(
+            request, lambda body: parse_request(body, service.agent_format), build)
         writer = Writer(chat, chat.model, prepared.prompt_tokens, prompt_opens_reasoning(tokenizer, prepared.tokens),
                         computer_request)
         if stream:
@@ -440,10 +438,8 @@ def routes(service) -> list:
         return JSONResponse(writer.message)
 
     async def count_tokens(request):
-        body = await service.read_json(request)
-        turns, chat, tool, _ = parse_request(body, service.agent_format, count=True)
-        del body
-        prepared, _ = await prepare(turns, chat, tool)
+        _, prepared, _, _ = await service.admit(
+            request, lambda body: parse_request(body, service.agent_format, count=True), build, submit=False)
         return JSONResponse({"input_tokens": prepared.prompt_tokens})
 
     return [Route("/v1/messages", create, methods=["POST"]),

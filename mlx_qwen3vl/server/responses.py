@@ -258,24 +258,31 @@ def _text_format(text):
     return P.response_format(rf), {"format": fmt}
 
 
-def parse_request(body, store: ResponseStore, agent_format: str) -> ResponsesRequest:
+def continue_stored(req: ResponsesRequest, store: ResponseStore):
+    """A follow-up's history: the stored conversation of `previous_response_id`, then its input
+    (on the event loop, where the store lives)."""
+    previous = req.echo["previous_response_id"]
+    if previous is None:
+        return
+    entry = store.get(previous) if len(previous) <= 128 else None
+    if entry is None:
+        raise APIError(400, f"Previous response with id '{previous[:128]}' not found (this server keeps "
+                       f"{store.max_entries} recent responses within {store.max_bytes >> 20} MiB; send the "
+                       "whole conversation as input instead)", param="previous_response_id",
+                       code="previous_response_not_found")
+    req.history = list(entry.turns) + req.history
+
+
+def parse_request(body, agent_format: str) -> ResponsesRequest:
+    """The body → a request whose history is its input (continue_stored adds what it continues)."""
     P.check_fields(body, FIELDS, None, REFUSED)
     if body.get("input") is None:
         raise P.invalid("input", "'input' is required", "missing_field")
     model = P.string(body, "model", None)
     instructions = P.string(body, "instructions", None)
-    history = []
     previous = P.string(body, "previous_response_id", None)
-    if previous is not None:
-        entry = store.get(previous) if len(previous) <= 128 else None
-        if entry is None:
-            raise APIError(400, f"Previous response with id '{previous[:128]}' not found (this server keeps "
-                           f"{store.max_entries} recent responses within {store.max_bytes >> 20} MiB; send the "
-                           "whole conversation as input instead)", param="previous_response_id",
-                           code="previous_response_not_found")
-        history = list(entry.turns)
     new = read_input(body["input"], "input")
-    history += new
+    history = list(new)
     functions, tool = _tools(body.get("tools"))
     if tool is None:  # a computer call's action has no place in the chat template's rendering
         for call in (c for t in new for c in t.calls if c.action is not None):
@@ -493,23 +500,20 @@ def _sse(event: dict) -> str:
 def routes(service, store: ResponseStore) -> list:
     tokenizer = service.processor.tokenizer
 
-    async def prepare(req: ResponsesRequest):
+    def build(req: ResponsesRequest):
         if req.tool is not None:
-            return await service.prepare(computer.prepare, service.builder, req.chat, req.turns, req.tool,
-                                         service.agent_format)
+            return computer.prepare(service.builder, req.chat, req.turns, req.tool, service.agent_format)
         req.chat.messages, req.chat.media_params = chat_messages(req.turns)
-        return await service.prepare(service.builder.build, req.chat), None
+        return service.builder.build(req.chat), None
 
     def keep(req: ResponsesRequest, writer: Writer):
         if req.store and writer.turn is not None:
             store.put(writer.id, req.history + [writer.turn], writer.response)
 
     async def create(request):
-        body = await service.read_json(request)
-        req = parse_request(body, store, service.agent_format)
-        del body
-        prepared, computer_request = await prepare(req)
-        handle = service.submit(prepared)
+        req, prepared, computer_request, handle = await service.admit(
+            request, lambda body: parse_request(body, service.agent_format), build,
+            then=lambda req: continue_stored(req, store))
         writer = Writer(req, req.body_model or service.model_id, prompt_opens_reasoning(tokenizer, prepared.tokens),
                         computer_request)
         if req.stream:

@@ -1,14 +1,20 @@
-"""What every endpoint shares, whatever protocol it speaks: the API key (Bearer or x-api-key), the
-body limit and JSON checks, submitting a prepared request to the model thread, the set of running
-requests the server ends when it stops, and waiting for a whole answer while watching the client.
-app.py builds one; responses.py and messages.py take it."""
+"""What every endpoint shares, whatever protocol it speaks: one admission path (`Service.admit`),
+the set of running requests the server ends when it stops, and waiting for a whole answer while
+watching the client. app.py builds one; chat.py, responses.py, messages.py and grounding take it.
+
+Admission, in this order, for every endpoint: the API key; the body, read up to --max-body-bytes;
+then, on a small parse pool (never the event loop), the JSON with its nesting and item count
+bounded and the protocol's own checks; a place in the queue (503 when --max-queue requests wait,
+before any media is read); the media and the prompt built on a bounded preparation pool; the engine.
+"""
 
 import asyncio
+import functools
 import hmac
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 
 from . import protocol as P
@@ -37,9 +43,19 @@ async def read_body(request: Request, limit: int) -> bytearray:
     return body
 
 
+MAX_JSON_ITEMS = 200_000  # objects and lists in one body (counted before parsing, as brackets)
+PARSE_WORKERS = 2  # bodies parsed at once
+PREPARE_WORKERS = 4  # requests whose media and prompt are built at once
+
+
 def parse_json(raw: bytearray):
-    """The body as JSON (UTF-8, RFC 8259). The raw bytes are released before parsing: a large body
-    is held at most twice (its text, then what is parsed from it)."""
+    """The body as JSON (UTF-8, RFC 8259), its objects and lists counted before parsing (an upper
+    bound: brackets inside strings count too). The raw bytes are released before parsing: a large
+    body is held at most twice (its text, then what is parsed from it)."""
+    items = raw.count(b"{") + raw.count(b"[")
+    if items > MAX_JSON_ITEMS:
+        raise APIError(400, f"the request body holds more than {MAX_JSON_ITEMS} objects and lists; send fewer "
+                       "messages or parts", code="too_many_items")
     try:
         text = raw.decode("utf-8-sig")  # a leading BOM is tolerated, as json.loads(bytes) does
         raw.clear()
@@ -69,6 +85,9 @@ class Service:
         self.agent_format = agent_format  # the computer-use prompt: --agent-format
         self.running = set()
         self.stopping = False
+        self.built = 0  # requests whose media and prompt were built (each after its place in the queue)
+        self.parse_pool = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="mlx_qwen3vl-parse")
+        self.prepare_pool = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="mlx_qwen3vl-prepare")
 
     @property
     def processor(self):
@@ -88,20 +107,41 @@ class Service:
         raise APIError(401, "missing or wrong API key; send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    async def read_json(self, request: Request):
+    async def _on(self, pool, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+
+    async def read(self, request: Request, parse):
+        """Admission up to the queue: the key, the body (size), then on the parse pool the JSON
+        (nesting, items) and `parse(body)` (the protocol's checks) → what `parse` returns."""
         self.check_auth(request)
         if self.stopping:
             raise shutting_down()
-        return parse_json(await read_body(request, self.max_body_bytes))
+        raw = await read_body(request, self.max_body_bytes)
+        return await self._on(self.parse_pool, lambda: parse(parse_json(raw)))
 
-    async def prepare(self, build, *args):
-        """Run `build(*args)` (media, template, tokens: blocking work) off the event loop."""
-        return await run_in_threadpool(build, *args)
+    async def admit(self, request: Request, parse, build, *, submit: bool = True, then=None):
+        """The whole admission path: `read`, then a place in the queue (a 503 when it is full,
+        before any media is read), then `build(req)` → (Prepared, extra) on the preparation pool
+        (media under the request's budget, template, tokens), then the engine. → (req, prepared,
+        extra, handle); with submit=False (a token count) nothing is queued and handle is None.
+        `then(req)` runs on the event loop after parsing (what only the loop may read: the store)."""
+        req = await self.read(request, parse)
+        if then is not None:
+            then(req)
+        slot = self.engine.reserve()
+        self.built += 1
+        try:
+            prepared, extra = await self._on(self.prepare_pool, build, req)
+            if not submit:
+                return req, prepared, extra, None
+            return req, prepared, extra, self.submit(prepared, slot)
+        finally:
+            slot.release()  # (a submitted request's slot is already its place in the queue)
 
-    def submit(self, prepared):
+    def submit(self, prepared, slot=None):
         if self.stopping:
             raise shutting_down()
-        handle = self.engine.submit(prepared, asyncio.get_running_loop())
+        handle = self.engine.submit(prepared, asyncio.get_running_loop(), slot)
         self.running.add(handle)
         return handle
 
