@@ -590,7 +590,7 @@ def test_venus_format_renders_navigation_prompts():
     turns = [Turn("user", [Part("text", "Open the settings"), Part("image", data_url(SHOTS[0]), "a")]),
              Turn("assistant", [Part("text", "On it.")], [Call("t1", "computer", action=click, param="b")]),
              Turn("tool", [Part("image", data_url(SHOTS[1]), "c"), Part("text", "Done.")], call_id="t1")]
-    req = ChatRequest(messages=[], sampling=sampling_params({}))
+    req = ChatRequest(turns=[], sampling=sampling_params({}))
     prepared, request = computer.prepare(Builder(), req, turns, tool, "venus")
     step = ComputerStep(actions=[tool.parse_call(click)], text="On it.", display=DISPLAY)
     want = computer_messages("Open the settings", SHOTS[1], [step], format="venus", display=DISPLAY)

@@ -373,7 +373,7 @@ def one_process_server(local, checkpoint, body):
     from mlx_qwen3vl.server.fetch import MediaPolicy
     from mlx_qwen3vl.server.grammar import GrammarFactory
     from mlx_qwen3vl.server.prompts import PromptBuilder
-    from mlx_qwen3vl.server.protocol import parse_chat_request
+    from mlx_qwen3vl.server.chat import parse_chat_request
 
     model, processor = local(checkpoint)
     tok = processor.tokenizer
@@ -637,7 +637,7 @@ def test_parallel_flag_reaches_load_and_bad_choices_exit_2(monkeypatch, capsys):
 def test_plan_round_trip_rebuilds_inputs_sampling_and_grammar(local):
     from mlx_qwen3vl.server.grammar import GrammarFactory
     from mlx_qwen3vl.server.prompts import PromptBuilder
-    from mlx_qwen3vl.server.protocol import parse_chat_request
+    from mlx_qwen3vl.server.chat import parse_chat_request
     from mlx_qwen3vl.server.fetch import MediaPolicy
 
     model, processor = local("tiny-a")

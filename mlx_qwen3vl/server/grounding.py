@@ -58,7 +58,7 @@ class GroundRequest:
 
     def chat(self) -> ChatRequest:
         """One pass as the chat route's request: greedy (as UI-Venus and Qwen evaluate), its budgets."""
-        return ChatRequest(messages=[], sampling=SamplingParams(temperature=0.0), max_tokens=self.max_tokens,
+        return ChatRequest(turns=[], sampling=SamplingParams(temperature=0.0), max_tokens=self.max_tokens,
                            model=self.model, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
 
 

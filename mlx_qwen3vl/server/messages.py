@@ -26,7 +26,7 @@ from starlette.routing import Route
 from . import computer
 from . import protocol as P
 from .answer import AnswerStream, prompt_opens_reasoning
-from .conversation import Call, Part, Turn, chat_messages, function_tool
+from .conversation import Call, Part, Turn, function_tool
 from .protocol import APIError, ChatRequest
 
 FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "metadata", "tools",
@@ -267,7 +267,7 @@ def parse_request(body, agent_format: str, count=False):
         pixels[k] = pixels[k] or defaults.get(k)
     if count and tool_choice not in ("auto", "none"):
         tool_choice = "auto"  # the same prompt, without compiling the grammar it would enforce
-    chat = ChatRequest(messages=[], sampling=sampling, max_tokens=max_tokens, model=body.get("model"),
+    chat = ChatRequest(turns=[], sampling=sampling, max_tokens=max_tokens, model=body.get("model"),
                        tools=functions, tool_choice=tool_choice if functions else "none", response_format=rf,
                        chat_template_kwargs=P.template_switches(body.get("chat_template_kwargs")), **pixels)
     return turns, chat, tool, P.flag(body, "stream", None)
@@ -420,7 +420,7 @@ def routes(service) -> list:
         turns, chat, tool, _ = parsed
         if tool is not None:
             return computer.prepare(service.builder, chat, turns, tool, service.agent_format)
-        chat.messages, chat.media_params = chat_messages(turns)
+        chat.turns = turns
         return service.builder.build(chat), None
 
     async def create(request):

@@ -10,52 +10,11 @@ import numpy as np
 from ..engine import fit_to_context
 from ..errors import ContextLengthError, Qwen3VLError
 from ..spans import media_keys
-from .prepared import Prepared
+from .conversation import template_messages
 from .fetch import resolve_image, resolve_video
+from .prepared import Prepared
 from .limits import Limits, check_media, check_pixel_options, check_token_ids
 from .protocol import APIError, ChatRequest
-
-
-def _text_of(content):
-    if isinstance(content, str) or content is None:
-        return content or ""
-    return "".join(p["text"] for p in content if p.get("type") == "text")
-
-
-def convert_messages(messages, policy, temp_files, names=None):
-    """OpenAI messages → (template messages with media placeholders, images, videos), in order.
-    `names`: {(i, j): param} naming a part as the client wrote it (another protocol's field)."""
-    out, images, videos = [], [], []
-    names = names or {}
-    for i, m in enumerate(messages):
-        role = "system" if m["role"] == "developer" else m["role"]
-        msg = {"role": role}
-        content = m.get("content")
-        if isinstance(content, list) and role in ("user", "tool"):  # a tool result may be a screenshot
-            parts = []
-            for j, part in enumerate(content):
-                kind = part["type"]
-                param = names.get((i, j)) or f"messages[{i}].content[{j}].{kind}.url"
-                if kind == "text":
-                    parts.append({"type": "text", "text": part["text"]})
-                    continue
-                ref = part[kind]
-                url = ref["url"] if isinstance(ref, dict) else ref
-                if kind == "image_url":
-                    images.append(resolve_image(url, policy, param))
-                    parts.append({"type": "image"})
-                else:
-                    videos.append(resolve_video(url, policy, param, temp_files))
-                    parts.append({"type": "video"})
-            msg["content"] = parts
-        else:
-            msg["content"] = _text_of(content)
-        if role == "assistant" and m.get("tool_calls"):
-            msg["tool_calls"] = m["tool_calls"]
-        if role == "tool" and m.get("tool_call_id"):
-            msg["tool_call_id"] = m["tool_call_id"]
-        out.append(msg)
-    return out, images, videos
 
 
 class PromptBuilder:
@@ -68,8 +27,14 @@ class PromptBuilder:
     def build(self, req: ChatRequest) -> Prepared:
         temp_files = []
         check_pixel_options(req, self.limits)
+
+        def resolve(part):
+            if part.kind == "image":
+                return resolve_image(part.value, self.policy, part.param)
+            return resolve_video(part.value, self.policy, part.param, temp_files)
+
         try:
-            messages, images, videos = convert_messages(req.messages, self.policy, temp_files, req.media_params)
+            messages, images, videos = template_messages(req.turns, resolve, req.merge_system)
             return self.render(req, messages, images, videos)
         finally:
             for path in temp_files:

@@ -25,7 +25,7 @@ from starlette.routing import Route
 from . import computer
 from . import protocol as P
 from .answer import AnswerStream, prompt_opens_reasoning
-from .conversation import Call, Part, Turn, chat_messages, function_tool
+from .conversation import Call, Part, Turn, function_tool
 from .protocol import APIError, ChatRequest
 from .store import ResponseStore
 
@@ -316,7 +316,7 @@ def parse_request(body, agent_format: str) -> ResponsesRequest:
     for k in ("min_pixels", "max_pixels"):
         pixels[k] = pixels[k] or defaults.get(k)
     max_tokens = P.number(body, "max_output_tokens", 1, integer=True, default=defaults.get("max_tokens"))
-    chat = ChatRequest(messages=[], sampling=sampling, max_tokens=max_tokens, model=model,
+    chat = ChatRequest(turns=[], sampling=sampling, max_tokens=max_tokens, model=model,
                        tools=functions, tool_choice=tool_choice if functions else "none", response_format=rf,
                        chat_template_kwargs=P.template_switches(body.get("chat_template_kwargs")), **pixels)
     echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
@@ -503,7 +503,7 @@ def routes(service, store: ResponseStore) -> list:
     def build(req: ResponsesRequest):
         if req.tool is not None:
             return computer.prepare(service.builder, req.chat, req.turns, req.tool, service.agent_format)
-        req.chat.messages, req.chat.media_params = chat_messages(req.turns)
+        req.chat.turns = req.turns
         return service.builder.build(req.chat), None
 
     def keep(req: ResponsesRequest, writer: Writer):
