@@ -181,7 +181,7 @@ def test_paths_only_under_the_allowed_folder(client, world):
     assert ok(ask((allowed / "shot.png").as_uri()))["answer"] == "It says Apply."
     for attack in (str(outside / "secret.png"), str(allowed / "link.png"), (outside / "secret.png").as_uri(),
                    str(allowed / ".." / "outside" / "secret.png"), "/etc/passwd", "tests/fixtures/tiny-a/config.json"):
-        assert "--allowed-image-dir" in error(ask(attack)), attack
+        assert "--allowed-local-media-path" in error(ask(attack)), attack
     assert "not a PNG, JPEG, WebP, GIF, BMP or TIFF image" in error(ask(str(allowed / "notes.png")))
     assert "not a regular file" in error(ask(str(allowed / "pipe.png")))  # answered at once, nothing read
     assert "not a regular file" in error(ask(str(allowed)))

@@ -30,8 +30,10 @@ def build_parser():
                    help="next_action's trained prompt: Qwen3-VL computer use or UI-Venus navigation")
     p.add_argument("--ground-format", choices=GROUNDING_FORMATS, default=None,
                    help="ground's trained prompt (default: venus with --agent-format venus, else qwen)")
-    p.add_argument("--allowed-image-dir", action="append", default=[], metavar="DIR",
-                   help="accept screenshots as paths of files under DIR (repeatable; none by default)")
+    p.add_argument("--allowed-local-media-path", "--allowed-image-dir", dest="allowed_dirs", action="append",
+                   default=[], metavar="DIR",
+                   help="accept screenshots as paths (or file:// URLs) of files under DIR (repeatable; none by "
+                        "default); --allowed-image-dir is the older spelling, still accepted")
     p.add_argument("--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES, help="size cap of one screenshot")
     p.add_argument("--max-request-pixels", type=int, default=DEFAULT_MAX_REQUEST_PIXELS,
                    help="pixels one screenshot may have, as stored and as resized for the model")
@@ -66,9 +68,9 @@ def main(argv=None):
             return _fail(f"{flag} must be at least 1")
     if not 1 <= args.port <= 65535:
         return _fail(f"--port must be from 1 to 65535; got {args.port}")
-    for d in args.allowed_image_dir:
+    for d in args.allowed_dirs:
         if not os.path.isdir(d):
-            return _fail(f"--allowed-image-dir {d!r} is not a directory")
+            return _fail(f"--allowed-local-media-path {d!r} is not a directory")
     if args.max_pixels is not None and args.max_pixels > args.max_request_pixels:
         return _fail(f"--max-pixels {args.max_pixels} is over --max-request-pixels {args.max_request_pixels}")
     try:
@@ -87,7 +89,7 @@ def main(argv=None):
         cli.check_max_tokens(args.max_tokens)
         cli.check_media_flags(path, args.min_pixels, args.max_pixels)
         settings = Settings(agent_format=args.agent_format, ground_format=args.ground_format,
-                            allowed_dirs=args.allowed_image_dir, max_request_pixels=args.max_request_pixels,
+                            allowed_dirs=args.allowed_dirs, max_request_pixels=args.max_request_pixels,
                             max_image_bytes=args.max_image_bytes, min_pixels=args.min_pixels,
                             max_pixels=args.max_pixels, max_tokens=args.max_tokens)
         worker = model_thread()
