@@ -208,7 +208,10 @@ def _where(path: str, folders: Sequence[str]):
     """(folder, components below it) for the first allowed folder holding `path` once links are
     resolved, else None. The components are then opened one by one without following links: a
     link swapped in after this resolution makes that open fail instead of leading outside."""
-    real = os.path.realpath(path)
+    try:
+        real = os.path.realpath(path)
+    except OSError:  # a link there changed while it was resolved (readlink of what is no longer a link)
+        return None
     for folder in folders:
         if real == folder:
             return folder, []

@@ -300,7 +300,7 @@ def fetch_http(url: str, policy: MediaPolicy, param: str, budget: Optional[Media
     except APIError:
         raise
     except (OSError, http.client.HTTPException, ValueError) as e:
-        if fetch.expired:
+        if fetch.expired or isinstance(e, TimeoutError) or time.monotonic() >= fetch.deadline:
             raise fetch.timeout() from None
         raise _bad(f"{param} could not be fetched ({_reason(e)}); check the URL or send a data URL", param) from None
     finally:
