@@ -27,6 +27,10 @@ from ..agent.computer_use import AGENT_FORMATS, AGENT_SAMPLING, ComputerStep, co
 DEFAULT_MAX_REQUEST_PIXELS = 32 << 20  # as the HTTP server's --max-request-pixels
 DEFAULT_MAX_IMAGE_BYTES = 32 << 20
 MAX_TEXT_CHARS = 8192
+# HTTP sessions (the SDK's own defaults keep 10,000 for 30 minutes; a desktop client holds one).
+DEFAULT_MAX_SESSIONS = 32
+DEFAULT_MAX_SESSIONS_PER_CLIENT = 4
+DEFAULT_SESSION_IDLE_TIMEOUT_S = 300.0
 MAX_HISTORY = 32
 
 
