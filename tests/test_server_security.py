@@ -614,3 +614,36 @@ def test_files_swapped_during_requests_are_never_read_outside_nor_block(server, 
     print(kind, seen)
     assert set(seen) <= {(200, inside["input_tokens"]), (400, "invalid_request_error")}, seen
     assert (200, inside["input_tokens"]) in seen
+
+
+# ------------------------------------------------------------------------------ #36: 500s that were bad input
+
+
+def test_schemas_with_no_value_and_bad_videos_are_400s_of_one_line(server, tmp):
+    """A json_schema whose $ref only refers to itself was a 500 carrying llguidance's parser
+    state; an undecodable video named the server's temp file. Both are 400s of one line now, and
+    the log has no traceback."""
+    logged = len(server.log)
+    for schema in ({"$ref": "#"}, {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                   "$ref": "#/$defs/a"}):
+        error = refused(server, chat(response_format={"type": "json_schema", "json_schema": {"name": "s",
+                                                                                             "schema": schema}}),
+                        param="response_format", says="admits no value")
+        assert error["code"] == "invalid_schema" and "\n" not in error["message"] and "state" not in error["message"]
+    for data in (b"\x00\x00\x00\x18ftypmp42" + b"junk" * 100, b"\x1a\x45\xdf\xa3" + b"x" * 50, b"not a video"):
+        error = refused(server, chat(video_part(data_url(data, "video/mp4"))), param="messages")
+        assert str(tmp) not in error["message"] and "mlx_qwen3vl_video_" not in error["message"], error
+        assert "video 1" in error["message"]
+    assert not [line for line in server.log[logged:] if "Traceback" in line], server.log[logged:]
+
+
+def test_an_unexpected_exception_is_a_500_without_its_text_and_one_log_line(capsys):
+    from conftest import asgi_status
+    from mlx_qwen3vl.server.app import OneLineErrors
+
+    async def broken(scope, receive, send):
+        raise TypeError(f"'NoneType' object is not subscriptable in {MEDIA}")
+
+    assert asgi_status(OneLineErrors(broken), "POST", "/v1/chat/completions", {}) == 500
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "TypeError at test_server_security.py:" in lines[0], lines

@@ -36,6 +36,8 @@ from ..media_access import MediaBudget, MediaError
 from .protocol import APIError
 
 MAX_REDIRECTS = 5
+VIDEO_PREFIX = "mlx_qwen3vl_video_"  # the temp files videos are written to
+_TEMP_PATH = re.compile(r"'?" + re.escape(tempfile.gettempdir().rstrip(os.sep) + os.sep + VIDEO_PREFIX) + r"[\w.-]*'?")
 REDIRECTS = (301, 302, 303, 307, 308)
 
 
@@ -116,6 +118,11 @@ def _public(ip):
 
 def _bad(message, param):
     return APIError(400, message, param=param, code="invalid_media")
+
+
+def hide_temp_paths(message: str) -> str:
+    """A message without the server's temp file names (an uploaded video is named by its label)."""
+    return _TEMP_PATH.sub("(uploaded)", message)
 
 
 def api_error(e: MediaError) -> APIError:
@@ -338,7 +345,7 @@ def resolve_video(url, policy: MediaPolicy, param: str, temp_files: list, budget
     race-free from the allowed folder), is written to a temp file that the caller deletes (listed
     in temp_files), so what PyAV opens is what was checked."""
     data = resolve_image(url, policy, param, budget)
-    fd, path = tempfile.mkstemp(prefix="mlx_qwen3vl_video_")
+    fd, path = tempfile.mkstemp(prefix=VIDEO_PREFIX)
     temp_files.append(path)
     with os.fdopen(fd, "wb") as f:
         f.write(data)

@@ -10,6 +10,7 @@ from .. import media
 from .. import video as vid
 from ..errors import InputError
 from ..processor import image_budget
+from .fetch import hide_temp_paths
 from .protocol import APIError
 
 # Every limit's default, here (no server dependency needed to read them: --help shows them).
@@ -74,7 +75,7 @@ def check_media(images, videos, req, processor, limits: Limits):
         try:
             info = vid.probe_video(path, label, max_frames=limits.max_video_frames)
         except InputError as e:
-            raise APIError(400, str(e), param="messages", code="invalid_input") from None
+            raise APIError(400, hide_temp_paths(str(e)), param="messages", code="invalid_input") from None
         if info.frames > limits.max_video_frames:
             raise _over("messages", f"{label} has more than {limits.max_video_frames} frames (--max-video-frames); "
                         "send a shorter clip")

@@ -13,7 +13,7 @@ from ..errors import ContextLengthError, Qwen3VLError
 from ..media_access import release_memory
 from ..spans import media_keys
 from .prepared import Prepared
-from .fetch import resolve_image, resolve_video
+from .fetch import hide_temp_paths, resolve_image, resolve_video
 from .limits import Limits, check_media, check_pixel_options
 from .protocol import APIError, ChatRequest
 
@@ -103,7 +103,7 @@ class PromptBuilder:
                 inputs = self.processor(text=text, images=list(images) or None, videos=list(videos) or None,
                                         min_pixels=req.min_pixels, max_pixels=req.max_pixels)
             except Qwen3VLError as e:
-                raise APIError(400, str(e), param="messages", code="invalid_input") from None
+                raise APIError(400, hide_temp_paths(str(e)), param="messages", code="invalid_input") from None
             except (TypeError, ValueError) as e:  # the template rejected the conversation
                 raise APIError(400, f"the chat template could not render these messages: {e}",
                                param="messages", code="invalid_input") from None
