@@ -92,8 +92,9 @@ class MediaBudget:
         return left
 
     def timeout(self, label):
-        return _bad(label, f"{label}: the request's media were not read within {self.timeout_s:g} s ({self.timeout_flag}, "
-                    "for all of a request's media together); send fewer or smaller media, or data URLs", code="media_timeout")
+        return _bad(label, f"{label}: the request's media were not read within {self.timeout_s:g} s "
+                    f"({self.timeout_flag}, for all of a request's media together); send fewer or smaller media, "
+                    "or data URLs", code="media_timeout")
 
     def bytes_left(self) -> int:
         return max(0, self.max_bytes - self.bytes)

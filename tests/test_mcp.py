@@ -307,13 +307,16 @@ def _from(port, source, method="POST", body=INIT, session=None):
     return r.status, r.getheader("Mcp-Session-Id"), raw
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs 127.0.0.2 and 127.0.0.3 (all of 127/8 on Linux)")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs 127.0.0.2 and 127.0.0.3 (127/8 on Linux)")
 def test_a_session_flood_gets_503_for_the_flooder_only(http_port):
     """300 initialize POSTs from one address: the first PER_CLIENT open sessions, the rest get
     503 at once; another address still opens one and uses it; ending one of the flooder's
     sessions (DELETE) lets it open one again. The server's memory stays flat."""
     port, proc = http_port
-    rss = lambda: int(next(line for line in open(f"/proc/{proc.pid}/status") if line.startswith("VmRSS:")).split()[1])  # noqa: E731
+    def rss():
+        with open(f"/proc/{proc.pid}/status") as f:
+            return int(next(line for line in f if line.startswith("VmRSS:")).split()[1])
+
     before = rss()
     answers = [_from(port, "127.0.0.2") for _ in range(300)]
     opened = [sid for status, sid, _ in answers if status == 200]
@@ -322,7 +325,8 @@ def test_a_session_flood_gets_503_for_the_flooder_only(http_port):
     assert b"--max-sessions-per-client" in answers[-1][2]
     status, sid, raw = _from(port, "127.0.0.3")
     assert status == 200 and sid and b'"serverInfo"' in raw
-    assert _from(port, "127.0.0.3", body={"jsonrpc": "2.0", "method": "notifications/initialized"}, session=sid)[0] == 202
+    initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+    assert _from(port, "127.0.0.3", body=initialized, session=sid)[0] == 202
     status, _, raw = _from(port, "127.0.0.3", body={"jsonrpc": "2.0", "id": 2, "method": "tools/list"}, session=sid)
     assert status == 200 and b'"next_action"' in raw
     assert _from(port, "127.0.0.2", method="DELETE", body=None, session=opened[0])[0] == 200

@@ -71,7 +71,8 @@ def main(argv=None):
         return _fail(problem)
     for flag, value in (("--max-body-bytes", args.max_body_bytes), ("--max-image-bytes", args.max_image_bytes),
                         ("--max-request-pixels", args.max_request_pixels), ("--max-queue", args.max_queue),
-                        ("--max-sessions", args.max_sessions), ("--max-sessions-per-client", args.max_sessions_per_client),
+                        ("--max-sessions", args.max_sessions),
+                        ("--max-sessions-per-client", args.max_sessions_per_client),
                         ("--session-idle-timeout", args.session_idle_timeout)):
         if value < 1:
             return _fail(f"{flag} must be at least 1")
