@@ -6,6 +6,7 @@ Also: a Retina-sized capture (2x) mapped back to points, the screen mapping for 
 non-integer and secondary monitors, the confirmation prompt read from stdin, the fail-safe, and
 the refusal without a display. Skipped, with the reason, where Xvfb is not installed."""
 
+import importlib.util
 import io
 import json
 import logging
@@ -136,6 +137,8 @@ def xserver(tmp_path_factory):
         pytest.skip("Xvfb is not installed (Debian: apt-get install xvfb; .ci/run installs it)")
     pytest.importorskip("Xlib", reason="python-xlib is not installed (the agent extra brings it with pyautogui)")
     pytest.importorskip("mss", reason="mss is not installed (the agent extra)")
+    if importlib.util.find_spec("pyautogui") is None:  # not imported here: it needs DISPLAY at import
+        pytest.skip("pyautogui is not installed (the agent extra)")
     read, write = os.pipe()
     # -displayfd: Xvfb picks a free display itself and writes its number once it accepts clients
     xvfb = subprocess.Popen(["Xvfb", "-displayfd", str(write), "-screen", "0", f"{SCREEN[0]}x{SCREEN[1]}x24",
