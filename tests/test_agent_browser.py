@@ -254,3 +254,30 @@ def test_score_hook_refusals_and_no_ops(env, page):
     with pytest.raises(InputError, match="no key 'capslock'"):
         env.act(A("key", keys=("capslock",)))
     assert [e["type"] for e in events(env) if e["type"] != "mousemove"] == ["mousedown", "mouseup", "click"]
+
+
+@pytest.mark.parametrize("fmt", ["venus", "qwen"])
+def test_run_task_acts_where_the_answer_points(env, fmt):
+    """The runner on this environment (answers scripted, in the models' 0-1000 coordinates of the
+    screenshot): a click on the text field, typing into it, then the end of the task."""
+    from mlx_qwen3vl.agent.runner import Answer, run_task
+
+    fresh(env)
+    left, top, w, h = rect(env, "input")
+    x, y = round((left + w / 2) / VIEWPORT[0] * 1000), round((top + h / 2) / VIEWPORT[1] * 1000)
+    if fmt == "venus":
+        script = [f"<action>Click(box=({x}, {y}))</action>", "<action>Type(content='hello')</action>",
+                  "<action>Finished()</action>"]
+    else:
+        call = '<tool_call>\n{{"name": "computer_use", "arguments": {}}}\n</tool_call>'.format
+        script = [call(f'{{"action": "left_click", "coordinate": [{x}, {y}]}}'),
+                  call('{"action": "type", "text": "hello"}'), call('{"action": "terminate", "status": "success"}')]
+    answers = iter(script)
+    episode = run_task(None, None, env, agent_format=fmt, answerer=lambda messages: Answer(next(answers)))
+    assert episode.reason == "terminate" and len(episode.steps) == 3 and episode.reward == 0.0
+    first = episode.steps[0]
+    assert first.image_size == (VIEWPORT[0] * env.dpr, VIEWPORT[1] * env.dpr)
+    click = [e for e in events(env) if e["type"] == "click"]
+    assert [(e["id"], [e["x"], e["y"]]) for e in click] == [("input", [math.floor((v + 0.5) / env.dpr)
+                                                                        for v in first.point])]
+    assert env.driver.execute_script("return document.getElementById('input').value") == "hello"

@@ -281,7 +281,7 @@ def test_asks_before_each_action_and_a_no_ends_the_episode(xserver, monkeypatch,
         env.act(A("click", point=other))
     # the declined click never happened: the next event the window sees is the marker's
     desktop(yes=True, ask_in=io.StringIO("")).act(A("click", point=marker))
-    assert xserver.next()["window"] == "marker"
+    assert xserver.take(2)[0]["window"] == "marker"
     # end of input (no terminal answer) declines too
     env = desktop(ask_in=io.StringIO(""), ask_out=io.StringIO())
     env.act(A("click", point=ok))
@@ -302,4 +302,24 @@ def test_the_fail_safe_stops_the_episode(xserver):
     d.sync()
     d.close()
     desktop(yes=True).act(A("click", point=marker))
-    assert xserver.next()["window"] == "marker"
+    assert xserver.take(2)[0]["window"] == "marker"
+
+
+def test_run_task_on_the_desktop_stops_when_the_person_declines(xserver, monkeypatch, capsys):
+    """The runner on this environment (scripted UI-Venus answers in 0-1000 coordinates): the first
+    click, accepted, lands on the button the answer names; the second, declined, ends the episode."""
+    from mlx_qwen3vl.agent.runner import Answer, run_task
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\nn\n"))
+    env = desktop()
+    rel = lambda name: [round((BUTTONS[name][i] + BUTTONS[name][i + 2] / 2) / SCREEN[i] * 1000)  # noqa: E731
+                        for i in (0, 1)]
+    answers = iter(["<action>Click(box=({}, {}))</action>".format(*rel(n)) for n in ("other", "ok", "marker")])
+    episode = run_task(None, None, env, answerer=lambda messages: Answer(next(answers)))
+    assert episode.reason == "done" and len(episode.steps) == 2 and env.stop_reason == "the person declined an action"
+    down = xserver.take(2)[0]
+    assert (down["window"], down["root"]) == ("other", list(episode.steps[0].point))
+    assert capsys.readouterr().err.count("Do it? [y/N]") == 2
+    desktop(yes=True).act(A("click", point=find(env.screenshot().image, "marker")))
+    assert xserver.take(2)[0]["window"] == "marker"  # the declined click on "ok" never happened
+    env.close()
