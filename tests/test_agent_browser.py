@@ -34,12 +34,14 @@ PAGE = """<!doctype html>
   #input2 { left: 331px; top: 211px; width: 161px; height: 25px; }
   #scroller { left: 31px; top: 261px; width: 201px; height: 101px; overflow: scroll; }
   #content { position: static; width: 2000px; height: 2000px; }
+  #newtab { position: absolute; left: 501px; top: 261px; width: 81px; height: 25px; background: #808080; }
 </style></head><body>
 <div id="left"></div><div id="right"></div><div id="btn"></div><div id="hover"></div>
 <div id="src"></div><div id="dst"></div>
 <p id="para">Three clicks select this whole paragraph.</p>
 <input id="input"><input id="input2">
 <div id="scroller"><div id="content"></div></div>
+<a id="newtab" href="second.html" target="_blank"></a>
 <script>
   window.log = [];
   const keep = ["mousedown", "mouseup", "click", "dblclick", "contextmenu", "auxclick", "wheel", "keydown"];
@@ -62,6 +64,7 @@ DRIVER = "/usr/bin/chromedriver" if os.path.exists("/usr/bin/chromedriver") else
 def page(tmp_path_factory):
     path = tmp_path_factory.mktemp("browser") / "page.html"
     path.write_text(PAGE)
+    (path.parent / "second.html").write_text('<html><body style="margin:0; background: #0000c8"></body></html>')
     return path.as_uri()
 
 
@@ -281,3 +284,18 @@ def test_run_task_acts_where_the_answer_points(env, fmt):
     assert [(e["id"], [e["x"], e["y"]]) for e in click] == [("input", [math.floor((v + 0.5) / env.dpr)
                                                                         for v in first.point])]
     assert env.driver.execute_script("return document.getElementById('input').value") == "hello"
+
+
+def test_a_new_tab_becomes_the_page_shown(env):
+    fresh(env)
+    first = env.driver.current_window_handle
+    env.act(A("click", point=pixel(env, "newtab")[0]))
+    try:
+        assert env.driver.current_url.endswith("/second.html")
+        obs = env.screenshot()  # the new tab, at the same viewport and dpr
+        assert obs.image.size == (VIEWPORT[0] * env.dpr, VIEWPORT[1] * env.dpr)
+        corners = {obs.image.getpixel((x, y)) for x in (0, obs.image.width - 1) for y in (0, obs.image.height - 1)}
+        assert corners == {(0, 0, 200)}
+    finally:
+        env.driver.close()
+        env.driver.switch_to.window(first)

@@ -6,7 +6,8 @@ device pixels and `Observation.scale` is 1/dpr (image pixels → CSS pixels). Mo
 through `Input.dispatchMouseEvent` at viewport coordinates: image pixel (x, y) acts at CSS pixel
 floor((x + 0.5)/dpr, (y + 0.5)/dpr), the one holding the device pixel the model pointed at. A wheel
 click scrolls SCROLL_CLICK_PIXELS CSS pixels at any dpr. Keys and text go through selenium's W3C
-key actions (canonical key names → selenium `Keys`).
+key actions (canonical key names → selenium `Keys`). A page an action opens in a new tab or
+window becomes the one shown, at the same viewport.
 
 Chromium: Debian's /usr/bin/chromium with /usr/bin/chromedriver where both exist, else Chrome with
 selenium's own driver management (a Mac). The browser does not score: `done` is False and `reward`
@@ -91,6 +92,7 @@ class BrowserEnv(Environment):
         self._last: Optional[Observation] = None
         self._cursor: Optional[Tuple[float, float]] = None  # CSS pixels
         self._buttons = 0  # the mouse buttons held (CDP's bit mask)
+        self._window, self._windows = self.driver.current_window_handle, set(self.driver.window_handles)
         self._set_metrics()
 
     # -- the page
@@ -102,6 +104,7 @@ class BrowserEnv(Environment):
     def reset(self) -> Tuple[Observation, str]:
         self.driver.get(self.url)
         self._set_metrics()
+        self._window, self._windows = self.driver.current_window_handle, set(self.driver.window_handles)
         self._cursor, self._buttons = None, 0
         return self.screenshot(), self.task
 
@@ -184,6 +187,26 @@ class BrowserEnv(Environment):
         elif kind == "wait":
             time.sleep(action.seconds or 0)
         # screenshot: nothing to do; the runner takes the next one
+        if kind not in ("wait", "screenshot"):
+            self._follow_windows()
+
+    def _follow_windows(self):
+        """A page the action opened in a new tab or window becomes the one shown (as a person's
+        browser would bring it forward), at the same viewport; a closed one gives way to the last."""
+        handles = self.driver.window_handles
+        new = [h for h in handles if h not in self._windows]
+        current = None
+        if new:
+            current = new[-1]
+        elif self._window not in handles and handles:
+            current = handles[-1]
+        self._windows = set(handles)
+        if current is not None:
+            log.info("browser: now showing window %s", current)
+            self.driver.switch_to.window(current)
+            self._window = current
+            self._set_metrics()
+            self._cursor, self._buttons = None, 0
 
     def _at(self, at, centre=False) -> Tuple[float, float]:
         """Where an action without a point acts: the cursor (the viewport's centre before any move)."""
