@@ -10,6 +10,7 @@ import importlib.util
 import io
 import json
 import logging
+import math
 import os
 import queue
 import shutil
@@ -261,6 +262,24 @@ def test_a_retina_capture_acts_at_points(xserver):
     env.act(A("click", point=(2 * (left + w), 2 * top)))
     assert xserver.take(2)[0] == {"event": "press", "button": 1, "window": "background",
                                   "root": [left + w, top], "at": [left + w, top]}
+    env.close()
+
+
+@pytest.mark.parametrize("size", [(1200, 900), (600, 450), (1000, 660)], ids=["1.5x", "0.75x", "uneven"])
+def test_captures_of_other_sizes_act_at_the_point_under_the_pixel(xserver, size):
+    """Non-integer ratios (a 150% display; a downscaled capture; a different ratio per axis): each
+    button found in the capture is clicked at its centre pixel, which lands on the point holding
+    that pixel's centre, inside the button."""
+    env = desktop(yes=True)
+    grab = env._capture
+    env._capture = lambda: grab().resize(size, Image.NEAREST)
+    obs = env.screenshot()
+    assert obs.scale == (SCREEN[0] / size[0], SCREEN[1] / size[1])
+    for name in ("ok", "other", "drag"):
+        px = find(obs.image, name)
+        env.act(A("click", point=px))
+        down, _ = xserver.take(2)
+        assert (down["window"], down["root"]) == (name, [math.floor((p + 0.5) * s) for p, s in zip(px, obs.scale)])
     env.close()
 
 
