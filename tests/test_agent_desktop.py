@@ -34,6 +34,7 @@ BUTTONS = {  # name: left, top, width, height, colour (each colour unique on the
     "drag": [150, 300, 50, 50, [30, 40, 200]], "marker": [600, 450, 70, 30, [220, 160, 20]],
     "text": [300, 380, 180, 30, [120, 30, 150]],
 }
+MARKER = (635, 465)  # inside BUTTONS["marker"]
 WINDOW = Path(__file__).parent / "x_window.py"
 
 
@@ -342,3 +343,16 @@ def test_run_task_on_the_desktop_stops_when_the_person_declines(xserver, monkeyp
     desktop(yes=True).act(A("click", point=find(env.screenshot().image, "marker")))
     assert xserver.take(2)[0]["window"] == "marker"  # the declined click on "ok" never happened
     env.close()
+
+
+def test_works_on_a_python_without_tkinter(xserver):
+    """pyautogui's mouseinfo exits the process at import on Linux without tkinter; the desktop
+    environment still starts and acts there (a fresh process whose tkinter cannot be imported)."""
+    code = ("import sys; sys.modules['tkinter'] = None\n"
+            "from mlx_qwen3vl.agent.computer_tools import ComputerAction\n"
+            "from mlx_qwen3vl.agent.envs.desktop import DesktopEnv\n"
+            f"DesktopEnv(yes=True, pause=0).act(ComputerAction('click', point={MARKER}))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert xserver.take(2)[0]["window"] == "marker"

@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import time
+import types
 from typing import Optional, Tuple
 
 from PIL import Image
@@ -57,6 +58,21 @@ def require_display(environ=None, platform: str = sys.platform) -> None:
         raise NoDisplayError(f"cannot connect to display {name!r}: {reason}")
 
 
+def _import_pyautogui():
+    """pyautogui, imported once a display is known to be there. Its dependency mouseinfo (only for
+    pyautogui's mouseInfo() window) calls sys.exit at import on Linux without tkinter (fixed
+    upstream, asweigart/mouseinfo#3, never released), which a venv on a python without Tk hits:
+    there an empty module stands in for it, as pyautogui's own fallback intends."""
+    if sys.platform.startswith("linux") and "mouseinfo" not in sys.modules:
+        try:
+            import tkinter  # noqa: F401
+        except ImportError:
+            sys.modules["mouseinfo"] = types.ModuleType("mouseinfo")
+    import pyautogui
+
+    return pyautogui
+
+
 def screen_mapping(image_size: Tuple[int, int], monitor) -> Tuple[Tuple[float, float], Tuple[float, float]]:
     """(scale, origin) for a capture of `image_size` pixels of `monitor`: its rectangle in input
     units, (left, top, width, height) or mss's dict. scale = input units per pixel on each axis
@@ -88,9 +104,8 @@ class DesktopEnv(Environment):
                  ask_in=None, ask_out=None):
         require_display()
         import mss
-        import pyautogui
 
-        self.pyautogui = pyautogui
+        self.pyautogui = pyautogui = _import_pyautogui()
         pyautogui.FAILSAFE = True  # the mouse in a screen corner raises FailSafeException: the person's stop
         if pause is not None:
             pyautogui.PAUSE = pause
