@@ -25,7 +25,7 @@ from PIL import Image
 
 from mlx_qwen3vl.agent.computer_tools import ComputerAction as A
 from mlx_qwen3vl.agent.envs import Observation, to_env_pixel
-from mlx_qwen3vl.agent.envs.desktop import NoDisplayError, require_display, screen_mapping
+from mlx_qwen3vl.agent.envs.desktop import NoDisplayError, input_rect, require_display, screen_mapping
 from mlx_qwen3vl.errors import InputError
 
 SCREEN = (800, 600)
@@ -73,6 +73,19 @@ def test_screen_mapping_secondary_monitor_origin():
     # a 1x monitor right of a 1440-point primary
     obs = Observation(Image.new("RGB", (1920, 1080)), *screen_mapping((1920, 1080), (1440, 0, 1920, 1080)))
     assert to_env_pixel((0, 10), obs) == (1440, 10) and to_env_pixel((1919, 1079), obs) == (3359, 1079)
+
+
+def test_input_rect_follows_pyautogui_units():
+    primary = {"left": 0, "top": 0, "width": 1440, "height": 900}
+    second = {"left": 1440, "top": -200, "width": 1920, "height": 1080}
+    # macOS: mss and pyautogui both count points
+    assert input_rect(second, primary, (1440, 900), "darwin") == (1440, -200, 1920, 1080)
+    # Windows, mss DPI-aware (pixels) and pyautogui not (logical units at 150%): rescaled
+    primary_px = {"left": 0, "top": 0, "width": 2560, "height": 1440}
+    second_px = {"left": 2560, "top": 0, "width": 1920, "height": 1080}
+    assert input_rect(second_px, primary_px, (1707, 960), "win32") == (2560 * 1707 / 2560, 0, 1920 * 1707 / 2560, 720)
+    # X11: pyautogui.size() is the whole screen (both monitors), mss's monitor rectangles are right
+    assert input_rect(primary, primary, (3360, 1080), "linux") == (0, 0, 1440, 900)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,17 +52,17 @@ def require_display(environ=None, platform: str = sys.platform) -> None:
 
         xdisplay.Display(name).close()
     except ImportError:
-        raise NoDisplayError("the desktop environment needs python-xlib on Linux: pip install 'mlx-qwen3vl[agent]'")
+        raise NoDisplayError("the desktop environment needs python-xlib on Linux: pip install 'mlx-qwen3vl[agent]'") \
+            from None
     except Exception as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise NoDisplayError(f"cannot connect to display {name!r}: {reason}")
+        raise NoDisplayError(f"cannot connect to display {name!r}: {reason}") from None
 
 
 def _import_pyautogui():
-    """pyautogui, imported once a display is known to be there. Its dependency mouseinfo (only for
-    pyautogui's mouseInfo() window) calls sys.exit at import on Linux without tkinter (fixed
-    upstream, asweigart/mouseinfo#3, never released), which a venv on a python without Tk hits:
-    there an empty module stands in for it, as pyautogui's own fallback intends."""
+    """pyautogui, imported once a display is known to be there. mouseinfo 0.1.3 (pyautogui's, for
+    its mouseInfo() window only) calls sys.exit at import on Linux without tkinter: an empty module
+    stands in for it there, as pyautogui's own ImportError fallback intends."""
     if sys.platform.startswith("linux") and "mouseinfo" not in sys.modules:
         try:
             import tkinter  # noqa: F401
@@ -82,6 +82,21 @@ def screen_mapping(image_size: Tuple[int, int], monitor) -> Tuple[Tuple[float, f
     left, top, width, height = monitor
     iw, ih = image_size
     return (width / iw, height / ih), (float(left), float(top))
+
+
+def input_rect(monitor: dict, primary: dict, input_primary: Tuple[int, int], platform: str = sys.platform):
+    """`monitor` (an mss monitor) as (left, top, width, height) in pyautogui's units. mss counts in
+    the units input uses (macOS: points; X11 and DPI-aware Windows: pixels), which pyautogui.size()
+    confirms on the primary screen; where they differ (a Windows pyautogui not DPI-aware) mss's
+    rectangles are rescaled by the primary's ratio. On X11 pyautogui.size() is the whole X screen,
+    every monitor together, so there is nothing to compare."""
+    rect = (monitor["left"], monitor["top"], monitor["width"], monitor["height"])
+    if platform not in ("darwin", "win32") or tuple(input_primary) == (primary["width"], primary["height"]):
+        return rect
+    rx, ry = input_primary[0] / primary["width"], input_primary[1] / primary["height"]
+    log.warning("desktop: mss sees the primary screen as %dx%d, pyautogui as %dx%d; scaling by pyautogui's",
+                primary["width"], primary["height"], *input_primary)
+    return (rect[0] * rx, rect[1] * ry, rect[2] * rx, rect[3] * ry)
 
 
 def _pyautogui_key(name: str, valid, platform: str = sys.platform) -> str:
@@ -115,14 +130,8 @@ class DesktopEnv(Environment):
         monitors = self._sct.monitors
         if not 1 <= monitor < len(monitors):
             raise InputError(f"monitor {monitor} does not exist; this machine has monitors 1 to {len(monitors) - 1}")
-        self.monitor = dict(monitors[monitor])
-        if monitor == 1:
-            # pyautogui's size is the primary screen in the units input uses: trust it over mss
-            size = tuple(pyautogui.size())
-            if size != (self.monitor["width"], self.monitor["height"]):
-                log.warning("desktop: mss reports the primary monitor as %dx%d, pyautogui as %dx%d; using pyautogui's",
-                            self.monitor["width"], self.monitor["height"], *size)
-                self.monitor["width"], self.monitor["height"] = size
+        self.monitor = dict(monitors[monitor])  # what mss captures, in mss's units
+        self.input_rect = input_rect(self.monitor, monitors[1], tuple(pyautogui.size()))
         self._last: Optional[Observation] = None
         self.stop_reason: Optional[str] = None
 
@@ -133,7 +142,7 @@ class DesktopEnv(Environment):
 
     def screenshot(self) -> Observation:
         image = self._capture()
-        scale, origin = screen_mapping(image.size, self.monitor)
+        scale, origin = screen_mapping(image.size, self.input_rect)
         self._last = Observation(image, scale=scale, origin=origin)
         return self._last
 
@@ -244,4 +253,4 @@ def _describe(action: ComputerAction, at, end) -> str:
     return " ".join(parts)
 
 
-__all__ = ["DesktopEnv", "NoDisplayError", "require_display", "screen_mapping"]
+__all__ = ["DesktopEnv", "NoDisplayError", "require_display", "screen_mapping", "input_rect"]
