@@ -299,3 +299,20 @@ def test_a_new_tab_becomes_the_page_shown(env):
     finally:
         env.driver.close()
         env.driver.switch_to.window(first)
+
+
+def test_a_fractional_dpr(env, page):
+    """devicePixelRatio 1.5 (on this module's browser, whose own ratio the next reset restores):
+    the corners of each box as drawn in the screenshot are clicked, and land on that box."""
+    from mlx_qwen3vl.agent.envs.browser import BrowserEnv
+
+    odd = BrowserEnv(page, driver=env.driver, viewport=VIEWPORT, device_scale_factor=1.5)
+    obs, _ = odd.reset()
+    assert obs.image.size == (960, 720) and obs.scale == (2 / 3, 2 / 3)
+    a = np.asarray(obs.image)
+    for id_, colour in (("left", (255, 0, 0)), ("right", (0, 0, 255)), ("btn", (0, 200, 0))):
+        ys, xs = np.nonzero((a == colour).all(axis=2))
+        for x in (xs.min(), xs.max()):
+            for y in (ys.min(), ys.max()):
+                odd.act(A("click", point=(int(x), int(y))))
+                assert events(env)[0]["id"] == id_, (id_, x, y)

@@ -81,6 +81,8 @@ class BrowserEnv(Environment):
     def __init__(self, url: str, task: Optional[str] = None, viewport: Tuple[int, int] = (1280, 800),
                  device_scale_factor: float = 1.0, headless: bool = True, driver=None,
                  score_script: Optional[str] = None):
+        if not isinstance(url, str) or not url.strip():
+            raise InputError("the browser environment needs a page to open (a URL; --url)")
         self.url, self.task = url, task or ""
         self.viewport = check_display(tuple(viewport))
         if not (isinstance(device_scale_factor, (int, float)) and 0.25 <= device_scale_factor <= 4):
@@ -90,7 +92,7 @@ class BrowserEnv(Environment):
         self._own_driver = driver is None
         self.driver = driver if driver is not None else start_chrome(self.viewport, headless)
         self._last: Optional[Observation] = None
-        self._cursor: Optional[Tuple[float, float]] = None  # CSS pixels
+        self._cursor: Optional[Tuple[float, float]] = None  # where the mouse is, CSS pixels
         self._buttons = 0  # the mouse buttons held (CDP's bit mask)
         self._window, self._windows = self.driver.current_window_handle, set(self.driver.window_handles)
         self._set_metrics()
@@ -110,11 +112,11 @@ class BrowserEnv(Environment):
 
     def screenshot(self) -> Observation:
         image = Image.open(BytesIO(self.driver.get_screenshot_as_png())).convert("RGB")
-        want = (round(self.viewport[0] * self.dpr), round(self.viewport[1] * self.dpr))
-        if image.size != want:
-            raise RuntimeError(f"the browser's screenshot is {image.size[0]}x{image.size[1]}, not the viewport "
-                               f"{self.viewport[0]}x{self.viewport[1]} at devicePixelRatio {self.dpr:g}")
-        self._last = Observation(image, scale=(1 / self.dpr, 1 / self.dpr))
+        (w, h), (iw, ih) = self.viewport, image.size
+        if abs(iw - w * self.dpr) >= 1 or abs(ih - h * self.dpr) >= 1:  # a fractional dpr rounds either way
+            raise RuntimeError(f"the browser's screenshot is {iw}x{ih}, not the viewport {w}x{h} at "
+                               f"devicePixelRatio {self.dpr:g}")
+        self._last = Observation(image, scale=(w / iw, h / ih))
         return self._last
 
     @property
