@@ -128,16 +128,19 @@ class Answer:
 
 
 class LocalAnswerer:
-    """The model in this process. One ChatSession for the whole episode: each step's messages
-    replace its conversation, and its KV cache and processed turns are reused for what they share
-    with the previous step's (a qwen step appends to the last one; a venus step shares the system
-    line and the prompt's start)."""
+    """The model in this process. One ChatSession: each step's messages replace its conversation,
+    and its KV cache and processed turns are reused for what they share with the previous step's (a
+    qwen step appends to the last one; a venus step shares the system line and the prompt's start;
+    reused across episodes, the next episode shares the system prompt). min_pixels / max_pixels:
+    the screenshots' budget (run_task sets them per episode)."""
 
     def __init__(self, model, processor, *, max_pixels=None, min_pixels=None, **sampling):
         from ..chat_session import ChatSession
 
         self.model, self.processor = model, processor
-        self.session = ChatSession(model, processor, max_pixels=max_pixels, min_pixels=min_pixels, **sampling)
+        self.min_pixels, self.max_pixels = min_pixels, max_pixels
+        self.sampling = sampling
+        self.session = ChatSession(model, processor, **sampling)
 
     def __call__(self, messages) -> Answer:
         from ..generate import stream_generate
@@ -145,7 +148,7 @@ class LocalAnswerer:
         s = self.session
         s.messages = [dict(m, content=list(m["content"])) if isinstance(m.get("content"), list) else dict(m)
                       for m in messages]
-        s.settings = [dict(s.defaults) for _ in s.messages]
+        s.settings = [{"min_pixels": self.min_pixels, "max_pixels": self.max_pixels} for _ in s.messages]
         tic = time.perf_counter()
         first, text, last = None, "", None
         for piece in stream_generate(self.model, self.processor, inputs=s.encode(), prompt_cache=s.prompt_cache,
@@ -277,11 +280,12 @@ class Episode:
     seconds: float = 0.0
     outcome: Optional[str] = None
     message: Optional[str] = None
+    settings: dict = field(default_factory=dict)  # what shaped the prompts and sampling (replay reuses them)
 
     def to_dict(self) -> dict:
         return {"task": self.task, "env": self.env, "agent_format": self.agent_format, "reward": self.reward,
                 "success": self.success, "reason": self.reason, "detail": self.detail, "outcome": self.outcome,
-                "message": self.message, "seconds": round(self.seconds, 3),
+                "message": self.message, "seconds": round(self.seconds, 3), "settings": self.settings,
                 "steps": [s.to_dict() for s in self.steps]}
 
 
@@ -333,8 +337,9 @@ def run_task(model, processor, env: Environment, task: Optional[str] = None, *, 
     format (AGENT_SAMPLING: greedy; venus adds UI-Venus' repetition penalty 1.05) and UI-Venus'
     max_tokens of 2048; `sampling` overrides them.
     max_pixels: the screenshot budget (default: UI-Venus' 12,845,056, lowered until the prompt fits
-    the model's context). answerer: ask(messages) → Answer (default: LocalAnswerer on model and
-    processor; ServerAnswerer for a server; model and processor may then be None).
+    the model's context). answerer: ask(messages) → Answer (default: a new LocalAnswerer on model and
+    processor; pass one to reuse it across episodes, its sampling then its own; ServerAnswerer for a
+    server, model and processor then None).
     on_step(record, obs): called after each step is executed (the trajectory writer)."""
     if agent_format not in AGENT_FORMATS:
         raise InputError(f"unknown agent format {agent_format!r}; use {' or '.join(AGENT_FORMATS)}")
@@ -351,13 +356,18 @@ def run_task(model, processor, env: Environment, task: Optional[str] = None, *, 
     task = env_task if task is None else task
     if not isinstance(task, str) or not task.strip():
         raise InputError("the task is empty: give one (--task)")
+    settings = {"agent_format": agent_format, "max_steps": max_steps, "history_images": history_images,
+                "history_steps": history_steps, "loop_k": loop_k, "kind": kind, "sampling": options}
     if answerer is None:
+        answerer = LocalAnswerer(model, processor, **options)
+    if isinstance(answerer, LocalAnswerer):
         if max_pixels is None:
-            max_pixels = fitting_max_pixels(model, processor, task, agent_format=agent_format, max_steps=max_steps,
-                                            history_images=history_images, history_steps=history_steps)
-        answerer = LocalAnswerer(model, processor, max_pixels=max_pixels,
-                                 min_pixels=min_pixels if min_pixels is not None else min(MIN_PIXELS, max_pixels),
-                                 **options)
+            max_pixels = fitting_max_pixels(answerer.model, answerer.processor, task, agent_format=agent_format,
+                                            max_steps=max_steps, history_images=history_images,
+                                            history_steps=history_steps)
+        answerer.max_pixels = max_pixels
+        answerer.min_pixels = min_pixels if min_pixels is not None else min(MIN_PIXELS, max_pixels)
+        settings.update(max_pixels=answerer.max_pixels, min_pixels=answerer.min_pixels, sampling=answerer.sampling)
     screenshots, answers, steps, seen = [], [], [], {}
     reason, detail, outcome, message = "max_steps", f"{max_steps} steps taken", None, None
     for i in range(max_steps):
@@ -408,7 +418,7 @@ def run_task(model, processor, env: Environment, task: Optional[str] = None, *, 
     reward = float(env.reward)
     return Episode(task, getattr(env, "name", type(env).__name__), agent_format, steps, reason, detail, reward,
                    success=bool(getattr(env, "success", reward > 0)), seconds=time.perf_counter() - start,
-                   outcome=outcome, message=message)
+                   outcome=outcome, message=message, settings=settings)
 
 
 __all__ = ["run_task", "step_messages", "keep_last_images", "fitting_max_pixels", "LocalAnswerer", "ServerAnswerer",

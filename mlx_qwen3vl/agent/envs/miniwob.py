@@ -61,7 +61,8 @@ class MiniWoBEnv(Environment):
     (reset(seed=) changes it; each reset with the same seed gives the same episode).
     episode_seconds: the task's time limit (MiniWoB++'s own is 10 s, and its reward shrinks with
     the time taken; a model thinking for seconds per step needs more: None keeps the task's own).
-    device_scale: device pixels per CSS pixel of the screenshot (1 or more)."""
+    device_scale: device pixels per CSS pixel of the screenshot (1 or more; may be changed between
+    episodes)."""
 
     name = "miniwob"
 
@@ -85,7 +86,6 @@ class MiniWoBEnv(Environment):
         self._loaded = task
         self._reward, self._raw, self._done, self._cursor = 0.0, 0.0, False, (0.0, 0.0)
         self.info = {}
-        self._apply_scale()
 
     @staticmethod
     def _check_task(task):
@@ -102,10 +102,17 @@ class MiniWoBEnv(Environment):
         return self._env.instance.driver
 
     def _apply_scale(self):
-        if self.device_scale != 1:
-            w, h = self.driver.execute_script("return [window.innerWidth, window.innerHeight];")
+        """Render at device_scale (settable between episodes), through the DevTools protocol."""
+        if self.device_scale == getattr(self, "_scale_applied", 1.0):
+            return
+        if self.device_scale == 1:
+            self.driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+        else:
+            inst = self._env.instance
             self.driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
-                "width": w, "height": h, "deviceScaleFactor": self.device_scale, "mobile": False})
+                "width": inst.inner_width, "height": inst.inner_height, "deviceScaleFactor": self.device_scale,
+                "mobile": False})
+        self._scale_applied = self.device_scale
 
     def _load(self, task):
         """Show `task`'s page in the running browser (what a new miniwob environment would open)."""
@@ -131,6 +138,7 @@ class MiniWoBEnv(Environment):
             self.seed = seed
         if self._loaded != self.task:
             self._load(self.task)
+        self._apply_scale()
         if self.episode_seconds is not None:
             self.driver.execute_script(f"core.EPISODE_MAX_TIME = {int(self.episode_seconds * 1000)};")
         obs, self.info = self._gym.reset(seed=self.seed)
