@@ -44,9 +44,9 @@ def require_display(environ=None, platform: str = sys.platform) -> None:
     environ = os.environ if environ is None else environ
     name = environ.get("DISPLAY")
     if not name:
-        extra = " (a Wayland session without XWayland)" if environ.get("WAYLAND_DISPLAY") else ""
-        raise NoDisplayError(f"the desktop environment needs a display and DISPLAY is not set{extra}; "
-                             "run it inside your desktop session, or under Xvfb")
+        extra = ", a Wayland session without XWayland" if environ.get("WAYLAND_DISPLAY") else ""
+        raise NoDisplayError(f"no display (DISPLAY is not set{extra}); run it inside your desktop session, "
+                             "or under Xvfb")
     try:
         from Xlib import display as xdisplay
 
