@@ -4,16 +4,18 @@ sampling limits and any grammar. Runs on the HTTP side's thread pool, never on t
 
 import os
 import threading
+import traceback
 
 import numpy as np
 
 from ..engine import fit_to_context
 from ..errors import ContextLengthError, Qwen3VLError
+from ..media_access import release_memory
 from ..spans import media_keys
 from .conversation import template_messages
-from .fetch import resolve_image, resolve_video
-from .prepared import Prepared
+from .fetch import hide_temp_paths, resolve_image, resolve_video
 from .limits import Limits, check_media, check_pixel_options, check_token_ids
+from .prepared import Prepared
 from .protocol import APIError, ChatRequest
 
 
@@ -27,15 +29,23 @@ class PromptBuilder:
     def build(self, req: ChatRequest) -> Prepared:
         temp_files = []
         check_pixel_options(req, self.limits)
+        budget = self.policy.budget(self.limits.max_request_pixels, self.limits.max_video_frames)
 
-        def resolve(part):
+        def resolve(part):  # every medium of the request under one budget of bytes, pixels, frames and time
             if part.kind == "image":
-                return resolve_image(part.value, self.policy, part.param)
-            return resolve_video(part.value, self.policy, part.param, temp_files)
+                return resolve_image(part.value, self.policy, part.param, budget)
+            return resolve_video(part.value, self.policy, part.param, temp_files, budget)
 
         try:
             messages, images, videos = template_messages(req.turns, resolve, req.merge_system)
             return self.render(req, messages, images, videos)
+        except APIError as e:
+            # The media read so far live in the traceback's frames until the error is answered:
+            # drop them now, and give their pages back to the system when they were large.
+            traceback.clear_frames(e.__traceback__)
+            if budget.bytes > (8 << 20):
+                release_memory()
+            raise
         finally:
             for path in temp_files:
                 os.unlink(path)
@@ -56,7 +66,7 @@ class PromptBuilder:
                 inputs = self.processor(text=text, images=list(images) or None, videos=list(videos) or None,
                                         min_pixels=req.min_pixels, max_pixels=req.max_pixels)
             except Qwen3VLError as e:
-                raise APIError(400, str(e), param="messages", code="invalid_input") from None
+                raise APIError(400, hide_temp_paths(str(e)), param="messages", code="invalid_input") from None
             except (TypeError, ValueError) as e:  # the template rejected the conversation
                 raise APIError(400, f"the chat template could not render these messages: {e}",
                                param="messages", code="invalid_input") from None
