@@ -21,7 +21,7 @@ import mlx_qwen3vl as M
 from mlx_qwen3vl.agent.computer_tools import find_computer_tool
 from mlx_qwen3vl.agent.computer_use import ComputerStep, computer_messages, map_answer
 from scripted import write_scripted_checkpoint
-from conftest import FIXTURES, load_fixture_model
+from conftest import FIXTURES, exif_image, load_fixture_model
 from test_server import CHECKPOINT, KEY, MEDIA, ROOT, Server, _blas_threads, data_url, png_bytes
 
 openai = pytest.importorskip("openai")
@@ -408,6 +408,7 @@ SCRIPT = {
     "Step 2 done": CALL(action="terminate", status="success"),
     "@drag": CALL(action="left_click_drag", coordinate=[900, 100]),
     "@phone": "LongPress(box=(500, 500))",
+    "@exif": CALL(action="left_click", coordinate=[437, 812]),
 }
 # A 10-step loop: each step's answer points where the pixels written back to 0-1000 differ from it
 # on the 1366x768 display (y = 13 is pixel 9, written back as 12; 216 is 165, written back as 215).
@@ -649,6 +650,45 @@ def test_responses_computer_use_loop_end_to_end(scripted):
     assert types[0] == "response.created" and types[-1] == "response.completed"
     # a Qwen drag from an unknown start is mouse-down, move, up: OpenAI's tools have no mouse-down, so it is text
     assert [o.type for o in final.output] == ["message"] and final.output[0].content[0].text == SCRIPT["@drag"]
+
+
+def _jpeg_block(data: bytes) -> dict:
+    return {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg",
+                                        "data": base64.b64encode(data).decode()}}
+
+
+@pytest.mark.parametrize("orientation, upright", [(6, (360, 640)), (8, (360, 640)), (3, (640, 360)),
+                                                  (5, (360, 640)), (7, (360, 640))])
+def test_rotated_screenshots_map_in_the_pixels_the_model_saw(scripted, orientation, upright):
+    """A JPEG stored 640x360 with an EXIF orientation: the model sees it upright, so a tool without
+    a display size (Anthropic's toolset, OpenAI's computer) maps its [437, 812] in the upright size:
+    floor(437 * 360 / 1000), floor(812 * 640 / 1000) = [157, 519] when turned a quarter (the stored
+    size gives [279, 292]), [279, 292] when turned half."""
+    s, _ = scripted
+    want = {(360, 640): [157, 519], (640, 360): [279, 292]}[upright]
+    shot = exif_image(640, 360, orientation)
+    m = claude(s).messages.create(model="m", max_tokens=256, tools=[{"type": "computer_toolset_20260801"}],
+                                  messages=[{"role": "user", "content": [{"type": "text", "text": "Tap it @exif"},
+                                                                         _jpeg_block(shot)]}])
+    assert [(b.name, b.input) for b in m.content if b.type == "tool_use"] == [("left_click", {"coordinate": want})]
+    r = oai(s).responses.create(model="m", tools=[{"type": "computer"}], input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "Tap it @exif"}, {"type": "input_image", "image_url": data_url(shot)}]}])
+    assert [a.model_dump(exclude_none=True) for a in r.output[-1].actions] == [
+        {"type": "click", "button": "left", "x": want[0], "y": want[1]}]
+
+
+@pytest.mark.parametrize("display, want", [((800, 600), [349, 487]), ((360, 640), [157, 519]),
+                                           ((683, 384), [298, 311])])
+def test_declared_displays_small_and_retina(scripted, display, want):
+    """A declared display is what [437, 812] maps to, whatever the screenshot's own pixels: displays
+    under 1000 px, and a Retina one declared at half the screenshot's pixels (683x384 points for a
+    1366x768 screenshot, here stored 768x1366 and turned upright by its EXIF tag)."""
+    s, _ = scripted
+    tool = {"type": "computer_20251124", "name": "computer", "display_width_px": display[0],
+            "display_height_px": display[1]}
+    m = claude(s).messages.create(model="m", max_tokens=256, tools=[tool], extra_body={"max_pixels": 65536}, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Tap it @exif"}, _jpeg_block(exif_image(768, 1366, 6))]}])
+    assert m.content[-1].input == {"action": "left_click", "coordinate": want}
 
 
 def test_the_example_loop_runs_against_the_server(scripted):
