@@ -34,7 +34,8 @@ ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", 
 CALL = ('<tool_call>\n{"name": "computer_use", "arguments": {"action": "left_click", "coordinate": [500, 300]}}'
         '\n</tool_call>')
 BOX = '{"bbox_2d": [100, 200, 300, 400]}'
-SCRIPT = {"@find": BOX, "@act": CALL, "@ask": "It says Apply."}
+VENUS_BOX = "<action>Click(box=(100, 200, 300, 400))</action>"  # UI-Venus answers a box too
+SCRIPT = {"@find": BOX, "@act": CALL, "@ask": "It says Apply.", "@tapbox": VENUS_BOX}
 MAX_PIXELS = 1_000_000  # the server's --max-request-pixels here
 MAX_BYTES = 300_000  # --max-image-bytes
 
@@ -184,6 +185,15 @@ def test_rotated_screenshots_answer_in_the_upright_pixels(client, local, orienta
     act = ok(client.call("next_action", {"screenshot": shot, "task": "Open it @act"}))
     assert act["image_size"] == act["screen_size"] == size
     assert act["actions"] == [{"type": "click", "point": [180, 192] if turned else [320, 108], "button": "left"}]
+
+
+def test_next_action_reads_a_venus_box_as_its_centre(client):
+    """Click(box=(x1, y1, x2, y2)) is a click at the box's centre, as ground reads it: (200, 300) of
+    1000 on 200x120 is pixel (40, 36)."""
+    got = ok(client.call("next_action", {"screenshot": content(png(SHOT)), "task": "Tap it @tapbox"}))
+    assert got["answer"] == VENUS_BOX and got["status"] == "action"
+    assert got["actions"] == [{"type": "click", "point": [40, 36], "button": "left"}]
+    assert got["parsed"]["args"] == {"box": [40, 36]} and parse_grounding(VENUS_BOX, 200, 120).point == (40, 36)
 
 
 def test_ask_equals_the_library(client, local):
