@@ -12,6 +12,10 @@ computed exactly (no float rounding). A box's centre is taken in relative coordi
 mapped by the same rule. Values outside 0-1000 are a malformed answer, except the UI-Venus refusal
 `[-1,-1]`.
 
+A whole agent answer (tool calls, a UI-Venus action, or a grounding answer, which is where to
+click) is read by `read_answer`: computer use maps what it reads, so every shape grounding reads
+means the same there.
+
 An answer about a crop of the screenshot (two-stage grounding's second pass) is read with the
 crop's `Window`: its coordinates, relative to the crop, are carried into coordinates relative to
 the whole screenshot, exactly (`from_window`), and only then mapped by the same rule, once.

@@ -18,6 +18,7 @@
     messages.py  Anthropic's Messages API
     conversation.py  both protocols' conversations in one form, rendered as chat messages
     computer.py  computer-use tools: the trained prompt, answers → the tool's actions
+    computer_answers.py  the answers behind the computer-use calls issued, for replays (bounded)
     answer.py    an answer split into reasoning, text and tool calls while it streams
 """
 
