@@ -185,6 +185,10 @@ def test_rotated_screenshots_answer_in_the_upright_pixels(client, local, orienta
     act = ok(client.call("next_action", {"screenshot": shot, "task": "Open it @act"}))
     assert act["image_size"] == act["screen_size"] == size
     assert act["actions"] == [{"type": "click", "point": [180, 192] if turned else [320, 108], "button": "left"}]
+    if orientation == 6:  # a Retina screen in points, half the upright pixels: (200, 300) of 180x320 is (36, 96)
+        retina = ok(client.call("ground", {"screenshot": shot, "instruction": "it @find", "screen_width": 180,
+                                           "screen_height": 320}))
+        assert (retina["point"], retina["screen_size"], retina["image_size"]) == ([36, 96], [180, 320], size)
 
 
 def test_next_action_reads_a_venus_box_as_its_centre(client):
