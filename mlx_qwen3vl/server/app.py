@@ -84,9 +84,10 @@ async def _refuse(scope, receive, send, status, message, code):
 
 def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None, max_body_bytes: int = 64 << 20,
                cors_origins=None, bound_host=None, ui: bool = True, agent_format: str = "qwen",
-               response_store=None) -> Starlette:
+               response_store=None, computer_answers=None, agent_history=None) -> Starlette:
     service = Service(engine, builder, model_id=model_id, api_key=api_key, max_body_bytes=max_body_bytes,
-                      agent_format=agent_format)
+                      agent_format=agent_format, computer_answers=computer_answers,
+                      agent_history=agent_history)
     store = response_store if response_store is not None else ResponseStore()
     running = service.running  # handles of the requests being answered (ended with an error when the server stops)
     stopping = []
@@ -112,7 +113,8 @@ def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None,
 
     async def metrics(request):
         check_auth(request)
-        return JSONResponse({**engine.stats(), **store.stats(), "requests_built": service.built})
+        return JSONResponse({**engine.stats(), **store.stats(), **service.computer_answers.stats(),
+                             "requests_built": service.built})
 
     async def ground(request: Request):
         """POST /v1/ground (grounding.py): the same admission, then each pass a request through the

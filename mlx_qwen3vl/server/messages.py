@@ -377,11 +377,14 @@ class Writer:
                 events += self._block({"type": "thinking", "thinking": turn.reasoning, "signature": ""})
             if turn.text or not turn.calls:
                 events += self._block({"type": "text", "text": turn.text})
+            issued = []
             for call in turn.calls:
                 block = {"type": "tool_use", "id": _id("toolu"), "name": call["name"], "input": call["input"]}
                 if "toolset_name" in call:
                     block["toolset_name"] = call["toolset_name"]
                 events += self._block(block)
+                issued.append(Call(block["id"], call["name"], action=call))
+            self.computer.issued(answer, issued)
             calls = bool(turn.calls)
         else:
             events = [e for kind, value in self.parts.finish() for e in self._segment(kind, value)]
@@ -419,7 +422,8 @@ def routes(service) -> list:
     def build(parsed):
         turns, chat, tool, _ = parsed
         if tool is not None:
-            return computer.prepare(service.builder, chat, turns, tool, service.agent_format)
+            return computer.prepare(service.builder, chat, turns, tool, service.agent_format,
+                                    service.computer_answers, service.agent_history)
         chat.turns = turns
         return service.builder.build(chat), None
 

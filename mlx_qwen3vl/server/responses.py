@@ -480,6 +480,7 @@ class Writer:
             item.update({"actions": batch} if tool.batched else {"action": batch[0]})
             events += self._whole_item(item)
             calls.append(Call(call_id, "computer", action=batch if tool.batched else batch[0]))
+        self.computer.issued(answer, calls)
         self.turn = Turn("assistant", [Part("text", turn.text)], calls, turn.reasoning, answer=answer)
         return events
 
@@ -502,7 +503,8 @@ def routes(service, store: ResponseStore) -> list:
 
     def build(req: ResponsesRequest):
         if req.tool is not None:
-            return computer.prepare(service.builder, req.chat, req.turns, req.tool, service.agent_format)
+            return computer.prepare(service.builder, req.chat, req.turns, req.tool, service.agent_format,
+                                    service.computer_answers, service.agent_history)
         req.chat.turns = req.turns
         return service.builder.build(req.chat), None
 
