@@ -555,7 +555,7 @@ def test_replayed_calls_the_server_issued_are_the_model_s_own_words(display, rou
     tool = find_computer_tool([{"type": "computer_20251124", "name": "computer", "display_width_px": display[0],
                                 "display_height_px": display[1]}])
     answers, builder = ComputerAnswers(), _Builder()
-    req = ChatRequest(messages=[], sampling=sampling_params({}))
+    req = ChatRequest(turns=[], sampling=sampling_params({}))
     tiny = data_url(png(np.zeros((4, 4, 3), np.uint8)))  # its size does not matter: the display is declared
     first = [Turn("user", [Part("text", "Click it"), Part("image", tiny, "a")])]
     _, request = computer.prepare(builder, req, first, tool, "qwen", answers)
