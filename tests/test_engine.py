@@ -310,7 +310,7 @@ def test_server_ends_a_request_past_its_time_limit_and_refuses_one_that_never_fi
     import asyncio
 
     from mlx_qwen3vl.server.__main__ import build_parser, main
-    from mlx_qwen3vl.server.engine import Engine as ServerEngine
+    from mlx_qwen3vl.server.model_thread import ModelThread as ServerEngine
     from mlx_qwen3vl.server.prepared import Prepared
 
     model = load_fixture_model("tiny-a")

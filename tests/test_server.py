@@ -584,7 +584,7 @@ def test_json_schema_output_parses(server):
 
 
 def test_tool_call_parser_across_pieces():
-    from mlx_qwen3vl.server.tools import ToolCallParser, split_tool_calls
+    from mlx_qwen3vl.server.tool_calls import ToolCallParser, split_tool_calls
 
     text = 'Sure.<tool_call>\n{"name": "click", "arguments": {"x": 1}}\n</tool_call> done <tool'
     parser, content, calls = ToolCallParser(), "", []

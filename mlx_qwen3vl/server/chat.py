@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from . import protocol as P
-from .answer import AnswerStream
+from .answer_stream import AnswerStream
 from .conversation import Call, Part, Turn
 from .protocol import APIError, ChatRequest, invalid
 

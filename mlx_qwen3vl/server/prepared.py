@@ -1,4 +1,4 @@
-"""A chat request turned into model inputs (built off the model thread, by prompts.py) and what
+"""A chat request turned into model inputs (built off the model thread, by model_inputs.py) and what
 the HTTP side holds while it runs: the unit the model thread, the engine and the other ranks
 (replica.py) pass around."""
 

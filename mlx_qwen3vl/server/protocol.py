@@ -177,7 +177,7 @@ def sampling_params(body, stop=(), *, defaults=None, logprobs=False, top_logprob
 
 
 def pixel_options(body) -> Dict[str, Optional[int]]:
-    """A request's own min_pixels / max_pixels (checked against the server's cap in prompts.py)."""
+    """A request's own min_pixels / max_pixels (checked against the server's cap in model_inputs.py)."""
     pixels = {k: _number(body, k, 1, integer=True) for k in ("min_pixels", "max_pixels")}
     if pixels["min_pixels"] and pixels["max_pixels"] and pixels["min_pixels"] > pixels["max_pixels"]:
         raise _invalid("min_pixels", "'min_pixels' is larger than 'max_pixels'")

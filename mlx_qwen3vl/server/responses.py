@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from . import computer
 from . import protocol as P
-from .answer import AnswerStream, prompt_opens_reasoning
+from .answer_stream import AnswerStream, prompt_opens_reasoning
 from .conversation import Call, Part, Turn, function_tool
 from .protocol import APIError, ChatRequest
 from .store import ResponseStore

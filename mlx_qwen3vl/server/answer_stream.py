@@ -10,7 +10,7 @@ the blank space next to a call is dropped (as chat completions strips content be
 
 from typing import List, Optional, Tuple
 
-from .tools import ToolCallParser
+from .tool_calls import ToolCallParser
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -38,7 +38,7 @@ def split_reasoning(text: str, opened: bool = False, final: bool = True) -> Tupl
 
 class AnswerStream:
     """A streamed answer → segments in order: ("reasoning", text), ("text", text), ("call", call)
-    where a call is tools.ToolCallParser's {"id", "type", "function": {"name", "arguments"}}.
+    where a call is tool_calls.ToolCallParser's {"id", "type", "function": {"name", "arguments"}}.
     `tools`: parse `<tool_call>` blocks out of the text; `opened`: the prompt ends inside <think>;
     `reasoning=False`: no reasoning is split out (chat completions hands `<think>` text back as content)."""
 

@@ -21,14 +21,14 @@ import time
 import mlx.core as mx
 
 from ..engine import Done, Failed, Token, token_bytes
-from ..engine import Engine as Runtime
+from ..engine import Engine
 from ..errors import Qwen3VLError
 from .prepared import Handle, Prepared  # noqa: F401  (Prepared: the unit every module here passes)
 from .protocol import APIError
 from .replica import Plan, digest
 
 
-class Engine:
+class ModelThread:
     """The server's side of the engine: a thread, a queue of submitted requests, event routing.
     `core` is the library Engine; `prefix` and `features` its shared caches."""
 
@@ -43,7 +43,7 @@ class Engine:
         self.replicas = replicas  # replica.Leader / Follower on several ranks, else None
         # Several ranks: the step is evaluated before the next exchange (no step queued ahead, whose
         # collectives would meet the exchange's), and rank 0 alone reads the clock for time limits.
-        self.core = Runtime(model, processor, max_batch=max_batch, prefill_step_size=prefill_step_size,
+        self.core = Engine(model, processor, max_batch=max_batch, prefill_step_size=prefill_step_size,
                             prefill_budget=prefill_budget or None, prefix_cache_bytes=prefix_cache_bytes,
                             feature_cache_bytes=feature_cache_bytes, kv_budget_bytes=kv_cache_bytes,
                             max_request_seconds=max_request_seconds,
@@ -228,7 +228,7 @@ class Slot:
     """A request's place in the queue from before its media are read until it is submitted (or
     given back: a count, an error)."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: ModelThread):
         self.engine, self.held = engine, True
 
     def release(self):
