@@ -16,7 +16,6 @@ import uuid
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
-from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from . import protocol as P
@@ -315,6 +314,12 @@ class Answer:
                 self.calls.append(call)
         return out
 
+    def start(self) -> list:
+        return [chunk(self.cid, self.model, {"role": "assistant", "content": ""})]
+
+    def failed(self, error: APIError) -> list:
+        return [error.body()]
+
     def token(self, ev) -> list:
         if "logprobs" in ev:
             self.logprobs.append(ev["logprobs"])
@@ -329,7 +334,7 @@ class Answer:
             out.append(chunk(self.cid, self.model, use=self.usage, choices=False))
         return out
 
-    def response(self) -> dict:
+    def result(self) -> dict:
         content = "".join(self.content)
         message = {"role": "assistant", "content": content}
         if self.calls:
@@ -345,41 +350,6 @@ def routes(service) -> list:
     async def create(request):
         req, _, _, handle = await service.admit(request, parse_chat_request, build)
         answer = Answer(req, completion_id(), req.model or service.model_id)
-        if req.stream:
-            return StreamingResponse(_stream(service, handle, answer), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        done = await service.collect(request, handle, on_token=answer.token)
-        if done is None:  # the client went away
-            return JSONResponse({}, status_code=499)
-        answer.done(done)
-        return JSONResponse(answer.response())
+        return await service.answer(request, handle, answer, _sse, req.stream, end="data: [DONE]\n\n")
 
     return [Route("/v1/chat/completions", create, methods=["POST"])]
-
-
-async def _stream(service, handle, answer: Answer):
-    finished = False
-    try:
-        yield _sse(chunk(answer.cid, answer.model, {"role": "assistant", "content": ""}))
-        while True:
-            ev = await service.next_event(handle)
-            if ev["type"] == "error":
-                finished = True
-                yield _sse(ev["error"].body())
-                break
-            if ev["type"] == "token":
-                for c in answer.token(ev):
-                    yield _sse(c)
-                continue
-            finished = True
-            for c in answer.done(ev):
-                yield _sse(c)
-            break
-    except Exception as e:  # noqa: BLE001 — the headers are sent: end the stream with an error event
-        finished = True
-        error = e if isinstance(e, APIError) else APIError(500, f"internal error: {type(e).__name__}: {e}",
-                                                           code="internal_error")
-        yield _sse(error.body())
-    finally:
-        service.release(handle, finished)
-    yield "data: [DONE]\n\n"

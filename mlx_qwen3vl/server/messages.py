@@ -20,7 +20,7 @@ import json
 import uuid
 from typing import List
 
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from . import computer
@@ -291,11 +291,17 @@ class Writer:
         self.usage = {"input_tokens": prompt_tokens, "output_tokens": 0, "cache_read_input_tokens": 0,
                       "cache_creation_input_tokens": 0}
 
+    def result(self) -> dict:
+        return self.message
+
     @property
     def message(self) -> dict:
         return json.loads(json.dumps({"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                                       "content": self.content, "stop_reason": self.stop_reason,
                                       "stop_sequence": self.stop_sequence, "usage": self.usage}))
+
+    def failed(self, error: APIError) -> List[tuple]:
+        return [("error", error_body(error))]
 
     def start(self) -> List[tuple]:
         return [("message_start", {"type": "message_start", "message": {**self.message, "content": []}}),
@@ -432,14 +438,7 @@ def routes(service) -> list:
             request, lambda body: parse_request(body, service.agent_format), build)
         writer = Writer(chat, chat.model, prepared.prompt_tokens, prompt_opens_reasoning(tokenizer, prepared.tokens),
                         computer_request)
-        if stream:
-            return StreamingResponse(_stream(service, handle, writer), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        done = await service.collect(request, handle, on_token=writer.token)
-        if done is None:
-            return JSONResponse({}, status_code=499)
-        writer.done(done)
-        return JSONResponse(writer.message)
+        return await service.answer(request, handle, writer, _sse, stream, ping=(PING_SECONDS, ("ping", {"type": "ping"})))
 
     async def count_tokens(request):
         _, prepared, _, _ = await service.admit(
@@ -448,33 +447,3 @@ def routes(service) -> list:
 
     return [Route("/v1/messages", create, methods=["POST"]),
             Route("/v1/messages/count_tokens", count_tokens, methods=["POST"])]
-
-
-async def _stream(service, handle, writer: Writer):
-    finished = False
-    try:
-        for e in writer.start():
-            yield _sse(e)
-        while True:
-            ev = await service.next_event(handle, PING_SECONDS)
-            if ev is None:
-                yield _sse(("ping", {"type": "ping"}))
-                continue
-            if ev["type"] == "error":
-                finished = True
-                yield _sse(("error", error_body(ev["error"])))
-                break
-            if ev["type"] == "token":
-                for e in writer.token(ev):
-                    yield _sse(e)
-                continue
-            finished = True
-            for e in writer.done(ev):
-                yield _sse(e)
-            break
-    except Exception as e:  # noqa: BLE001 — the headers are sent: end the stream with an error event
-        finished = True
-        error = e if isinstance(e, APIError) else APIError(500, f"internal error: {type(e).__name__}: {e}")
-        yield _sse(("error", error_body(error)))
-    finally:
-        service.release(handle, finished)

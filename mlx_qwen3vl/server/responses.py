@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from . import computer
@@ -351,6 +351,9 @@ class Writer:
         self.seq += 1
         return {"type": kind, "sequence_number": self.seq - 1, **fields}
 
+    def result(self) -> dict:
+        return self.response
+
     @property
     def response(self) -> dict:
         out = {"id": self.id, "object": "response", "created_at": self.created, "status": self.status,
@@ -518,16 +521,7 @@ def routes(service, store: ResponseStore) -> list:
             then=lambda req: continue_stored(req, store))
         writer = Writer(req, req.body_model or service.model_id, prompt_opens_reasoning(tokenizer, prepared.tokens),
                         computer_request)
-        if req.stream:
-            return StreamingResponse(_stream(service, handle, writer, lambda: keep(req, writer)),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        done = await service.collect(request, handle, on_token=writer.token)
-        if done is None:
-            return JSONResponse({}, status_code=499)
-        writer.done(done)
-        keep(req, writer)
-        return JSONResponse(writer.response)
+        return await service.answer(request, handle, writer, _sse, req.stream, on_done=lambda: keep(req, writer))
 
     async def retrieve(request):
         service.check_auth(request)
@@ -540,35 +534,3 @@ def routes(service, store: ResponseStore) -> list:
 
     return [Route("/v1/responses", create, methods=["POST"]),
             Route("/v1/responses/{response_id}", retrieve, methods=["GET"])]
-
-
-async def _stream(service, handle, writer: Writer, on_done):
-    finished = False
-    try:
-        for e in writer.start():
-            yield _sse(e)
-        while True:
-            ev = await service.next_event(handle)
-            if ev["type"] == "error":
-                finished = True
-                for e in writer.failed(ev["error"]):
-                    yield _sse(e)
-                break
-            if ev["type"] == "token":
-                for e in writer.token(ev):
-                    yield _sse(e)
-                continue
-            finished = True
-            events = writer.done(ev)
-            on_done()
-            for e in events:
-                yield _sse(e)
-            break
-    except Exception as e:  # noqa: BLE001 — the headers are sent: end the stream with an error event
-        finished = True
-        error = e if isinstance(e, APIError) else APIError(500, f"internal error: {type(e).__name__}: {e}",
-                                                            code="internal_error")
-        for ev in writer.failed(error):
-            yield _sse(ev)
-    finally:
-        service.release(handle, finished)

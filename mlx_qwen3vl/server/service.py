@@ -16,10 +16,19 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, StreamingResponse
 
 from . import protocol as P
 from .computer_answers import ComputerAnswers
 from .protocol import APIError
+
+
+def as_api_error(e: BaseException) -> APIError:
+    """An exception as the API's error: an unexpected one is a 500 naming only its type (its text
+    may hold server paths)."""
+    if isinstance(e, APIError):
+        return e
+    return APIError(500, f"internal error ({type(e).__name__})", code="internal_error")
 
 
 def shutting_down() -> APIError:
@@ -163,6 +172,52 @@ class Service:
             return await asyncio.wait_for(handle.queue.get(), timeout)
         except asyncio.TimeoutError:
             return None
+
+    async def answer(self, request: Request, handle, writer, encode, stream: bool, **options):
+        """The one answer path: the answer streamed (`stream`, below) or, whole, as the JSON of
+        `writer.result()` once the engine is done (None while the client went away: a 499)."""
+        if stream:
+            return StreamingResponse(self.stream(handle, writer, encode, **options), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        done = await self.collect(request, handle, on_token=writer.token)
+        if done is None:  # the client went away
+            return JSONResponse({}, status_code=499)
+        writer.done(done)
+        if options.get("on_done") is not None:
+            options["on_done"]()
+        return JSONResponse(writer.result())
+
+    async def stream(self, handle, writer, encode, *, ping=None, on_done=None, end: str = ""):
+        """One answer's server-sent events, for every protocol: `writer` (the protocol's) turns the
+        engine's events into its own (start(), token(ev), done(ev), failed(APIError)) and `encode`
+        each into SSE text; `ping` (seconds, event) is sent while nothing comes (a long prefill);
+        `on_done()` runs once the answer is whole; `end` is the stream's last line."""
+        finished = False
+        try:
+            for e in writer.start():
+                yield encode(e)
+            while not finished:
+                ev = await self.next_event(handle, ping[0] if ping else None)
+                if ev is None:
+                    yield encode(ping[1])
+                    continue
+                if ev["type"] == "token":
+                    events = writer.token(ev)
+                else:
+                    finished = True
+                    events = writer.failed(ev["error"]) if ev["type"] == "error" else writer.done(ev)
+                    if ev["type"] == "done" and on_done is not None:
+                        on_done()
+                for e in events:
+                    yield encode(e)
+        except Exception as e:  # noqa: BLE001 — the headers are sent: end the stream with an error event
+            finished = True
+            for x in writer.failed(as_api_error(e)):
+                yield encode(x)
+        finally:
+            self.release(handle, finished)
+        if end:
+            yield end
 
     async def collect(self, request: Request, handle, on_token=None):
         """Wait for the whole answer while watching the client: → the "done" event (with "text"
