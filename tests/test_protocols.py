@@ -357,6 +357,13 @@ BAD = [  # (name, path, body, status, what the message names)
     ("logit_bias", "/v1/messages", {**GOOD_M, "logit_bias": {"5": 1}}, 400, "logit_bias"),
     ("logit_bias", "/v1/responses", {**GOOD_R, "logit_bias": {"5": 1}}, 400, "logit_bias"),
     ("vLLM stop ids", "/v1/responses", {**GOOD_R, "stop_token_ids": [5]}, 400, "stop_token_ids"),
+    ("one call only", "/v1/responses", {**GOOD_R, "parallel_tool_calls": False}, 400, "parallel_tool_calls"),
+    ("truncation", "/v1/responses", {**GOOD_R, "truncation": "auto"}, 400, "truncation"),
+    ("effort", "/v1/responses", {**GOOD_R, "reasoning": {"effort": "low"}}, 400, "reasoning.effort"),
+    ("verbosity", "/v1/responses", {**GOOD_R, "text": {"verbosity": "low"}}, 400, "text.verbosity"),
+    ("one call only", "/v1/messages", {**GOOD_M, "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}},
+     400, "disable_parallel_tool_use"),
+    ("effort", "/v1/messages", {**GOOD_M, "output_config": {"effort": "low"}}, 400, "effort"),
     ("bad json", "/v1/messages", b'{"model": ', 400, "JSON"),
     ("not an object", "/v1/messages", b"[1, 2]", 400, "object"),
     ("computer tool_choice", "/v1/messages", {**GOOD_M, "tool_choice": {"type": "any"}, "tools": [

@@ -203,6 +203,10 @@ def _tool_choice(choice, functions, tool):
     if choice is None:
         return "auto"
     P.check_fields(choice, {"type", "name", "disable_parallel_tool_use"}, "tool_choice")
+    if choice.get("disable_parallel_tool_use"):
+        raise P.invalid("tool_choice.disable_parallel_tool_use", "'tool_choice.disable_parallel_tool_use' is not "
+                        "available here: this model may answer with several calls and the server does not cut them",
+                        "unsupported_field")
     kind = choice.get("type")
     if tool is not None:
         if kind != "auto":
@@ -224,7 +228,7 @@ def _tool_choice(choice, functions, tool):
 def _output_format(config):
     if config is None:
         return None
-    P.check_fields(config, {"format", "effort"}, "output_config")
+    P.check_fields(config, {"format", "effort"}, "output_config", {"effort": "the model's effort is not adjustable here"})
     fmt = config.get("format")
     if fmt is None:
         return None

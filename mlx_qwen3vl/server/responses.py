@@ -243,7 +243,7 @@ def _tool_choice(choice, functions, tool):
 def _text_format(text):
     if text is None:
         return None, {"format": {"type": "text"}}
-    P.check_fields(text, {"format", "verbosity"}, "text")
+    P.check_fields(text, {"format", "verbosity"}, "text", {"verbosity": "the answer's length is the model's"})
     fmt = text.get("format") or {"type": "text"}
     P.check_fields(fmt, {"type", "name", "schema", "strict", "description"}, "text.format")
     kind = fmt.get("type")
@@ -297,8 +297,9 @@ def parse_request(body, agent_format: str) -> ResponsesRequest:
         raise P.invalid("include", f"'include' may list only {', '.join(INCLUDABLE)} on this server")
     if body.get("top_logprobs") not in (None, 0):
         raise P.invalid("top_logprobs", "'top_logprobs' is not supported by this server", "unsupported_field")
-    if body.get("truncation") not in (None, "auto", "disabled"):
-        raise P.invalid("truncation", "'truncation' must be 'auto' or 'disabled'")
+    if body.get("truncation") not in (None, "disabled"):
+        raise P.invalid("truncation", "'truncation' must be 'disabled': a prompt past the context is refused here, "
+                        "never truncated", "unsupported_field")
     for name, kinds in (("reasoning", dict), ("stream_options", dict), ("metadata", dict)):
         if body.get(name) is not None and not isinstance(body[name], kinds):
             raise P.invalid(name, f"'{name}' must be an object", "invalid_type")
@@ -307,7 +308,12 @@ def parse_request(body, agent_format: str) -> ResponsesRequest:
                                                and len(v) <= 512 for k, v in metadata.items()):
         raise P.invalid("metadata", f"'metadata' holds at most {MAX_METADATA} string values (keys up to 64 "
                         "characters, values up to 512)")
-    P.flag(body, "parallel_tool_calls", None)
+    if P.flag(body, "parallel_tool_calls", None, True) is not True:
+        raise P.invalid("parallel_tool_calls", "'parallel_tool_calls' must be true: this model may answer with several "
+                        "calls and the server does not cut them", "unsupported_field")
+    if (body.get("reasoning") or {}).get("effort") is not None:
+        raise P.invalid("reasoning.effort", "'reasoning.effort' is not available here: this checkpoint's thinking is "
+                        "switched by 'chat_template_kwargs': {'enable_thinking': ...}", "unsupported_field")
     P.number(body, "max_tool_calls", 1, integer=True)
     defaults = computer.sampling_defaults(agent_format) if tool is not None else {}
     stop = P.stop_strings(body.get("stop"), "stop")
