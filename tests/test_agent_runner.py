@@ -380,7 +380,10 @@ def test_server_backend_runs_the_same_loop(miniwob, cases, click_button_model):
 
     server = Server("--api-key", KEY, model=click_button_model)
     try:
-        ask = ServerAnswerer(f"http://127.0.0.1:{server.port}/v1", api_key=KEY, temperature=0.0, max_tokens=64)
+        # UI-Venus' sampling (its repetition penalty goes as an extra field the server reads)
+        sampling = {k: v for k, v in AGENT_SAMPLING["venus"].items() if "pixels" not in k}
+        ask = ServerAnswerer(f"http://127.0.0.1:{server.port}/v1", api_key=KEY, **{**sampling, "max_tokens": 64})
+        assert ask.extra_body == {"repetition_penalty": 1.05}
         for task, seed, scale, u, target, _ in cases[:2]:
             miniwob.task, miniwob.seed, miniwob.device_scale = task, seed, scale
             ep = run_task(None, None, miniwob, agent_format="venus", max_steps=1, answerer=ask)
