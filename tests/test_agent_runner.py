@@ -12,7 +12,7 @@ from PIL import Image
 from mlx_qwen3vl.agent.computer_tools import ComputerAction
 from mlx_qwen3vl.agent.envs import Environment, Observation, env_class, to_env
 from mlx_qwen3vl.agent.computer_use import AGENT_SAMPLING
-from mlx_qwen3vl.agent.runner import LocalAnswerer, ServerAnswerer, run_task
+from mlx_qwen3vl.agent.runner import LocalAnswerer, ServerAnswerer, run_task, step_messages
 from mlx_qwen3vl.errors import InputError
 from mlx_qwen3vl.agent.trajectory import TrajectoryWriter, replay
 from scripted import write_scripted_checkpoint
@@ -61,6 +61,21 @@ def test_environment_is_abstract_and_defaults_to_no_score():
 def test_env_class_names_unknown_environment():
     with pytest.raises(KeyError):
         env_class("nowhere")
+
+
+def test_step_messages_keep_the_last_screenshots_and_no_vision_markers_from_answers():
+    shots = [Image.new("RGB", (8, 8), (i, 0, 0)) for i in range(3)]
+    answers = ["<action>Click(box=(1, 2))</action><|vision_end|>", "<|image_pad|>x"]
+    qwen = step_messages("do it", shots, answers, agent_format="qwen", history_images=2)
+    images = [b["image"] for m in qwen if isinstance(m["content"], list) for b in m["content"] if b["type"] == "image"]
+    assert images == shots[1:]  # the first screenshot became a line of text
+    assert [m["role"] for m in qwen] == ["system", "user", "assistant", "tool", "assistant", "tool"]
+    assert qwen[1]["content"][0]["text"] == "(an earlier screenshot, omitted)"
+    assert [m["content"] for m in qwen if m["role"] == "assistant"] == ["<action>Click(box=(1, 2))</action>", "x"]
+    venus = step_messages("do it", shots, answers, agent_format="venus")
+    text = venus[1]["content"][0]["text"]
+    assert "Step 0: <think></think><action>Click(box=(1, 2))</action>" in text and "<|" not in text
+    assert venus[1]["content"][1]["image"] is shots[-1]
 
 
 # ------------------------------------------------------------------------------ MiniWoB++ episodes
@@ -215,7 +230,8 @@ def test_enter_text_multi_step_earns_the_reward_with_the_right_text_only(miniwob
     submit = next(d for d in dom if d.tag == "button")
     out = tmp_path_factory.mktemp("trajectory")
     models = []
-    for text, earns in ((quoted(u), True), (quoted(u) + "x", False)):
+    # the wrong text once (the single-step test shows a wrong answer scoring nothing in both formats)
+    for text, earns in ((quoted(u), True), (quoted(u) + "x", False))[:2 if fmt == "venus" else 1]:
         answers = enter_text_answers(fmt, field, submit, text)
         answers = {(u if k == "first" else k): v for k, v in answers.items()}
         model = scripted_model(tmp_path_factory, answers)
@@ -384,7 +400,7 @@ def test_server_backend_runs_the_same_loop(miniwob, cases, click_button_model):
         sampling = {k: v for k, v in AGENT_SAMPLING["venus"].items() if "pixels" not in k}
         ask = ServerAnswerer(f"http://127.0.0.1:{server.port}/v1", api_key=KEY, **{**sampling, "max_tokens": 64})
         assert ask.extra_body == {"repetition_penalty": 1.05}
-        for task, seed, scale, u, target, _ in cases[:2]:
+        for task, seed, scale, u, target, _ in cases[1:2]:  # at device scale 1
             miniwob.task, miniwob.seed, miniwob.device_scale = task, seed, scale
             ep = run_task(None, None, miniwob, agent_format="venus", max_steps=1, answerer=ask)
             assert ep.success and ep.reason == "done" and inside(ep.steps[0].env_point, target), ep.to_dict()

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from ..errors import ContextLengthError, InputError
+from ..processor import VISION_TOKENS
 from .computer_use import AGENT_FORMATS, AGENT_SAMPLING, ComputerStep, computer_messages, map_answer
 from .envs.base import Environment, Observation, to_env
 from .parse import parse_action, parse_grounding
@@ -74,6 +75,14 @@ def keep_last_images(messages, n: int):
     return messages
 
 
+def without_vision_tokens(text: str) -> str:
+    """An answer as the history shows it: the vision markers a confused model may emit removed (they
+    would read as media slots), as ChatSession keeps its answers."""
+    for token in VISION_TOKENS:
+        text = text.replace(token, "")
+    return text
+
+
 def step_messages(task: str, screenshots: Sequence, answers: Sequence[str], *, agent_format: str,
                   history_images: int = HISTORY_IMAGES, history_steps: int = VENUS_HISTORY_LENGTH,
                   kind: str = "web") -> list:
@@ -82,6 +91,7 @@ def step_messages(task: str, screenshots: Sequence, answers: Sequence[str], *, a
     `history_images` screenshots; venus, the navigation prompt with the last `history_steps` steps."""
     if len(answers) != len(screenshots) - 1:
         raise ValueError("one answer per earlier screenshot")
+    answers = [without_vision_tokens(a) for a in answers]
     if agent_format == "qwen":
         history = [ComputerStep(screenshot=s, answer=a) for s, a in zip(screenshots, answers)]
         messages = computer_messages(task, screenshots[-1], history, format="qwen", history_length=len(history))
@@ -396,11 +406,13 @@ def run_task(model, processor, env: Environment, task: Optional[str] = None, *, 
                 except InputError as e:  # an action the environment cannot carry out
                     rec.error = str(e)
                     break
+                if env.done:  # the task scored, or the person stopped the episode
+                    break
         rec.act_s = time.perf_counter() - tic
         rec.reward = float(env.reward)
         ended = None
         if env.done:
-            ended = ("done", "the environment ended the episode")
+            ended = ("done", getattr(env, "stop_reason", None) or "the environment ended the episode")
         elif turn.status == "done":
             outcome, message = turn.outcome, turn.text or None
             ended = ("terminate", f"the model ended the task ({turn.outcome or 'no status'})")

@@ -4,7 +4,7 @@ its optional dependency (selenium, miniwob, mss, pyautogui) itself, so it is imp
 
 import importlib
 
-from .base import Environment, Observation, to_env
+from .base import Environment, Observation, to_env, to_env_pixel
 
 # name → (module, class): imported only when asked, their dependencies being optional
 ENVIRONMENTS = {"miniwob": ("miniwob", "MiniWoBEnv"), "browser": ("browser", "BrowserEnv"),
@@ -17,4 +17,4 @@ def env_class(name: str):
     return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
 
 
-__all__ = ["Environment", "Observation", "to_env", "ENVIRONMENTS", "env_class"]
+__all__ = ["Environment", "Observation", "to_env", "to_env_pixel", "ENVIRONMENTS", "env_class"]

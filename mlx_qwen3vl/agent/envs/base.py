@@ -9,6 +9,7 @@ screen has an origin.
 """
 
 import abc
+import math
 from dataclasses import dataclass
 from typing import Tuple
 
@@ -33,6 +34,14 @@ def to_env(point, obs: Observation) -> Tuple[float, float]:
     """A point in `obs.image`'s pixels → the environment's input coordinates: origin + point * scale."""
     x, y = point
     return (obs.origin[0] + x * obs.scale[0], obs.origin[1] + y * obs.scale[1])
+
+
+def to_env_pixel(point, obs: Observation) -> Tuple[int, int]:
+    """A point in `obs.image`'s pixels → the integer input coordinate (CSS pixel, screen point) whose
+    area holds that pixel's centre: floor(to_env(point + 0.5)). Integer inputs (X11, a browser's hit
+    test, which rounds fractional CSS positions) then act inside the very pixel the model meant."""
+    ex, ey = to_env((point[0] + 0.5, point[1] + 0.5), obs)
+    return math.floor(ex), math.floor(ey)
 
 
 class Environment(abc.ABC):
