@@ -38,8 +38,9 @@ def _index(v, n) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n
 
 
-def check_turn_settings(settings, processor, where: str) -> dict:
-    """One turn's media settings (None: the defaults), checked as the API checks them."""
+def check_turn_settings(settings, processor, where: str, context: int) -> dict:
+    """One turn's media settings (None: none), checked as the API checks them; a min_pixels that
+    makes any image longer than the model's `context` (in tokens) is refused too."""
     if settings is None:
         return None
     if not isinstance(settings, dict) or set(settings) - set(TURN_SETTINGS):
@@ -48,7 +49,10 @@ def check_turn_settings(settings, processor, where: str) -> dict:
         check_fps(settings.get(k), k)
     if settings.get("sample_frames") is not None and not isinstance(settings["sample_frames"], bool):
         _fail(f"{where}: sample_frames = {settings['sample_frames']!r} is not true or false")
-    image_budget(processor.image_config, settings.get("min_pixels"), settings.get("max_pixels"))
+    cfg = processor.image_config
+    lo, _ = image_budget(cfg, settings.get("min_pixels"), settings.get("max_pixels"))
+    if lo > context * cfg.factor * cfg.factor:
+        _fail(f"{where}: min_pixels = {lo} makes every image longer than the model's context of {context} tokens")
     return dict(settings)
 
 
@@ -188,10 +192,10 @@ def check_state(state, arrays, caches, kv, model, processor):
     settings = state.get("settings")
     if not isinstance(settings, list) or len(settings) != len(messages):
         _fail("holds per-turn settings that do not match its messages")
-    settings = [check_turn_settings(t, processor, f"message {i + 1}") for i, t in enumerate(settings)]
-    defaults = check_turn_settings(state.get("defaults"), processor, "the session's defaults") or {}
-    generation = check_generation(state.get("generation"), model)
     context = int(model.config.text_config.max_position_embeddings)
+    settings = [check_turn_settings(t, processor, f"message {i + 1}", context) for i, t in enumerate(settings)]
+    defaults = check_turn_settings(state.get("defaults"), processor, "the session's defaults", context) or {}
+    generation = check_generation(state.get("generation"), model)
     _check_fits(messages, media, settings, processor, context)
     if state.get("kv") != kv.as_dict() and not (kv.bits is None and isinstance(state.get("kv"), dict)
                                                  and state["kv"].get("kv_bits") is None):

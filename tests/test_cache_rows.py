@@ -4,12 +4,13 @@ the plain MLX graph), each row equal token for token to the same request run alo
 types' own row operations (merge / filter / extract / trim_to) leave buffers in the layout each
 attention reads; and a seeded random-schedule fuzz over all of it.
 
-`python tests/test_cache_rows.py N` runs the fuzz with N requests per configuration by hand and
+`PYTHONPATH=.:tests python tests/test_cache_rows.py N` runs the fuzz with N requests per configuration by hand and
 prints "N requests, N equal"."""
 
 import random
 import sys
 
+import conftest  # noqa: F401  (first: run by hand, it loads the optimized BLAS before mlx.core)
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -193,19 +194,20 @@ def fuzz(model, processor, seed, count, backend_kinds=("float", "8", "4")):
             elif not isinstance(ev, Done):
                 raise AssertionError(f"request {index[ev.id]}: {ev.error!r}")
         step += 1
-    equal = 0
+    differ = []
     for i, (m, params, kv) in enumerate(asks):
         want = alone(model, processor, m, params, kv)
         got = tokens.get(i, [])
-        equal += bool(got == (want[:len(got)] if i in cancels else want) and (i in cancels or got))
-    return len(asks), equal
+        if not (got == (want[:len(got)] if i in cancels else want) and (i in cancels or got)):
+            differ.append((i, params, kv, got, want))
+    return len(asks), len(asks) - len(differ), differ
 
 
 @pytest.mark.parametrize("fixture, backend, seed", [("tiny-a", "cpu", 1), ("tiny-moe", "mlx", 2)])
 def test_random_schedules_each_row_equals_alone(processor, on_cpu, fixture, backend, seed):
     model = load_fixture_model(fixture, backend=backend)
-    n, equal = fuzz(model, processor, seed, 10)
-    assert equal == n
+    n, equal, differ = fuzz(model, processor, seed, 10)
+    assert equal == n, differ
 
 
 if __name__ == "__main__":  # the fuzz by hand: python tests/test_cache_rows.py N
@@ -216,7 +218,7 @@ if __name__ == "__main__":  # the fuzz by hand: python tests/test_cache_rows.py 
     for fixture, backend in (("tiny-a", "cpu"), ("tiny-a", "mlx"), ("tiny-moe", "cpu"), ("tiny-moe", "mlx")):
         model = load_fixture_model(fixture, backend=backend)
         for seed in range(max(1, count // 20)):
-            n, e = fuzz(model, proc, 1000 + seed, 20)
+            n, e, differ = fuzz(model, proc, 1000 + seed, 20)
             total, same = total + n, same + e
-            print(f"{fixture} {backend} seed {1000 + seed}: {n} requests, {e} equal", flush=True)
+            print(f"{fixture} {backend} seed {1000 + seed}: {n} requests, {e} equal", *differ, flush=True)
     print(f"{total} requests, {same} equal")
