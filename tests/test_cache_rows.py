@@ -37,7 +37,8 @@ def shot(seed, size=(64, 64)):
 
 
 def user(text, *images):
-    return [{"role": "user", "content": [{"type": "image", "image": i} for i in images] + [{"type": "text", "text": text}]}]
+    content = [{"type": "image", "image": i} for i in images] + [{"type": "text", "text": text}]
+    return [{"role": "user", "content": content}]
 
 
 def alone(model, processor, messages, params, kv):
