@@ -57,7 +57,7 @@ MODELS = {
 PATHS = {"shot.png": "examples/screenshot.png", "~/Screenshots": "shots",
          "~/.cache/mlx_qwen3vl/prefixes": "prefixes"}
 MODEL_FLAGS = ("--model", "--hf-path")
-INPUT_FLAGS = ("--image", "--data", "--allowed-image-dir", "--video")  # must exist (after PATHS)
+INPUT_FLAGS = ("--image", "--data", "--allowed-local-media-path", "--allowed-image-dir", "--video")  # must exist (after PATHS)
 OUTPUT_FLAGS = ("--annotate", "--json", "--report", "--output", "--mlx-path", "--out")  # must exist after a run
 # Appended to every run of a program, to keep the answers and screenshots small (the last value
 # of a flag wins, so the command's own flags are still read and checked).
