@@ -197,8 +197,9 @@ def test_single_step_tasks_right_answer_earns_the_reward_and_a_wrong_one_does_no
         (step,) = ep.steps
         assert ep.reason == "done" and ep.success and 0 < ep.reward <= 1, (task, seed, ep.to_dict())
         assert step.image_size == (W * scale, H * scale)
-        # the point is in screenshot pixels; mapped by the scale, it lands on the element meant
-        assert step.env_point == (step.point[0] / scale, step.point[1] / scale)
+        # the point is in screenshot pixels; recorded as the input pixel holding its centre (what the
+        # environment acted at), it lands on the element meant
+        assert step.env_point == (int((step.point[0] + 0.5) / scale), int((step.point[1] + 0.5) / scale))
         assert inside(step.env_point, target), (task, seed, step.env_point)
         ep = run_task(None, None, miniwob, agent_format=fmt, max_steps=1, answerer=wrong)
         assert not ep.success and ep.reward <= 0, (task, seed, ep.to_dict())

@@ -18,7 +18,8 @@ Both are asked through one ChatSession (its KV cache and processed turns reused 
 through a server with the OpenAI client (`ServerAnswerer`, the model in another process).
 
 **Coordinates.** The model sees the Observation's image; `map_answer` gives actions in that image's
-pixels; the environment maps them with `envs.to_env` (recorded beside each step as `env_point`).
+pixels; the environment maps them with `envs.to_env_pixel` (recorded beside each step as
+`env_point`: the input coordinate it acted at).
 
 **Endings** (`Episode.reason`): "done" (the environment ended the episode: MiniWoB++ scored it),
 "terminate" (Qwen terminate / UI-Venus Finished), "answer" (the model answered the user: Qwen
@@ -38,7 +39,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 from ..errors import ContextLengthError, InputError
 from ..processor import VISION_TOKENS
 from .computer_use import AGENT_FORMATS, AGENT_SAMPLING, ComputerStep, computer_messages, map_answer
-from .envs.base import Environment, Observation, to_env
+from .envs.base import Environment, Observation, to_env_pixel
 from .parse import parse_action, parse_grounding
 from .prompts import VENUS_HISTORY_LENGTH, VENUS_NAVIGATION_SAMPLING, computer_use_system_prompt
 
@@ -243,8 +244,9 @@ class StepRecord:
 
     image_size: the screenshot's (width, height). status: map_answer's ("action", "message", "done",
     "unmapped"). actions: the ComputerActions as dicts, points in screenshot pixels; point / end: the
-    first pointing action's (None without one), env_point / env_end: the same in the environment's
-    input coordinates (envs.to_env). box: the answer's box where it gave one (screenshot pixels).
+    first pointing action's (None without one), env_point / env_end: the environment's input
+    coordinates it acted at (envs.to_env_pixel). box: the answer's box where it gave one (screenshot
+    pixels).
     error: why an action was not executed (the environment refused it), else None."""
 
     index: int
@@ -322,8 +324,8 @@ def record_step(index: int, obs: Observation, answer: Answer) -> Tuple[StepRecor
     if first is not None:
         rec.point = tuple(first.point) if first.point is not None else None
         rec.end = tuple(first.end) if first.end is not None else None
-        rec.env_point = to_env(rec.point, obs) if rec.point else None
-        rec.env_end = to_env(rec.end, obs) if rec.end else None
+        rec.env_point = to_env_pixel(rec.point, obs) if rec.point else None
+        rec.env_end = to_env_pixel(rec.end, obs) if rec.end else None
     g = parse_grounding(answer.text, width, height)
     if g.status == "ok" and g.box is not None:
         rec.box = tuple(g.box)
