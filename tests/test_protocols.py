@@ -754,7 +754,8 @@ def test_a_tool_call_answer_is_the_same_streamed_and_not(scripted):
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert plain.content[0].text == streamed == final.content[0].text == "Let me check."
-    assert [(b.type, getattr(b, "input", None)) for b in plain.content] == [("text", None), ("tool_use", {"q": "weather"})]
+    assert [(b.type, getattr(b, "input", None)) for b in plain.content] == [("text", None),
+                                                                          ("tool_use", {"q": "weather"})]
     assert plain.stop_reason == final.stop_reason == "tool_use"
 
 

@@ -246,7 +246,8 @@ def test_logit_bias_and_vllm_stopping_fields_equal_generate(server, local):
 
 FIELD_ERRORS = [  # chat-completions fields a client may send that this server cannot honour: a 400 naming each
     ({"max_new_tokens": 5}, "max_new_tokens"), ({"frobnicate": 1}, "frobnicate"), ({"functions": []}, "functions"),
-    ({"reasoning_effort": "low"}, "reasoning_effort"), ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ({"parallel_tool_calls": False}, "parallel_tool_calls"), ({"store": True}, "store"),
     ({"modalities": ["text", "audio"]}, "modalities"), ({"logit_bias": {"x": 1}}, "logit_bias.x"),
     ({"logit_bias": {"5": 101}}, "logit_bias.5"), ({"logit_bias": {"5": "1"}}, "logit_bias.5"),

@@ -370,6 +370,7 @@ def one_process_server(local, checkpoint, body):
     import asyncio
 
     from mlx_qwen3vl.server.model_thread import ModelThread as Engine
+    from mlx_qwen3vl.server.prepared import DoneEvent, ErrorEvent
     from mlx_qwen3vl.server.fetch import MediaPolicy
     from mlx_qwen3vl.server.grammar import GrammarFactory
     from mlx_qwen3vl.server.model_inputs import PromptBuilder
@@ -388,10 +389,10 @@ def one_process_server(local, checkpoint, body):
             text = ""
             while True:
                 ev = await asyncio.wait_for(handle.queue.get(), 120)
-                assert ev["type"] != "error", ev
-                if ev["type"] == "done":
-                    return text, ev["finish_reason"]
-                text += ev["text"]
+                assert not isinstance(ev, ErrorEvent), ev
+                if isinstance(ev, DoneEvent):
+                    return text, ev.finish_reason
+                text += ev.text
 
         return loop.run_until_complete(answer())
     finally:
@@ -659,7 +660,8 @@ def test_plan_round_trip_rebuilds_inputs_sampling_and_grammar(local):
     assert plan.cancel == [3, 5] and not plan.stop
     got, sent = plan.admit[0].prepared, handle.prepared
     assert plan.admit[0].id == 7 and got.tokens == sent.tokens and got.media == sent.media
-    assert got.sampling == sent.sampling and got.sampling.logit_bias == ((4, 1), (9, -2.5)) and got.max_tokens == sent.max_tokens and got.grammar == sent.grammar
+    assert got.sampling.logit_bias == ((4, 1), (9, -2.5))
+    assert got.sampling == sent.sampling and got.max_tokens == sent.max_tokens and got.grammar == sent.grammar
     assert set(got.inputs) == set(sent.inputs)
     for k, v in sent.inputs.items():
         if isinstance(v, (np.ndarray, mx.array)):

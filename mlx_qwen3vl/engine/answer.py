@@ -60,8 +60,9 @@ def suppress_stops(ids, prompt_tokens: int, min_tokens: int):
 class AnswerText:
     """One request's answer as it streams: mlx-lm's streaming detokenizer (multi-byte characters
     never break), EOS tokens (unless `ignore_eos`), `stop_token_ids` and stop strings end it, none
-    of them before `min_tokens` tokens, and max_tokens bounds it. Text that could still turn out to be the start of a stop string is held back until it is
-    decided, so the streamed pieces always add up to the final text.
+    of them before `min_tokens` tokens, and max_tokens bounds it. Text that could still turn out to
+    be the start of a stop string is held back until it is decided, so the streamed pieces always
+    add up to the final text.
 
     `detokenizer`: a fresh streaming detokenizer (mlx-lm's TokenizerWrapper(...).detokenizer)."""
 

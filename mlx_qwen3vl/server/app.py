@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from . import chat, messages, responses
 from . import grounding as G
+from .prepared import ErrorEvent
 from .protocol import APIError
 from .service import Service, disconnected, shutting_down
 from .store import ResponseStore
@@ -99,7 +100,7 @@ def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None,
         service.stopping = True
         for handle in list(running):
             handle.cancel()
-            handle.queue.put_nowait({"type": "error", "error": shutting_down()})
+            handle.queue.put_nowait(ErrorEvent(shutting_down()))
 
     check_auth = service.check_auth
 

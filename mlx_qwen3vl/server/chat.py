@@ -321,14 +321,14 @@ class Answer:
         return [error.body()]
 
     def token(self, ev) -> list:
-        if "logprobs" in ev:
-            self.logprobs.append(ev["logprobs"])
-        return self._chunks(self.parts.feed(ev["text"]), {"content": [ev["logprobs"]]} if "logprobs" in ev else None)
+        if ev.logprobs is not None:
+            self.logprobs.append(ev.logprobs)
+        return self._chunks(self.parts.feed(ev.text), {"content": [ev.logprobs]} if ev.logprobs is not None else None)
 
     def done(self, ev) -> list:
         out = self._chunks(self.parts.finish())
-        self.finish = "tool_calls" if self.calls else ev["finish_reason"]
-        self.usage = usage(ev["prompt_tokens"], ev["completion_tokens"], ev["cached_tokens"])
+        self.finish = "tool_calls" if self.calls else ev.finish_reason
+        self.usage = usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
         out.append(chunk(self.cid, self.model, finish_reason=self.finish))
         if self.req.include_usage:
             out.append(chunk(self.cid, self.model, use=self.usage, choices=False))

@@ -33,6 +33,7 @@ from ..processor import image_budget
 from ..sampling import SamplingParams
 from .fetch import resolve_image
 from .limits import check_media, check_pixel_options
+from .prepared import ErrorEvent, TokenEvent
 from .protocol import APIError, ChatRequest, _number, pixel_options, validate
 
 MAX_INSTRUCTION_CHARS = 8192
@@ -205,15 +206,15 @@ class GroundJob:
         try:
             while True:
                 ev = await handle.queue.get()
-                if ev["type"] == "error":
-                    raise ev["error"]
-                if ev["type"] == "token":
-                    text += ev["text"]
+                if isinstance(ev, ErrorEvent):
+                    raise ev.error
+                if isinstance(ev, TokenEvent):
+                    text += ev.text
                     first = first or time.perf_counter()
                     continue
                 end = time.perf_counter()
-                n, computed = ev["completion_tokens"], ev["prompt_tokens"] - ev["cached_tokens"]
-                return PassAnswer(text, ev["finish_reason"], ev["prompt_tokens"], ev["cached_tokens"], n,
+                n, computed = ev.completion_tokens, ev.prompt_tokens - ev.cached_tokens
+                return PassAnswer(text, ev.finish_reason, ev.prompt_tokens, ev.cached_tokens, n,
                                   _rate(computed, (first or end) - tic), _rate(n - 1, end - (first or end)))
         finally:
             self.running.discard(handle)
@@ -224,8 +225,8 @@ class GroundJob:
         self.gone = True
         if self.current is not None:
             self.current.cancel()  # a cancelled request sends no done event: end the wait here
-            self.current.queue.put_nowait({"type": "error", "error": APIError(499, "the client went away",
-                                                                              code="client_disconnected")})
+            self.current.queue.put_nowait(ErrorEvent(APIError(499, "the client went away",
+                                                              code="client_disconnected")))
 
 
 def response(hit, model: str) -> dict:

@@ -228,7 +228,8 @@ def _tool_choice(choice, functions, tool):
 def _output_format(config):
     if config is None:
         return None
-    P.check_fields(config, {"format", "effort"}, "output_config", {"effort": "the model's effort is not adjustable here"})
+    P.check_fields(config, {"format", "effort"}, "output_config",
+                   {"effort": "the model's effort is not adjustable here"})
     fmt = config.get("format")
     if fmt is None:
         return None
@@ -373,10 +374,10 @@ class Writer:
         return events
 
     def token(self, ev) -> List[tuple]:
-        self.raw.append(ev["text"])
+        self.raw.append(ev.text)
         if self.computer is not None:
             return []
-        return [e for kind, value in self.parts.feed(ev["text"]) for e in self._segment(kind, value)]
+        return [e for kind, value in self.parts.feed(ev.text) for e in self._segment(kind, value)]
 
     def done(self, ev) -> List[tuple]:
         answer = "".join(self.raw)
@@ -400,16 +401,16 @@ class Writer:
             events = [e for kind, value in self.parts.finish() for e in self._segment(kind, value)]
             events += self._close()
             calls = any(b["type"] == "tool_use" for b in self.content)
-        finish = ev["finish_reason"]
+        finish = ev.finish_reason
         if calls:
             self.stop_reason = "tool_use"
         elif finish in ("length", "time_limit"):
             self.stop_reason = "max_tokens"
         else:
-            stop = ev.get("stop")
+            stop = ev.stop
             self.stop_reason, self.stop_sequence = ("stop_sequence", stop) if stop else ("end_turn", None)
-        cached = ev["cached_tokens"]
-        self.usage = {"input_tokens": ev["prompt_tokens"] - cached, "output_tokens": ev["completion_tokens"],
+        cached = ev.cached_tokens
+        self.usage = {"input_tokens": ev.prompt_tokens - cached, "output_tokens": ev.completion_tokens,
                       "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
         return events + [("message_delta", {"type": "message_delta",
                                             "delta": {"stop_reason": self.stop_reason,
@@ -442,7 +443,8 @@ def routes(service) -> list:
             request, lambda body: parse_request(body, service.agent_format), build)
         writer = Writer(chat, chat.model, prepared.prompt_tokens, prompt_opens_reasoning(tokenizer, prepared.tokens),
                         computer_request)
-        return await service.answer(request, handle, writer, _sse, stream, ping=(PING_SECONDS, ("ping", {"type": "ping"})))
+        return await service.answer(request, handle, writer, _sse, stream,
+                                    ping=(PING_SECONDS, ("ping", {"type": "ping"})))
 
     async def count_tokens(request):
         _, prepared, _, _ = await service.admit(

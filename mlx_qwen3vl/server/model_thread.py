@@ -3,9 +3,7 @@
 One thread owns the model. Each iteration takes what the HTTP side did since the last (requests
 submitted, clients gone away), hands it to the engine, runs one engine step (one decode token for
 every running row, a bounded share of the waiting requests' prefill) and routes the step's events
-to each request's asyncio queue as the dictionaries app.py reads: {"type": "token", "text",
-"token"[, "logprobs"]}, {"type": "done", "finish_reason", "prompt_tokens", "completion_tokens",
-"cached_tokens", "stop"}, {"type": "error", "error": APIError}.
+to each request's asyncio queue as prepared.TokenEvent / DoneEvent / ErrorEvent (the API's error).
 
 Under `mlx.launch` every rank runs this loop on its shard of the model (replica.py): rank 0 takes
 requests from HTTP and broadcasts each iteration's inputs (the requests, the cancellations, the
@@ -23,7 +21,7 @@ import mlx.core as mx
 from ..engine import Done, Failed, Token, token_bytes
 from ..engine import Engine
 from ..errors import Qwen3VLError
-from .prepared import Handle, Prepared  # noqa: F401  (Prepared: the unit every module here passes)
+from .prepared import DoneEvent, ErrorEvent, Handle, Prepared, TokenEvent  # noqa: F401  (Prepared: the unit)
 from .protocol import APIError
 from .replica import Plan, digest
 
@@ -171,7 +169,7 @@ class ModelThread:
                 self.core.add(handle.prepared.request(handle.id, self.core.kv))
             except Exception as e:  # noqa: BLE001 — the request fails, the server keeps serving
                 self._failed(e)
-                handle.emit({"type": "error", "error": _as_api_error(e)})
+                handle.emit(ErrorEvent(_as_api_error(e)))
                 continue
             self._handles[handle.id] = handle
         for rid in plan.cancel:
@@ -185,20 +183,17 @@ class ModelThread:
             if handle is None:
                 continue
             if isinstance(ev, Token):
-                event = {"type": "token", "text": ev.text, "token": ev.token}
-                if handle.prepared.sampling.logprobs and handle.listening:
-                    event["logprobs"] = self._logprob_entry(ev)
-                handle.emit(event)
+                lp = self._logprob_entry(ev) if handle.prepared.sampling.logprobs and handle.listening else None
+                handle.emit(TokenEvent(ev.text, ev.token, lp))
             elif isinstance(ev, Done):
                 del self._handles[ev.id]
                 if ev.finish_reason != "cancelled":
-                    handle.emit({"type": "done", "finish_reason": ev.finish_reason,
-                                 "prompt_tokens": ev.prompt_tokens, "completion_tokens": len(ev.token_ids),
-                                 "cached_tokens": ev.cached_tokens, "stop": ev.stop})
+                    handle.emit(DoneEvent(ev.finish_reason, ev.prompt_tokens, len(ev.token_ids), ev.cached_tokens,
+                                          ev.stop))
             elif isinstance(ev, Failed):
                 del self._handles[ev.id]
                 self._failed(ev.error)
-                handle.emit({"type": "error", "error": _as_api_error(ev.error)})
+                handle.emit(ErrorEvent(_as_api_error(ev.error)))
 
     def _failed(self, e):
         """On several ranks only the errors every rank raises alike (the inputs' and the grammar's,

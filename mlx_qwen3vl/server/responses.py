@@ -442,17 +442,17 @@ class Writer:
 
     # -- engine events
     def token(self, ev) -> List[dict]:
-        self.raw.append(ev["text"])
+        self.raw.append(ev.text)
         if self.computer is not None:  # the whole answer is mapped at the end
             return []
         inside = self.parts.in_reasoning
-        events = [e for kind, value in self.parts.feed(ev["text"]) for e in self._segment(kind, value)]
+        events = [e for kind, value in self.parts.feed(ev.text) for e in self._segment(kind, value)]
         self.reasoning_tokens += inside
         return events
 
     def done(self, ev) -> List[dict]:
         answer = "".join(self.raw)
-        cut = ev["finish_reason"] in ("length", "time_limit")
+        cut = ev.finish_reason in ("length", "time_limit")
         if self.computer is not None:
             events = self._computer(answer)
         else:
@@ -463,11 +463,11 @@ class Writer:
             self.turn = Turn("assistant", [Part("text", self.parts.text)], calls, self.parts.reasoning or None,
                              answer=answer)
         self.status = "incomplete" if cut else "completed"
-        n, cached = ev["prompt_tokens"], ev["cached_tokens"]
+        n, cached = ev.prompt_tokens, ev.cached_tokens
         self.usage = {"input_tokens": n, "input_tokens_details": {"cached_tokens": cached},
-                      "output_tokens": ev["completion_tokens"],
+                      "output_tokens": ev.completion_tokens,
                       "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
-                      "total_tokens": n + ev["completion_tokens"]}
+                      "total_tokens": n + ev.completion_tokens}
         name = "response.incomplete" if cut else "response.completed"
         return events + [self.event(name, response=self.response)]
 

@@ -9,6 +9,7 @@ before any media is read); the media and the prompt built on a bounded preparati
 """
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import json
@@ -20,6 +21,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from . import protocol as P
 from .computer_answers import ComputerAnswers
+from .prepared import DoneEvent, ErrorEvent, TokenEvent
 from .protocol import APIError
 
 
@@ -201,12 +203,12 @@ class Service:
                 if ev is None:
                     yield encode(ping[1])
                     continue
-                if ev["type"] == "token":
+                if isinstance(ev, TokenEvent):
                     events = writer.token(ev)
                 else:
                     finished = True
-                    events = writer.failed(ev["error"]) if ev["type"] == "error" else writer.done(ev)
-                    if ev["type"] == "done" and on_done is not None:
+                    events = writer.failed(ev.error) if isinstance(ev, ErrorEvent) else writer.done(ev)
+                    if isinstance(ev, DoneEvent) and on_done is not None:
                         on_done()
                 for e in events:
                     yield encode(e)
@@ -220,8 +222,8 @@ class Service:
             yield end
 
     async def collect(self, request: Request, handle, on_token=None):
-        """Wait for the whole answer while watching the client: → the "done" event (with "text"
-        added: the whole answer), or None if the client went away (its slot is then freed). An
+        """Wait for the whole answer while watching the client: → its DoneEvent (with `text`: the
+        whole answer), or None if the client went away (its slot is then freed). An
         engine error is raised. `on_token(event)` sees each token event."""
         watcher = asyncio.ensure_future(disconnected(request))
         text, finished = [], False
@@ -233,16 +235,16 @@ class Service:
                     get.cancel()
                     return None
                 ev = get.result()
-                if ev["type"] == "error":
+                if isinstance(ev, ErrorEvent):
                     finished = True
-                    raise ev["error"]
-                if ev["type"] == "token":
-                    text.append(ev["text"])
+                    raise ev.error
+                if isinstance(ev, TokenEvent):
+                    text.append(ev.text)
                     if on_token is not None:
                         on_token(ev)
                     continue
                 finished = True
-                return {**ev, "text": "".join(text)}
+                return dataclasses.replace(ev, text="".join(text))
         finally:
             watcher.cancel()
             self.release(handle, finished)
