@@ -5,12 +5,12 @@ the answer on stdout and only the statistics lines on stderr.
 """
 
 import argparse
+import signal
 import sys
 from dataclasses import fields
 
 from .cli import FLAGS, Parser, check_media_flags, run
 
-DEFAULT_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 DEFAULT_PROMPT = "Describe this image."
 
 
@@ -23,7 +23,9 @@ def _sampling_fields():
 def build_parser():
     p = Parser(prog="python -m mlx_qwen3vl", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                 description="Generate text from images/videos and a prompt with Qwen3-VL.")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="local checkpoint folder or Hugging Face repo id")
+    # Required, as in mlx-lm / mlx-vlm's usage line: a silent multi-GB download of a default model
+    # surprised a user who had only forgotten the flag.
+    p.add_argument("--model", required=True, help="local checkpoint folder or Hugging Face repo id")
     p.add_argument("--prompt", default=None,
                    help=f"the user's text; none = {DEFAULT_PROMPT!r}, or with --chat no first turn (the prompt, "
                         "with --image / --video, is the chat's first turn)")
@@ -73,7 +75,7 @@ def build_parser():
 def _print_stats(last, out=None, kv=None):
     if last is None:
         return
-    print(f"\nPrompt: {last.prompt_tokens} tokens ({last.cached_tokens} cached), {last.prompt_tps:.1f} tokens/s"
+    print(f"Prompt: {last.prompt_tokens} tokens ({last.cached_tokens} cached), {last.prompt_tps:.1f} tokens/s"
           f"\nGeneration: {last.generation_tokens} tokens, {last.generation_tps:.2f} tokens/s"
           f"\nPeak memory: {last.peak_memory:.2f} GB", file=out or sys.stderr)  # stderr as it is now
     if kv is not None:  # --verbose
@@ -152,25 +154,61 @@ CHAT_HELP = """Commands (anything else is sent to the model):
 Ctrl-D quits."""
 
 
+class _stop_on_interrupt:
+    """While active, the first SIGINT sets `requested` and the second raises KeyboardInterrupt."""
+
+    def __enter__(self):
+        self.requested = False
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self._previous)
+
+
 def _chat(session, args):
     """The interactive loop. The `>> ` prompt, commands' replies and errors go to stderr, so stdout
     holds the answers alone; commands never reach the model."""
     from .errors import Qwen3VLError
     from .media import load_image
+    from .prompt_cache import PromptCache
 
     images, videos = list(args.image), list(args.video)
 
     def send(text):
+        """One turn. Ctrl-C stops its answer (as in ollama's chat): the turn is left out of the
+        history, the earlier turns and their cache stay. The first Ctrl-C asks the loop to stop at
+        the next token; a second one, during a long prefill, interrupts at once, and the cache (its
+        state then unknown) is rebuilt from the history on the next turn."""
         nonlocal images, videos
-        try:
-            for piece in session.stream(text, images=images, videos=videos):
-                print(piece.text, end="", flush=True)
-        except Qwen3VLError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return
-        finally:
-            images, videos = [], []
+        answer = session.stream(text, images=images, videos=videos)
+        stopped = True
+        with _stop_on_interrupt() as stop:
+            try:
+                for piece in answer:
+                    print(piece.text, end="", flush=True)
+                    if stop.requested:
+                        break
+                else:
+                    stopped = False
+            except Qwen3VLError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return
+            except KeyboardInterrupt:
+                session.prompt_cache = PromptCache(session.model.make_cache())
+            finally:
+                answer.close()  # an unfinished turn leaves the conversation as it was
+                images, videos = [], []
         print(flush=True)
+        if stopped:
+            print("[stopped: this message and its answer are left out of the chat; the earlier turns stay]",
+                  file=sys.stderr)
+            return
         _print_stats(session.last, kv=args.kv)
 
     print("Chat with the model; /image PATH attaches an image to the next message, /help lists the commands, "
@@ -184,6 +222,9 @@ def _chat(session, args):
         except EOFError:
             print(file=sys.stderr)
             return 0
+        except KeyboardInterrupt:  # at the prompt, as in Python's own: a new line, Ctrl-D quits
+            print("\n(Ctrl-D quits)", file=sys.stderr)
+            continue
         command, _, rest = line.partition(" ")
         if line.startswith("//"):
             line = line[1:]
