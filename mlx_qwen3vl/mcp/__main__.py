@@ -90,6 +90,14 @@ def main(argv=None):
                             allowed_dirs=args.allowed_image_dir, max_request_pixels=args.max_request_pixels,
                             max_image_bytes=args.max_image_bytes, min_pixels=args.min_pixels,
                             max_pixels=args.max_pixels, max_tokens=args.max_tokens)
+        sock = None
+        if args.transport != "stdio":  # a busy port is said before the model loads
+            from ..errors import InputError
+            from ..server.connections import bind
+
+            sock, problem = bind(args.host, args.port)
+            if problem:
+                raise InputError(problem)
         worker = model_thread()
         try:
             model, processor = worker.submit(load, path, dtype=args.dtype).result()
@@ -107,10 +115,10 @@ def main(argv=None):
 
             signal.signal(signal.SIGTERM, stopped)
             signal.signal(signal.SIGINT, stopped)
-            print(f"[mlx_qwen3vl.mcp] serving {args.model} on http://{args.host}:{args.port}/mcp", file=sys.stderr,
-                  flush=True)
+            print(f"[mlx_qwen3vl.mcp] serving {args.model} on http://{args.host}:{sock.getsockname()[1]}/mcp",
+                  file=sys.stderr, flush=True)
             try:
-                serve(app, host=args.host, port=args.port, log_level=args.log_level)
+                serve(app, sock=sock, log_level=args.log_level)
             except SystemExit as e:
                 return e.code if isinstance(e.code, int) else 0
             return 0
