@@ -37,6 +37,7 @@ from pathlib import Path
 
 from .cli import Parser, run
 from .errors import ConfigError, InputError, ModelNotFoundError
+from .hub import HUB_ID, HubUnavailable, hub_fetch
 
 SCHEMA = 1
 KV_TOKENS = 1024
@@ -74,19 +75,16 @@ def read_config(model=None, preset=None, flag="--model"):
     elif path.is_file():
         folder, file = (path.parent if path.name == "config.json" else None), path
     else:
-        from .hub import HUB_ID
-
         if not HUB_ID.match(str(model)):
             raise ModelNotFoundError(f"{flag} {model!r} is neither a local folder, a config.json nor a Hugging Face "
                                      "repo id (owner/name)")
         from huggingface_hub import hf_hub_download
 
         try:
-            file, folder = Path(hf_hub_download(str(model), "config.json")), None
-        except Exception as e:  # offline, unknown or gated repo: the same to a user
-            offline = os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0")
-            why = "HF_HUB_OFFLINE is set" if offline else f"hub unreachable or no such repo: {type(e).__name__}"
-            raise ModelNotFoundError(f"could not fetch config.json of {model!r} from the Hugging Face hub ({why}); "
+            file = Path(hub_fetch(str(model), lambda **kw: hf_hub_download(str(model), "config.json", **kw)))
+            folder = None
+        except HubUnavailable as e:
+            raise ModelNotFoundError(f"could not fetch config.json of {model!r} from the Hugging Face hub ({e}); "
                                      f"pass {flag} a local folder or config.json, or --preset") from None
     try:
         raw = json.loads(file.read_text())

@@ -209,6 +209,24 @@ def test_plan_hub_id_offline_is_one_line():
     assert len(lines) == 1 and "could not fetch config.json" in lines[0] and "HF_HUB_OFFLINE" in lines[0]
 
 
+def test_plan_hub_id_with_the_hub_unreachable_fails_at_once(tmp_path):
+    """No network (the hub's address refuses connections: a closed port on this machine): one line,
+    status 2, within 2 s of the command starting its work, instead of huggingface_hub's five
+    retries with back-off (~25 s, a dozen warning lines). The interpreter's own start is not timed."""
+    from mlx_qwen3vl.distributed import free_ports
+
+    code = ("import sys, time; from mlx_qwen3vl import plan; t = time.monotonic(); "
+            "code = plan.main(['--model', 'mlx-qwen3vl-tests/no-such-model']); "
+            "print(f'took {time.monotonic() - t:.2f}'); sys.exit(code)")
+    env = {k: v for k, v in ENV.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_ENDPOINT=f"http://127.0.0.1:{free_ports()}", HF_HOME=str(tmp_path / "hf"))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "could not fetch config.json" in lines[0] and "hub unreachable" in lines[0], lines
+    assert float(p.stdout.split()[-1]) < 2.0, p.stdout
+
+
 def test_readme_table_is_the_planners():
     readme = (ROOT / "docs" / "bench.md").read_text()  # the planner's table, linked from README.md
     assert plan.README_HEADER in readme
