@@ -389,14 +389,21 @@ def build_parser():
     add_plan_arguments(p)
     p.add_argument("--max-pixels", type=int, default=None, help="the largest image area the agent sends; "
                                                                 "none = the checkpoint's")
-    p.add_argument("--json", metavar="PATH", help="write the plan as JSON")
+    add_json_argument(p, "plan.json", "the plan")
     return p
 
 
+def add_json_argument(p, default, what):
+    """--json [PATH]: a file (`default` in the current folder when no PATH is given), or - for
+    stdout, where the JSON then goes alone (the table goes to stderr)."""
+    p.add_argument("--json", nargs="?", const=default, metavar="PATH",
+                   help=f"write {what} as JSON to PATH ({default} when none is given; - for stdout)")
+
+
 def check_json_path(value, flag="--json"):
-    """--json PATH as a Path, refused before any work when it cannot be written."""
-    if value is None:
-        return None
+    """--json PATH as a Path ("-": stdout), refused before any work when it cannot be written."""
+    if value is None or value == "-":
+        return value
     out = Path(value).expanduser()
     if out.is_dir() or not out.parent.is_dir():
         raise InputError(f"{flag} {value}: not a file path in an existing folder")
@@ -413,11 +420,21 @@ def run_plan(args) -> int:
     raw, label, folder = read_config(args.model, args.preset)
     plan = make_plan(raw, label, folder, screenshot=screenshot, context=args.context,
                      max_pixels=getattr(args, "max_pixels", None))
-    print(format_plan(plan))
-    if out is not None:
-        out.write_text(json.dumps(plan, indent=1))
-        print(f"wrote {out}", file=sys.stderr)
+    print(format_plan(plan), file=sys.stderr if out == "-" else sys.stdout)
+    write_json(out, plan)
     return 0
+
+
+def write_json(out, obj):
+    """Write obj to out (from check_json_path): a file (and say so on stderr), stdout, or nowhere."""
+    if out is None:
+        return
+    text = json.dumps(obj, indent=1, default=float)
+    if out == "-":
+        print(text)
+    else:
+        out.write_text(text)
+        print(f"wrote {out}", file=sys.stderr)
 
 
 def main(argv=None):

@@ -201,6 +201,30 @@ def test_plan_command_line(tmp_path, capsys):
         assert len(err) == 1 and err[0].startswith("error:") and words in err[0], (argv, err)
 
 
+def test_json_without_a_path(tmp_path, monkeypatch, capsys):
+    """--json as the README words it, without a path: plan.json / bench.json in the current folder,
+    as --json plan.json would write; `--json -` puts the JSON alone on stdout."""
+    monkeypatch.chdir(tmp_path)
+    assert plan.main(["--preset", "2b", "--json"]) == 0
+    table = capsys.readouterr()
+    assert plan.main(["--preset", "2b", "--json", str(tmp_path / "named.json")]) == 0
+    capsys.readouterr()
+    def same(text):  # the plan, but for this machine's free memory of the moment (and so what fits)
+        d = json.loads(text)
+        d.pop("machine")
+        return [(k, v) for k, v in d.items() if k != "weights"] + [
+            [(k, v) for k, v in row.items() if "fit" not in k] for row in d["weights"]]
+
+    assert same((tmp_path / "plan.json").read_text()) == same((tmp_path / "named.json").read_text())
+    assert table.err.strip() == "wrote plan.json" and "2.13B" in table.out
+    assert plan.main(["--preset", "2b", "--json", "-"]) == 0
+    out = capsys.readouterr()
+    assert same(out.out) == same((tmp_path / "plan.json").read_text()) and "2.13B" in out.err
+    from mlx_qwen3vl.bench.__main__ import build_parser
+
+    assert build_parser().parse_args(["--model", "m", "--json"]).json == "bench.json"
+
+
 def test_plan_hub_id_offline_is_one_line():
     p = subprocess.run([sys.executable, "-m", "mlx_qwen3vl.plan", "--model", "mlx-qwen3vl-tests/no-such-model"],
                        capture_output=True, text=True, timeout=60, env={**ENV, "HF_HUB_OFFLINE": "1"})

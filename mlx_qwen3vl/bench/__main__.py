@@ -35,7 +35,7 @@ ENGINES = ("mlx-vlm",)
 
 def build_parser():
     from ..bench.presets import PRESETS
-    from ..plan import add_plan_arguments
+    from ..plan import add_json_argument, add_plan_arguments
 
     p = Parser(prog="python -m mlx_qwen3vl.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="local checkpoint folder or Hugging Face repo id (the model you have)")
@@ -49,7 +49,7 @@ def build_parser():
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="compute dtype; none = float32 on the CPU, the checkpoint's on a GPU")
     p.add_argument("--compare", default="", metavar="ENGINE", help="also run " + ", ".join(ENGINES) + " on the same inputs")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON (schema in docs/bench.md)")
+    add_json_argument(p, "bench.json", "the results (schema in docs/bench.md)")
     p.add_argument("--plan", action="store_true", help="only plan the memory (python -m mlx_qwen3vl.plan) and exit")
     p.add_argument("--preset", choices=list(PRESETS), help="with --plan: a published architecture instead of --model")
     add_plan_arguments(p)
@@ -97,7 +97,7 @@ def _bench(args, argv) -> int:
     from ..config import ModelConfig
     from ..errors import InputError
     from ..hub import resolve_model_path
-    from ..plan import check_json_path
+    from ..plan import check_json_path, write_json
     from . import engine_mlx_vlm
     from .machine import log, machine_info
     from .report import KIND, OURS, SCHEMA, format_report, validate
@@ -148,12 +148,8 @@ def _bench(args, argv) -> int:
     problems = validate(report)
     if problems:  # a bug of ours, not the user's: say so rather than write a file that does not conform
         notes.append("the report does not conform to its schema: " + "; ".join(problems))
-    print(format_report(report))
-    if out is not None:
-        import json
-
-        out.write_text(json.dumps(report, indent=1, default=float))
-        log(f"[bench] wrote {out}")
+    print(format_report(report), file=sys.stderr if out == "-" else sys.stdout)
+    write_json(out, report)
     return 0
 
 
