@@ -447,6 +447,57 @@ def test_install_commands_name_real_extras(command):
                     assert extra in extras, f"{command.where}: pyproject.toml has no extra {extra!r}"
 
 
+# What a snippet's `import X` installs as (where the two names differ).
+DISTRIBUTIONS = {"PIL": "pillow", "mlx_lm": "mlx-lm", "mlx_qwen3vl": "mlx-qwen3vl"}
+
+
+def test_python_snippets_import_only_what_their_page_installs():
+    """A page's ```python snippet imports the package, the standard library, the package's own
+    dependencies, or what a `pip install` line above it on the same page installs (a package by
+    name, or an extra that holds it): the server page's clients are not in the `server` extra."""
+    text = (ROOT / "pyproject.toml").read_text()
+    name = lambda req: re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower().replace("_", "-")  # noqa: E731
+    core = {name(r) for r in re.findall(r'"([^"]+)"', text.split("dependencies = [", 1)[1].split("]", 1)[0])}
+    section = text.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    extras = {m.group(1): {name(r) for r in re.findall(r'"([^"]+)"', m.group(2))}
+              for m in re.finditer(r"^([\w-]+)\s*=\s*\[(.*?)\]", section, re.M | re.S)}
+    for extra, reqs in extras.items():  # an extra naming another (test = mlx-qwen3vl[test-tools])
+        for inner in re.findall(r"mlx-qwen3vl\[([\w,-]+)\]", section.split(extra + " =", 1)[1].split("\n", 1)[0]):
+            reqs |= {r for e in inner.split(",") for r in extras.get(e, ())}
+    checked = 0
+    for page in PAGES:
+        installed, text = set(core) | {"mlx-qwen3vl"}, page.read_text()
+        for m in re.finditer(r"^```(bash|python)\n(.*?)^```", text, flags=re.S | re.M):
+            if m.group(1) == "bash":
+                for line in re.findall(r"pip install ([^#&\n]*)", m.group(2)):
+                    for word in line.split():
+                        extra = re.fullmatch(r"""["']?\.(?:\[([\w,-]+)\])?["']?""", word)
+                        if extra:
+                            installed |= {r for e in (extra.group(1) or "").split(",") if e for r in extras[e]}
+                        elif not word.startswith("-"):
+                            installed.add(name(word))
+                continue
+            for root in re.findall(r"^(?:from|import) ([A-Za-z_]\w*)", m.group(2), re.M):
+                if root in sys.stdlib_module_names:
+                    continue
+                dist = DISTRIBUTIONS.get(root, root.replace("_", "-")).lower()
+                line = text[:m.start()].count("\n") + 1
+                assert dist in installed, f"{page.name}:{line}: imports {root}, which no pip install above it installs"
+                checked += 1
+    assert checked >= 10
+
+
+def test_no_block_installs_both_linux_backends():
+    """A block is pasted whole: one that installs both .[cpu] and .[cuda] fetches the CUDA wheels
+    and replaces the CPU build's libmlx.so."""
+    for page in PAGES:
+        blocks = re.findall(r"^```bash\n(.*?)^```", page.read_text(), flags=re.S | re.M)
+        for block in blocks:
+            extras = set(re.findall(r"\.\[([\w,-]+)\]", block))
+            named = {e for group in extras for e in group.split(",")} & {"cpu", "cuda"}
+            assert len(named) <= 1, f"{page.name}: one block installs both backends:\n{block}"
+
+
 @pytest.mark.parametrize("command", [c for c in all_commands() if classify(c)[0] == "parse"], ids=lambda c: c.where)
 def test_long_running_commands_parse(command, scratch):
     (seg,) = segments(command.words)
