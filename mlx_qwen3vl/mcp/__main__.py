@@ -28,8 +28,8 @@ def build_parser():
     p.add_argument("--max-body-bytes", type=int, default=64 << 20, help="http: request size limit in bytes")
     p.add_argument("--agent-format", choices=AGENT_FORMATS, default="qwen",
                    help="next_action's trained prompt: Qwen3-VL computer use or UI-Venus navigation")
-    p.add_argument("--ground-format", choices=GROUNDING_FORMATS, default=None,
-                   help="ground's trained prompt (default: venus with --agent-format venus, else qwen)")
+    p.add_argument("--ground-format", choices=GROUNDING_FORMATS, default="venus",
+                   help="ground's trained prompt when a call names none (as python -m mlx_qwen3vl.ground's --format)")
     p.add_argument("--allowed-image-dir", action="append", default=[], metavar="DIR",
                    help="accept screenshots as paths of files under DIR (repeatable; none by default)")
     p.add_argument("--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES, help="size cap of one screenshot")
