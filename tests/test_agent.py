@@ -354,8 +354,9 @@ def test_ground_cli_takes_data_urls_without_subtype(tmp_path, capsys):
 @pytest.mark.parametrize("answer, status", [("[-1,-1]", "refused"), ("I cannot find it.", "malformed"),
                                             ("<think>at [500, 500]</think>", "malformed")])
 def test_ground_cli_answer_without_a_point_is_marked(tmp_path, capsys, answer, status):
-    """A picture of an answer without a point never passes for the plain screenshot: a red
-    banner across the top says no point was found (and why), a red frame runs round it."""
+    """A picture of an answer without a point never passes for the plain screenshot, and hides none
+    of it: a red frame round the whole screenshot, and a red band below it that says no point was
+    found (and why)."""
     shot = tmp_path / "shot.png"
     Image.new("RGB", (90, 260), (200, 200, 200)).save(shot)
     code, out, _ = _cli(ground_cli.main, ["--image", str(shot), "--instruction", "x", "--answer", answer,
@@ -364,11 +365,14 @@ def test_ground_cli_answer_without_a_point_is_marked(tmp_path, capsys, answer, s
     r = json.loads(out)
     assert (r["point"], r["box"], r["status"]) == (None, None, status)
     before, after = np.asarray(Image.open(shot)).astype(int), np.asarray(Image.open(tmp_path / "a.png")).astype(int)
-    assert after.shape == before.shape
-    banner = after[:12]
-    assert ((banner[..., 0] > 150) & (banner[..., 1] < 60)).mean() > 0.5  # mostly red
-    assert (banner.min(-1) > 180).any()  # with white text on it
-    assert (after[:, 0] != before[:, 0]).any(-1).all() and (after[200, 40] == before[200, 40]).all()
+    h, w = before.shape[:2]
+    line = (after.shape[1] - w) // 2
+    assert line >= 2 and after.shape[0] > h + 2 * line + 8
+    assert (after[line:line + h, line:line + w] == before).all()  # every pixel of the screenshot, as it was
+    red = lambda px: (px[..., 0] > 150) & (px[..., 1] < 60)  # noqa: E731
+    assert red(after[:line]).all() and red(after[:, :line]).all() and red(after[:, -line:]).all()  # the frame
+    band = after[h + 2 * line:]
+    assert red(band).mean() > 0.5 and (band.min(-1) > 180).any()  # mostly red, with white text on it
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -416,7 +420,8 @@ def test_ground_cli_with_the_tiny_model(tmp_path, capsys):
     assert r["image_size"] == [300, 200] and r["format"] == "venus"
     assert r["status"] in ("ok", "refused", "malformed")
     assert r["point"] == (list(parse_point(r["answer"], 300, 200) or []) or None)
-    assert r["timing"]["generation_tokens"] >= 1 and Image.open(tmp_path / "a.png").size == (300, 200)
+    drawn = Image.open(tmp_path / "a.png").size
+    assert r["timing"]["generation_tokens"] >= 1 and (drawn == (300, 200)) == (r["point"] is not None), drawn
 
 
 # ---------------------------------------------------------------------------------------------
