@@ -691,6 +691,20 @@ def test_agent_loop_example_runs_as_the_readme_says(tmp_path):
     assert Image.open(ROOT / "examples" / "screenshot.png").size == (1280, 720)
 
 
+@pytest.mark.parametrize("max_tokens", [4, 16, 64])
+def test_agent_loop_example_s_own_budget_fits_any_max_tokens(tiny, max_tokens):
+    """Without --max-pixels the example picks the screenshots' budget: it fits the context for any
+    --max-tokens (a smaller one leaves more room for pixels; every answer here runs to max_tokens),
+    with the kept screenshots counted as they are sent."""
+    example = _example()
+    model, processor = tiny  # the example's default checkpoint
+    shots = [str(ROOT / "examples" / "screenshot.png")] * 3
+    budget = example.fitting_max_pixels(model, processor, "Open the settings", 3, 2, max_tokens)
+    steps, session = example.run(model, processor, "Open the settings", shots, 2, max_tokens, max_pixels=budget)
+    assert len(steps) == 3 and session.last.generation_tokens <= max_tokens
+    assert session.last.prompt_tokens + max_tokens <= model.config.text_config.max_position_embeddings
+
+
 def test_agent_loop_example_context_overflow_is_one_line(capsys):
     """A budget too large for the context fails at the step that overflows, in one line naming the
     knobs to turn."""
@@ -700,6 +714,7 @@ def test_agent_loop_example_context_overflow_is_one_line(capsys):
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: step 2: the conversation is ") and "context of 4096" in last
     assert "--max-pixels (now 1003520)" in last and "--keep-images (now 2)" in last
+    assert "--max-tokens" not in last  # a smaller answer limit would not have made room
 
 
 def test_action_to_dict_is_json_ready():
