@@ -74,7 +74,7 @@ STDIN = {"--chat": "Click it.\n"}  # a flag → what the command reads from stdi
 
 # Left out, with the reason (the command as its words, comments dropped).
 SKIP = {
-    "git clone <this repository> mlx_qwen3vl && cd mlx_qwen3vl": "needs the network and a repository address",
+    "git clone <this repository> mlx-qwen3vl && cd mlx-qwen3vl": "needs the network and a repository address",
     "python3 -m venv .venv && . .venv/bin/activate": "makes the environment the install goes into; .ci/run makes "
                                                      "one the same way",
     'pip install -e ".[test]" && python -m pytest -q': "is this suite; test_ci_runs_the_readme_test_command holds "
@@ -485,6 +485,34 @@ def test_python_snippets_import_only_what_their_page_installs():
                 assert dist in installed, f"{page.name}:{line}: imports {root}, which no pip install above it installs"
                 checked += 1
     assert checked >= 10
+
+
+def test_the_readme_s_snippet_runs_from_the_folder_above_the_clone(tmp_path):
+    """The clone's folder, named as README.md clones it, is not importable: from the folder above
+    it, `import mlx_qwen3vl` finds the installed package, not the clone's folder as a namespace
+    package ("cannot import name 'load' from 'mlx_qwen3vl' (unknown location)", as a clone named
+    mlx_qwen3vl did under an editable install, whose finder Python asks after the folders)."""
+    (clone,) = [c for c in all_commands() if c.words[:2] == ["git", "clone"]]
+    cut = clone.words.index("&&")
+    folder = clone.words[cut - 1]
+    assert clone.words[cut:] == ["&&", "cd", folder]
+    (tmp_path / folder).mkdir()
+    (tmp_path / folder / "mlx_qwen3vl").symlink_to(ROOT / "mlx_qwen3vl")
+    code = f"""
+import importlib.util, sys
+class Editable:  # what an editable install appends to sys.meta_path: the package's own folder
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "mlx_qwen3vl":
+            return importlib.util.spec_from_file_location(
+                name, {str(ROOT / "mlx_qwen3vl" / "__init__.py")!r}, submodule_search_locations=[{str(ROOT / "mlx_qwen3vl")!r}])
+sys.meta_path.append(Editable)
+from mlx_qwen3vl import load
+print(load.__module__)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("mlx_qwen3vl"), r.stderr[-2000:]
 
 
 def test_no_block_installs_both_linux_backends():
