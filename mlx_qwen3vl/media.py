@@ -18,15 +18,12 @@ Arrays are already pixels: 1 channel is repeated, 4 channels are composited onto
 transformers' formula for arrays.
 """
 
-import base64
-import binascii
 import io
 import os
 import re
 import stat
 import struct
 import urllib.error
-import urllib.parse
 import urllib.request
 import warnings
 import zlib
@@ -35,6 +32,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from . import media_access
 from .errors import InputError
 
 URL_TIMEOUT_S = 10
@@ -95,23 +93,7 @@ def read_file(path, label):
     """The bytes of a regular file. Anything else (a directory, FIFO, device) is refused before a
     byte is read: a FIFO would block and /dev/zero would never end. Opened non-blocking and checked
     on the open descriptor, so the file cannot be swapped between the check and the read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise InputError(
-            f"{label} is not an existing file, http(s) URL or data: URL; check the path"
-        ) from None
-    except OSError as e:
-        raise InputError(f"{label} could not be read ({reason(e)}); check the file") from None
-    kind = _file_kind(os.fstat(fd).st_mode)
-    if kind:
-        os.close(fd)
-        raise InputError(f"{label} is a {kind}, not a regular file; pass an image file")
-    with os.fdopen(fd, "rb") as f:
-        try:
-            return f.read()
-        except OSError as e:
-            raise InputError(f"{label} could not be read ({reason(e)}); check the file") from None
+    return media_access.read_regular(path, label)
 
 
 def _fetch_url(url, label):
@@ -120,21 +102,6 @@ def _fetch_url(url, label):
             return r.read()
     except (urllib.error.URLError, OSError, ValueError) as e:
         raise InputError(f"{label} could not be fetched ({reason(e)}); check the URL or pass a local file") from None
-
-
-def _data_url_bytes(url, label):
-    """data:[<type>][;base64],<data>; the type is not needed (agents send `data:image;base64,`)."""
-    header, sep, payload = url.partition(",")
-    if not sep:
-        raise InputError(f"{label} is not a valid data: URL (no comma); pass data:image/png;base64,<data>")
-    if not header.endswith(";base64"):
-        return urllib.parse.unquote_to_bytes(payload)
-    try:
-        return base64.b64decode("".join(payload.split()), validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise InputError(
-            f"{label} is not valid base64 ({reason(e)}); pass data:image/png;base64,<data>"
-        ) from None
 
 
 def _too_large(label, size=""):
@@ -224,7 +191,7 @@ def _bytes_of(s, label):
     if s.startswith(("http://", "https://")):
         return _fetch_url(s, label)
     if s.startswith("data:"):
-        return _data_url_bytes(s, label)
+        return media_access.decode_data_url(s, label)
     return read_file(s, label)
 
 

@@ -38,6 +38,7 @@ BOX = '{"bbox_2d": [100, 200, 300, 400]}'
 SCRIPT = {"@find": BOX, "@act": CALL, "@ask": "It says Apply."}
 MAX_PIXELS = 1_000_000  # the server's --max-request-pixels here
 MAX_BYTES = 300_000  # --max-image-bytes
+SESSIONS, PER_CLIENT = 16, 4  # the HTTP server's --max-sessions, --max-sessions-per-client
 
 rng = np.random.default_rng(0)
 SHOT = rng.integers(0, 256, (120, 200, 3), dtype=np.uint8)
@@ -183,7 +184,7 @@ def test_paths_only_under_the_allowed_folder(client, world):
     assert ok(ask((allowed / "shot.png").as_uri()))["answer"] == "It says Apply."
     for attack in (str(outside / "secret.png"), str(allowed / "link.png"), (outside / "secret.png").as_uri(),
                    str(allowed / ".." / "outside" / "secret.png"), "/etc/passwd", "tests/fixtures/tiny-a/config.json"):
-        assert "--allowed-image-dir" in error(ask(attack)), attack
+        assert "--allowed-local-media-path" in error(ask(attack)), attack
     assert "not a PNG, JPEG, WebP, GIF, BMP or TIFF image" in error(ask(str(allowed / "notes.png")))
     assert "not a regular file" in error(ask(str(allowed / "pipe.png")))  # answered at once, nothing read
     assert "not a regular file" in error(ask(str(allowed)))
@@ -243,11 +244,14 @@ def _post(port, body, headers):
     return r.status, raw
 
 
-def test_http_transport_key_rule_and_body_limit(world, local):
+@pytest.fixture(scope="module")
+def http_port(world):
+    """An MCP server over HTTP with a key, a small body limit and small session caps."""
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlx_qwen3vl.mcp", "--model", str(world["folder"]), "--transport", "http", "--port",
-         str(port), "--api-key", KEY, "--max-body-bytes", "200000", "--log-level", "info"],
+         str(port), "--api-key", KEY, "--max-body-bytes", "200000", "--log-level", "info",
+         "--max-sessions", str(SESSIONS), "--max-sessions-per-client", str(PER_CLIENT)],
         cwd=ROOT, env={**os.environ, **ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     ready, log = threading.Event(), []
 
@@ -261,32 +265,78 @@ def test_http_transport_key_rule_and_body_limit(world, local):
     threading.Thread(target=drain, daemon=True).start()
     try:
         assert ready.wait(120) and proc.poll() is None, "".join(log)
-        assert _post(port, INIT, {})[0] == 401
-        assert _post(port, INIT, {"Authorization": "Bearer wrong"})[0] == 401
-        assert _post(port, INIT, {"Authorization": KEY})[0] == 401  # not a Bearer token
-        # With the key, any Host is served (a LAN name): the key does the protecting.
-        status, raw = _post(port, INIT, {"Authorization": f"Bearer {KEY}", "Host": "gpu-box.lan:8765"})
-        assert status == 200 and b'"serverInfo"' in raw
-        assert _post(port, b"x" * 300_000, {"Authorization": f"Bearer {KEY}"})[0] == 413
-
-        # The SDK's client over HTTP, with the key: the same answer as the library.
-        import httpx2
-        from mcp.client.streamable_http import streamable_http_client
-
-        data = png(SHOT)
-        with start_blocking_portal() as portal:
-            http_client = httpx2.AsyncClient(headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
-            transport = streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http_client)
-            with portal.wrap_async_context_manager(mcp.Client(transport)) as c:
-                result = portal.call(c.call_tool, "ask", {"screenshot": content(data), "question": "@ask"})
-        messages = [{"role": "user", "content": [{"type": "image", "image": data}, {"type": "text", "text": "@ask"}]}]
-        assert ok(result)["answer"] == M.generate(*local, messages=messages, max_tokens=512, temperature=0.0).text
+        yield port, proc
     finally:
         proc.terminate()
         try:
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_http_transport_key_rule_and_body_limit(http_port, local):
+    port, _ = http_port
+    assert _post(port, INIT, {})[0] == 401
+    assert _post(port, INIT, {"Authorization": "Bearer wrong"})[0] == 401
+    assert _post(port, INIT, {"Authorization": KEY})[0] == 401  # not a Bearer token
+    # With the key, any Host is served (a LAN name): the key does the protecting.
+    status, raw = _post(port, INIT, {"Authorization": f"Bearer {KEY}", "Host": "gpu-box.lan:8765"})
+    assert status == 200 and b'"serverInfo"' in raw
+    assert _post(port, b"x" * 300_000, {"Authorization": f"Bearer {KEY}"})[0] == 413
+
+    # The SDK's client over HTTP, with the key: the same answer as the library.
+    import httpx2
+    from mcp.client.streamable_http import streamable_http_client
+
+    data = png(SHOT)
+    with start_blocking_portal() as portal:
+        http_client = httpx2.AsyncClient(headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+        transport = streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http_client)
+        with portal.wrap_async_context_manager(mcp.Client(transport)) as c:
+            result = portal.call(c.call_tool, "ask", {"screenshot": content(data), "question": "@ask"})
+    messages = [{"role": "user", "content": [{"type": "image", "image": data}, {"type": "text", "text": "@ask"}]}]
+    assert ok(result)["answer"] == M.generate(*local, messages=messages, max_tokens=512, temperature=0.0).text
+
+
+def _from(port, source, method="POST", body=INIT, session=None):
+    """A request to the MCP server from the loopback address `source` (127.0.0.x)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60, source_address=(source, 0))
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+               "Authorization": f"Bearer {KEY}", **({"Mcp-Session-Id": session} if session else {})}
+    conn.request(method, "/mcp", body=json.dumps(body) if body is not None else None, headers=headers)
+    r = conn.getresponse()
+    raw = r.read()
+    conn.close()
+    return r.status, r.getheader("Mcp-Session-Id"), raw
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs 127.0.0.2 and 127.0.0.3 (127/8 on Linux)")
+def test_a_session_flood_gets_503_for_the_flooder_only(http_port):
+    """300 initialize POSTs from one address: the first PER_CLIENT open sessions, the rest get
+    503 at once; another address still opens one and uses it; ending one of the flooder's
+    sessions (DELETE) lets it open one again. The server's memory stays flat."""
+    port, proc = http_port
+    def rss():
+        with open(f"/proc/{proc.pid}/status") as f:
+            return int(next(line for line in f if line.startswith("VmRSS:")).split()[1])
+
+    before = rss()
+    answers = [_from(port, "127.0.0.2") for _ in range(300)]
+    opened = [sid for status, sid, _ in answers if status == 200]
+    assert len(opened) == PER_CLIENT and [a[0] for a in answers].count(503) == 300 - PER_CLIENT, \
+        sorted({a[0] for a in answers})
+    assert b"--max-sessions-per-client" in answers[-1][2]
+    status, sid, raw = _from(port, "127.0.0.3")
+    assert status == 200 and sid and b'"serverInfo"' in raw
+    initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+    assert _from(port, "127.0.0.3", body=initialized, session=sid)[0] == 202
+    status, _, raw = _from(port, "127.0.0.3", body={"jsonrpc": "2.0", "id": 2, "method": "tools/list"}, session=sid)
+    assert status == 200 and b'"next_action"' in raw
+    assert _from(port, "127.0.0.2", method="DELETE", body=None, session=opened[0])[0] == 200
+    assert _from(port, "127.0.0.2")[0] == 200
+    assert _from(port, "127.0.0.2")[0] == 503
+    print(f"RSS {before >> 10} MB before the flood, {rss() >> 10} MB after")
+    assert rss() - before < 50 << 10  # KiB
 
 
 def test_without_a_key_only_this_machine_s_names_and_origin():

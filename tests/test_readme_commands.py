@@ -57,7 +57,7 @@ MODELS = {
 PATHS = {"shot.png": "examples/screenshot.png", "~/Screenshots": "shots",
          "~/.cache/mlx_qwen3vl/prefixes": "prefixes"}
 MODEL_FLAGS = ("--model", "--hf-path")
-INPUT_FLAGS = ("--image", "--data", "--allowed-image-dir", "--video")  # must exist (after PATHS)
+INPUT_FLAGS = ("--image", "--data", "--allowed-local-media-path", "--allowed-image-dir", "--video")  # must exist (after PATHS)
 OUTPUT_FLAGS = ("--annotate", "--json", "--report", "--output", "--mlx-path", "--out")  # must exist after a run
 # Appended to every run of a program, to keep the answers and screenshots small (the last value
 # of a flag wins, so the command's own flags are still read and checked).
@@ -87,6 +87,13 @@ SKIP = {
     "mlx.distributed_config --backend ring --over thunderbolt --hosts mac1,mac2 --auto-setup --output hosts.json":
         "needs ssh to other Macs and a Thunderbolt bridge",
     "bash benchmarks/gpu_run.sh": "needs an NVIDIA GPU and the package index",
+    'python -m mlx_qwen3vl.agent run --env browser --url https://example.com --task "Open the More information link" '
+    "--model path/to/UI-Venus-1.5 --viewport 1280x800 --device-scale 2 --out example-run":
+        "opens a page on the internet (tests/test_agent_browser.py drives the browser environment on a local page "
+        "at devicePixelRatio 1 and 2)",
+    'python -m mlx_qwen3vl.agent run --env desktop --task "Open System Settings and turn on Dark Mode" '
+    "--model path/to/UI-Venus-1.5": "acts on the screen of the machine it runs on (tests/test_agent_desktop.py "
+                                    "runs the desktop environment under Xvfb)",
 }
 # Parsed by the program's own argument parser, not run, with the reason.
 PARSE = {

@@ -39,6 +39,7 @@ def build_parser():
     from .limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                          DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_REQUEST_PIXELS,
                          DEFAULT_MAX_VIDEO_FRAMES)
+    from ..media_access import DEFAULT_MAX_REQUEST_MEDIA_BYTES, DEFAULT_REQUEST_MEDIA_TIMEOUT_S
 
     p = argparse.ArgumentParser(prog="python -m mlx_qwen3vl.server", formatter_class=_Help,
                                 description="Qwen3-VL behind OpenAI chat completions and Responses, and Anthropic Messages.")
@@ -64,11 +65,17 @@ def build_parser():
     p.add_argument("--max-media-bytes", type=_positive(int), default=64 << 20, help="size cap of one fetched URL")
     p.add_argument("--max-media-fetches", type=_positive(int), default=8,
                    help="http(s) fetches in flight at once; a request needing another gets 503")
+    p.add_argument("--max-request-media-bytes", type=_positive(int), default=DEFAULT_MAX_REQUEST_MEDIA_BYTES,
+                   help="bytes all of one request's media may come to together (fetched, read and data URLs); "
+                        "reading stops at the first byte over (413)")
+    p.add_argument("--request-media-timeout", type=_positive(float), default=DEFAULT_REQUEST_MEDIA_TIMEOUT_S,
+                   help="seconds all of one request's media may take together (every fetch and read)")
     p.add_argument("--max-request-pixels", type=_positive(int), default=DEFAULT_MAX_REQUEST_PIXELS,
                    help="pixels one request may bring: each image as stored, and all images as resized plus "
                         "sampled video frames as decoded; a request's min_pixels / max_pixels may not exceed it")
     p.add_argument("--max-video-frames", type=_positive(int), default=DEFAULT_MAX_VIDEO_FRAMES,
-                   help="frames one video may hold (from its headers, before decoding)")
+                   help="frames one video may hold, and all of a request's videos together (from their headers, "
+                        "before decoding)")
     p.add_argument("--grammar-timeout", type=_positive(float), default=DEFAULT_GRAMMAR_TIMEOUT_S,
                    help="seconds a json_schema or forced tool call may take to compile")
     p.add_argument("--max-connections", type=_positive(int), default=DEFAULT_MAX_CONNECTIONS,
@@ -241,7 +248,9 @@ def main(argv=None):
         return 2
     policy = MediaPolicy(allow_http=not args.no_http_media, http_timeout_s=args.media_timeout,
                          max_media_bytes=args.max_media_bytes, allowed_local_paths=args.allowed_local_media_path,
-                         allowed_hosts=args.allow_media_host, max_fetches=args.max_media_fetches)
+                         allowed_hosts=args.allow_media_host, max_fetches=args.max_media_fetches,
+                         max_request_media_bytes=args.max_request_media_bytes,
+                         request_media_timeout_s=args.request_media_timeout)
     limits = Limits(max_request_pixels=args.max_request_pixels, max_video_frames=args.max_video_frames)
     try:
         app, engine = build_server(

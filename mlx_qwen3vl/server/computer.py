@@ -71,8 +71,8 @@ class _Step:
     result: List[str]
 
 
-def _read(part, builder, cap) -> Tuple[bytes, Tuple[int, int]]:
-    data = resolve_image(part.value, builder.policy, part.param)
+def _read(part, builder, cap, budget) -> Tuple[bytes, Tuple[int, int]]:
+    data = resolve_image(part.value, builder.policy, part.param, budget)
     try:
         w, h = media.image_size(data, part.param)
     except InputError as e:
@@ -122,7 +122,8 @@ def prepare(builder, req: ChatRequest, turns: List[Turn], tool: ComputerTool, ag
         raise APIError(400, "a computer-use request needs its task as text in the first user message",
                        param="messages", code="missing_task")
     cap = builder.limits.max_request_pixels
-    current, size = _read(shot, builder, cap)
+    budget = builder.policy.budget(cap, builder.limits.max_video_frames)  # all of this request's screenshots
+    current, size = _read(shot, builder, cap, budget)
     display = tool.display_size(size)
     keep = QWEN_HISTORY_LENGTH if agent_format == "qwen" else VENUS_HISTORY_LENGTH
     replayed, cursor, seen = [], None, {}
@@ -130,7 +131,8 @@ def prepare(builder, req: ChatRequest, turns: List[Turn], tool: ComputerTool, ag
         data, step_display = None, display
         if step.shot is not None and (agent_format == "qwen" or tool.display is None):
             if id(step.shot) not in seen:
-                seen[id(step.shot)] = _read(step.shot, builder, cap) if step.shot is not shot else (current, size)
+                seen[id(step.shot)] = (_read(step.shot, builder, cap, budget) if step.shot is not shot
+                                       else (current, size))
             data, step_size = seen[id(step.shot)]
             step_display = tool.display_size(step_size)
         actions = _actions(tool, step)
