@@ -37,7 +37,9 @@ from pathlib import Path
 
 from .cli import Parser, run
 from .errors import ConfigError, InputError, ModelNotFoundError
+from .architectures import HUB_IDS, PRESETS, QWEN3VL_PREPROCESSOR, preset_config
 from .hub import HUB_ID, HubUnavailable, hub_fetch
+from .memory import memory_limits
 
 SCHEMA = 1
 KV_TOKENS = 1024
@@ -63,8 +65,6 @@ def size_label(n):
 # ---------------------------------------------------------------------------------------------
 def read_config(model=None, preset=None, flag="--model"):
     """(config dict, label, folder or None). A hub id downloads config.json and nothing else."""
-    from .bench.presets import HUB_IDS, preset_config
-
     if preset is not None:
         return preset_config(preset), f"preset {preset} ({HUB_IDS.get(preset, 'test architecture')})", None
     path = Path(str(model)).expanduser()
@@ -179,7 +179,6 @@ def kv_rows(config, tokens=KV_TOKENS) -> list:
 
 def image_config_for(folder):
     """The checkpoint's image preprocessing (its pixel budget), else the published Qwen3-VL one."""
-    from .bench.presets import QWEN3VL_PREPROCESSOR
     from .processor import ImageConfig, read_media_configs
 
     if folder is not None and ((folder / "preprocessor_config.json").is_file()
@@ -268,9 +267,8 @@ def verdict(need, budget):
 
 def make_plan(raw, label="model", folder=None, *, screenshot=DEFAULT_SCREENSHOT, context=DEFAULT_CONTEXT,
               max_pixels=None, limits=None, device=None) -> dict:
-    """The whole plan as a JSON-ready dict (see the module docstring). `limits` (bench.machine.
+    """The whole plan as a JSON-ready dict (see the module docstring). `limits` (memory.
     memory_limits) and `device` ("metal", "gpu" or "cpu") default to this machine's."""
-    from .bench.machine import memory_limits
     from .config import ModelConfig
 
     config = ModelConfig.from_dict(raw)
@@ -378,8 +376,6 @@ def add_plan_arguments(p):
 
 
 def build_parser():
-    from .bench.presets import PRESETS
-
     p = Parser(prog="python -m mlx_qwen3vl.plan", description=__doc__.split("\n\n")[0],
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     src = p.add_mutually_exclusive_group()

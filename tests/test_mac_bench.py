@@ -15,10 +15,11 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_qwen3vl import Processor, plan
+from mlx_qwen3vl import memory
 from mlx_qwen3vl.bench import machine
 from mlx_qwen3vl.bench.__main__ import main as bench_main
 from mlx_qwen3vl.bench.inputs import screenshot_messages, text_messages
-from mlx_qwen3vl.bench.presets import HUB_IDS, PRESETS, preset_config
+from mlx_qwen3vl.architectures import HUB_IDS, PRESETS, preset_config
 from mlx_qwen3vl.bench.report import validate
 from mlx_qwen3vl.config import ModelConfig
 from mlx_qwen3vl.weights import load_model
@@ -165,7 +166,7 @@ def test_plan_fits_against_the_gpu_working_set_on_macos(monkeypatch):
     """On an Apple GPU mx.device_info() reports the recommended working set (not on Linux): stubbed."""
     info = {"device_name": "Apple M2", "memory_size": 8 * 2**30, "max_recommended_working_set_size": 4_000_000_000}
     monkeypatch.setattr(mx, "device_info", lambda *a: dict(info))
-    limits = machine.memory_limits()
+    limits = memory.memory_limits()
     assert limits["budget"] == limits["working_set"] == 4_000_000_000 and "working set" in limits["budget_name"]
     p = plan.make_plan(preset_config("2b"), "2b", limits=limits, device="metal")
     verdicts = {f["weights"]: f["verdict"] for f in p["fits"]}
@@ -176,7 +177,7 @@ def test_plan_fits_against_the_gpu_working_set_on_macos(monkeypatch):
                   else "does not fit")
         assert f["verdict"] == expect
     assert "iogpu.wired_limit_mb" in plan.format_plan(p)
-    linux = machine.memory_limits({"device_name": "AMD EPYC"})  # what Linux reports: names only
+    linux = memory.memory_limits({"device_name": "AMD EPYC"})  # what Linux reports: names only
     assert linux["working_set"] is None and linux["budget"] in (linux["available"], linux["total"])
 
 

@@ -34,7 +34,7 @@ ENGINES = ("mlx-vlm",)
 
 
 def build_parser():
-    from ..bench.presets import PRESETS
+    from ..architectures import PRESETS
     from ..plan import add_json_argument, add_plan_arguments
 
     p = Parser(prog="python -m mlx_qwen3vl.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
