@@ -499,3 +499,19 @@ def test_cli_chat_commands_first_turn_and_prompts(loaded):
     errors = [line for line in p.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "/image 'missing.png'" in errors[0]
     assert "/image PATH" in p.stderr.split("Commands", 1)[1]
+
+
+def test_stream_generate_counts_the_weights_once_per_model(loaded, monkeypatch):
+    """Each call runs an Engine of its own; the weights' bytes its KV budget subtracts are counted
+    once per model, not by walking every parameter per call (issue #40)."""
+    from mlx_qwen3vl.engine import core
+
+    model, processor = loaded["tiny-b"]
+    walks, real = [], core._leaves
+    monkeypatch.setattr(core, "_leaves", lambda tree, prefix="": (walks.append(1) if prefix == "" else None)
+                        or real(tree, prefix))
+    monkeypatch.setattr(core, "_WEIGHT_BYTES", {})
+    for _ in range(3):
+        M.generate(model, processor, "hi", max_tokens=1)
+    assert len(walks) == 1
+    assert core.weight_bytes(model) == sum(v.nbytes for _, v in real(model.parameters()))

@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
@@ -158,8 +159,20 @@ def auto_kv_budget(model) -> int:
     total = info.get("max_recommended_working_set_size") or info.get("memory_size")
     if not total:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    weights = sum(v.nbytes for _, v in _leaves(model.parameters()))
-    return max(0, int(0.75 * total) - weights)
+    return max(0, int(0.75 * total) - weight_bytes(model))
+
+
+_WEIGHT_BYTES = {}  # id(model) → its parameters' bytes, while the model lives
+
+
+def weight_bytes(model) -> int:
+    """The bytes of a model's parameters, counted once per model: stream_generate makes an Engine
+    per call, and walking every parameter each time cost a 30B MoE's thousands of arrays per turn."""
+    key = id(model)
+    if key not in _WEIGHT_BYTES:
+        _WEIGHT_BYTES[key] = sum(v.nbytes for _, v in _leaves(model.parameters()))
+        weakref.finalize(model, _WEIGHT_BYTES.pop, key, None)  # an id is reused once its model is gone
+    return _WEIGHT_BYTES[key]
 
 
 def _leaves(tree, prefix=""):
