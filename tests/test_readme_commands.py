@@ -284,10 +284,10 @@ def client_shell(p, server_port):
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory):
     """A folder to run the commands in: the repository's examples (copied: commands write there),
-    tests, benchmarks and convert.py (linked), the folders PATHS names, and its own HOME."""
+    tests and benchmarks (linked), the folders PATHS names, and its own HOME."""
     d = tmp_path_factory.mktemp("readme")
     shutil.copytree(ROOT / "examples", d / "examples")
-    for name in ("tests", "benchmarks", "convert.py"):
+    for name in ("tests", "benchmarks"):
         (d / name).symlink_to(ROOT / name)
     for name in ("shots", "prefixes", "home"):
         (d / name).mkdir()
@@ -425,7 +425,7 @@ def test_every_command_is_run_checked_or_left_out_with_a_reason():
         if kind == "run" and c.words[0] != "curl":
             name, _ = program(segments(c.words)[-1] if c.words[0] != "mlx.launch" else
                               c.words[c.words.index("--") + 1:])
-            assert name.startswith(("mlx_qwen3vl", "convert.py", "examples/")), \
+            assert name.startswith(("mlx_qwen3vl", "examples/")), \
                 f"{c.where}: nothing here knows how to run {name!r}: run it, PARSE it or SKIP it with a reason"
 
 
