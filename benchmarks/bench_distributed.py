@@ -58,7 +58,7 @@ def _rss_peak_gb():
 
 
 def _file_tensor_bytes(path):
-    from mlx_qwen3vl.slices import open_views
+    from mlx_qwen3vl.sharded_load import open_views
     from mlx_qwen3vl.weights import weight_files
 
     files, _ = weight_files(Path(path))

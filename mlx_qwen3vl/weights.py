@@ -243,7 +243,7 @@ def resolve_tied_head(weights: dict, config: ModelConfig, where: str):
         return
     embed = {k.replace("language_model.embed_tokens.", "lm_head."): v for k, v in weights.items()
              if k.startswith("language_model.embed_tokens.")}
-    whole = lambda v: v.read() if hasattr(v, "read_raw") else v  # noqa: E731  (a slices.TensorView: read it)
+    whole = lambda v: v.read() if hasattr(v, "read_raw") else v  # noqa: E731  (a sharded_load.TensorView: read it)
     same = set(head) == set(embed) and all(
         head[k].shape == embed[k].shape and bool(mx.array_equal(whole(head[k]), whole(embed[k]))) for k in head)
     if same:
@@ -303,7 +303,8 @@ def apply_quantization(model: nn.Module, quantization: dict, weights: dict, layo
         raise ConfigError(f"{where}: quantization must be an object with group_size and bits, not {quantization!r}")
     if "quant_method" in quantization and "bits" not in quantization:
         raise ConfigError(f"{where}: weights quantized with {quantization['quant_method']!r} (a transformers "
-                          "quantization) are not supported: convert the unquantized checkpoint with python -m mlx_qwen3vl.convert -q")
+                          "quantization) are not supported: convert the unquantized checkpoint with "
+                          "python -m mlx_qwen3vl.convert -q")
     default = _quant_params({k: v for k, v in quantization.items() if k in ("group_size", "bits", "mode")}, where)
     overrides = {}
     for key, value in quantization.items():
@@ -397,7 +398,7 @@ def _as_dtype(dtype):
 def assemble(path: Path, dtype=None, views=False):
     """(config, module name → weight, dtype, layout) of a checkpoint folder: every rename, expert
     split and tied-head choice made, floating weights cast to `dtype` (lazily). views=True gives
-    slices.TensorView's (read by parts later) instead of lazily loaded arrays."""
+    sharded_load.TensorView's (read by parts later) instead of lazily loaded arrays."""
     config = ModelConfig.from_pretrained(path)
     dtype = _as_dtype(dtype) or default_dtype(config)
     raw, origin = read_weights(path, with_files=True, views=views)

@@ -16,8 +16,8 @@ import pytest
 from PIL import Image
 
 from mlx_qwen3vl import agent
-from mlx_qwen3vl.agent import eval_grounding
-from mlx_qwen3vl.agent import ground_cli
+from mlx_qwen3vl import eval_grounding
+from mlx_qwen3vl import ground as ground_cli
 from mlx_qwen3vl.agent import (Action, Step, computer_use_messages, computer_use_system_prompt, grounding_messages,
                                grounding_prompt, navigation_messages, navigation_prompt, parse_action,
                                parse_grounding, parse_point, to_pixel)
@@ -722,9 +722,9 @@ def test_action_to_dict_is_json_ready():
     assert json.loads(json.dumps(a.to_dict()))["args"] == {"start": [1, 2], "end": [3, 4]}
 
 
-def test_old_command_paths_still_run():
-    """The grounding commands moved into the agent package; `python -m mlx_qwen3vl.ground` and
-    `python -m mlx_qwen3vl.eval_grounding` (what the README and people's scripts say) still run them."""
+def test_the_grounding_commands_run_as_modules():
+    """`python -m mlx_qwen3vl.ground` and `python -m mlx_qwen3vl.eval_grounding` (what the README
+    and people's scripts say): the commands' one home each."""
     for module, prog in (("mlx_qwen3vl.ground", "ground"), ("mlx_qwen3vl.eval_grounding", "eval_grounding")):
         p = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=ROOT,
                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)

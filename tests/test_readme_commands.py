@@ -511,8 +511,8 @@ class Editable:  # what an editable install appends to sys.meta_path: the packag
     @staticmethod
     def find_spec(name, path=None, target=None):
         if name == "mlx_qwen3vl":
-            return importlib.util.spec_from_file_location(
-                name, {str(ROOT / "mlx_qwen3vl" / "__init__.py")!r}, submodule_search_locations=[{str(ROOT / "mlx_qwen3vl")!r}])
+            return importlib.util.spec_from_file_location(name, {str(ROOT / "mlx_qwen3vl" / "__init__.py")!r},
+                                                          submodule_search_locations=[{str(ROOT / "mlx_qwen3vl")!r}])
 sys.meta_path.append(Editable)
 from mlx_qwen3vl import load
 print(load.__module__)

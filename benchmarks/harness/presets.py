@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mlx_qwen3vl.architectures import PRESETS, preset_config as _preset_config  # noqa: F401  (bench.py imports PRESETS here)
+from mlx_qwen3vl.architectures import PRESETS, preset_config as _preset_config  # noqa: F401  (bench.py: PRESETS)
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny-a"
