@@ -371,7 +371,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.worker:
         return worker(args.worker)
-    from harness.presets import build_preset
+    from harness.preset_folders import build_preset
 
     model = Path(args.model) if args.model else build_preset(args.preset)
     report = dict(argv=sys.argv[1:] if argv is None else list(argv), model=str(model),

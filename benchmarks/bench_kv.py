@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from harness.measure import machine_info  # noqa: E402
-from harness.presets import ROOT, build_preset  # noqa: E402
+from harness.preset_folders import ROOT, build_preset  # noqa: E402
 from harness.workloads import screenshot  # noqa: E402
 
 import mlx.core as mx  # noqa: E402

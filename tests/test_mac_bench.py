@@ -380,7 +380,7 @@ def test_compare_with_mlx_vlm_runs_it_on_the_same_inputs(tmp_path, monkeypatch):
     random weights emit tokens mlx-vlm's detokenizer knows."""
     pytest.importorskip("mlx_vlm")
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    from harness.presets import build_preset
+    from harness.preset_folders import build_preset
 
     folder = build_preset("tiny", tmp_path / "models", log=lambda msg: None)
     out = tmp_path / "b.json"
