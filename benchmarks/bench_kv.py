@@ -59,10 +59,6 @@ def log(*a):
     print("[bench_kv]", *a, file=sys.stderr, flush=True)
 
 
-def greedy(logprobs):
-    return mx.argmax(logprobs, axis=-1)
-
-
 def text_of(processor, n):
     """A user text of about n tokens."""
     words = " ".join(f"Step {i}: the agent opened window {i % 17}, read its title and clicked OK." for i in range(n // 14 + 1))
@@ -94,7 +90,7 @@ def part_decode(model, processor, args):
         cache = model.make_cache()
         times = []
         tic = time.perf_counter()
-        for y, _ in generate_step(model, inputs, cache, sampler=greedy, max_tokens=args.decode_tokens, kv=kv):
+        for y, _ in generate_step(model, processor, inputs, cache=cache, max_tokens=args.decode_tokens, kv=kv):
             mx.eval(y)
             times.append(time.perf_counter())
         positions = cache[0].size()

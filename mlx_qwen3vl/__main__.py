@@ -219,6 +219,8 @@ def _chat(session, args):
         print(">> ", end="", file=sys.stderr, flush=True)
         try:
             line = input().strip()
+            if not sys.stdin.isatty():  # end the prompt's line, as a terminal's echo of the typed line does
+                print(file=sys.stderr)
         except EOFError:
             print(file=sys.stderr)
             return 0

@@ -9,7 +9,6 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.sample_utils import make_sampler
 from PIL import Image
 
 import mlx_qwen3vl as M
@@ -47,8 +46,8 @@ def test_greedy_equals_transformers(checkpoint, case, backend):
     on the plain MLX graph and on the CPU path (as shipped, and for every size)."""
     model = load_fixture_model(checkpoint, backend=backend)
     inputs = case_inputs(case)
-    tokens = [np.array(y) for y in generate_tokens(model, inputs, model.make_cache(), sampler=make_sampler(0.0),
-                                                    max_tokens=16, prefill_step_size=7)]
+    processor = M.Processor.from_pretrained(FIXTURES / checkpoint)
+    tokens = [np.array(y) for y in generate_tokens(model, processor, inputs, max_tokens=16, prefill_step_size=7)]
     np.testing.assert_array_equal(np.stack(tokens, 1), reference(checkpoint, case)["greedy"])
 
 
@@ -175,7 +174,8 @@ def test_ignore_eos_generates_past_eos_per_request(loaded, monkeypatch):
         M.SamplingParams(ignore_eos="yes")
     from mlx_qwen3vl.__main__ import build_parser
 
-    assert build_parser().parse_args(["--ignore-eos"]).ignore_eos and not build_parser().parse_args([]).ignore_eos
+    parse = build_parser().parse_args
+    assert parse(["--model", "m", "--ignore-eos"]).ignore_eos and not parse(["--model", "m"]).ignore_eos
 
 
 @pytest.mark.parametrize("case", ["text", "image", "video"])
@@ -184,8 +184,8 @@ def test_vision_timing_hook(case):
     and changes no token."""
     model = load_fixture_model("tiny-a")
     times = []
-    tokens = [np.array(y) for y in generate_tokens(model, case_inputs(case), model.make_cache(),
-                                                    sampler=make_sampler(0.0), max_tokens=4,
+    processor = M.Processor.from_pretrained(FIXTURES / "tiny-a")
+    tokens = [np.array(y) for y in generate_tokens(model, processor, case_inputs(case), max_tokens=4,
                                                     on_vision_done=times.append)]
     np.testing.assert_array_equal(np.stack(tokens, 1), reference("tiny-a", case)["greedy"][:, :4])
     if case == "text":

@@ -15,7 +15,7 @@ import os
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -49,7 +49,7 @@ class Request:
     cache back holding the prompt and the answer. `time_limit`: seconds from `add` (None: the
     engine's `max_request_seconds`). `tokens` / `media`: the prompt's ids and spans.media_keys,
     when the caller has them already. `kv`: how its KV cache is stored (KVSettings; None: the
-    engine's)."""
+    engine's). `on_vision_done(seconds)`: its vision tower's time, once its media are encoded."""
 
     inputs: dict
     params: SamplingParams = field(default_factory=SamplingParams)
@@ -61,6 +61,7 @@ class Request:
     tokens: Optional[List[int]] = None
     media: Optional[list] = None
     kv: Optional[KVSettings] = None
+    on_vision_done: Optional[Callable] = None  # called with the vision tower's seconds (a timing hook)
 
 
 @dataclass
@@ -632,7 +633,7 @@ class Engine:
         job = PrefillJob(self.model, r.inputs, cache, start=start,
                          features=self.features if self.features.max_bytes else None,
                          item_budget=item_budget, prefill_step_size=self.prefill_step_size, costs=self.costs,
-                         kv=w.kv)
+                         kv=w.kv, on_vision_done=r.on_vision_done)
         n = len(r.tokens)
         self.metrics["prompt_tokens"] += n
         self.metrics["prompt_tokens_computed"] += n - start

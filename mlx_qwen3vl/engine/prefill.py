@@ -1,7 +1,8 @@
 """A prompt's prefill as work items: the vision tower on its new images and videos (split below
 whole blocks, vision.plan_vision), then the prompt in chunks through the decoder. The engine
 spends a bounded budget of them per step, so streams that are decoding keep getting tokens while
-a screenshot is encoded; `prefill` runs them all at once (generate_step's prefill).
+a screenshot is encoded; `prefill` runs them all at once (for tests and benchmarks that prefill
+a cache of their own).
 
 Costs are FLOPs (2 x multiply-adds of the matmuls and attention), computed from the config and
 the shapes alone: every rank of a sharded or pipelined model plans and spends the same items in
