@@ -27,7 +27,7 @@ import mlx_qwen3vl as M  # noqa: E402
 from mlx_qwen3vl.agent import ground, parse_grounding  # noqa: E402
 from mlx_qwen3vl.agent.computer_use import AGENT_SAMPLING, ComputerStep, computer_messages, map_answer  # noqa: E402
 from anyio.from_thread import start_blocking_portal  # noqa: E402
-from conftest import asgi_status  # noqa: E402
+from conftest import asgi_status, exif_image  # noqa: E402
 from scripted import write_scripted_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +35,8 @@ ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", 
 CALL = ('<tool_call>\n{"name": "computer_use", "arguments": {"action": "left_click", "coordinate": [500, 300]}}'
         '\n</tool_call>')
 BOX = '{"bbox_2d": [100, 200, 300, 400]}'
-SCRIPT = {"@find": BOX, "@act": CALL, "@ask": "It says Apply."}
+VENUS_BOX = "<action>Click(box=(100, 200, 300, 400))</action>"  # UI-Venus answers a box too
+SCRIPT = {"@find": BOX, "@act": CALL, "@ask": "It says Apply.", "@tapbox": VENUS_BOX}
 MAX_PIXELS = 1_000_000  # the server's --max-request-pixels here
 MAX_BYTES = 300_000  # --max-image-bytes
 SESSIONS, PER_CLIENT = 16, 4  # the HTTP server's --max-sessions, --max-sessions-per-client
@@ -165,6 +166,41 @@ def test_next_action_equals_the_library(client, local):
     assert (got["status"], got["actions"]) == ("action", [a.to_dict() for a in turn.actions])
     assert got["actions"] == [{"type": "click", "point": [100, 36], "button": "left"}]
     assert got["parsed"]["name"] == "left_click"
+
+
+@pytest.mark.parametrize("orientation", [6, 8, 5, 7, 3])
+def test_rotated_screenshots_answer_in_the_upright_pixels(client, local, orientation):
+    """A JPEG stored 640x360 with an EXIF orientation is seen upright by the model: ground and
+    next_action (no screen size) report and map in the upright size, and zoom's window lies in it.
+    By hand, on 360x640: the box [100, 200, 300, 400] is [36, 128, 108, 256], its centre [72, 192];
+    the click [500, 300] is [180, 192] (on 640x360, turned half: [64, 72, 192, 144], [128, 108] and [320, 108])."""
+    data = exif_image(640, 360, orientation)
+    turned = orientation != 3
+    size = [360, 640] if turned else [640, 360]
+    shot = {"type": "image", "data": base64.b64encode(data).decode(), "mimeType": "image/jpeg"}
+    got = ok(client.call("ground", {"screenshot": shot, "instruction": "it @find"}))
+    assert got["image_size"] == got["screen_size"] == size
+    assert (got["point"], got["box"]) == (([72, 192], [36, 128, 108, 256]) if turned else ([128, 108], [64, 72, 192, 144]))
+    zoomed = ok(client.call("ground", {"screenshot": shot, "instruction": "it @find", "zoom": True}))
+    want = ground(*local, data, "it @find", format="qwen", zoom=True)
+    assert (zoomed["point"], zoomed["box"], zoomed["zoom"]["window"]) == (list(want.point), list(want.box),
+                                                                          list(want.window))
+    act = ok(client.call("next_action", {"screenshot": shot, "task": "Open it @act"}))
+    assert act["image_size"] == act["screen_size"] == size
+    assert act["actions"] == [{"type": "click", "point": [180, 192] if turned else [320, 108], "button": "left"}]
+    if orientation == 6:  # a Retina screen in points, half the upright pixels: (200, 300) of 180x320 is (36, 96)
+        retina = ok(client.call("ground", {"screenshot": shot, "instruction": "it @find", "screen_width": 180,
+                                           "screen_height": 320}))
+        assert (retina["point"], retina["screen_size"], retina["image_size"]) == ([36, 96], [180, 320], size)
+
+
+def test_next_action_reads_a_venus_box_as_its_centre(client):
+    """Click(box=(x1, y1, x2, y2)) is a click at the box's centre, as ground reads it: (200, 300) of
+    1000 on 200x120 is pixel (40, 36)."""
+    got = ok(client.call("next_action", {"screenshot": content(png(SHOT)), "task": "Tap it @tapbox"}))
+    assert got["answer"] == VENUS_BOX and got["status"] == "action"
+    assert got["actions"] == [{"type": "click", "point": [40, 36], "button": "left"}]
+    assert got["parsed"]["args"] == {"box": [40, 36]} and parse_grounding(VENUS_BOX, 200, 120).point == (40, 36)
 
 
 def test_ask_equals_the_library(client, local):

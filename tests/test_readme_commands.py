@@ -68,6 +68,7 @@ SMALL = {
     "mlx_qwen3vl.bench": ["--quick", "--prompt-tokens", "32", "--decode-tokens", "2", "--agent-turns", "1",
                           "--max-pixels", "65536"],
     "examples/agent_loop.py": ["--max-tokens", "8", "--max-pixels", "65536"],
+    "mlx_qwen3vl.agent": ["--max-tokens", "8", "--max-pixels", "65536", "--max-steps", "1"],
 }
 SERVERS = ("mlx_qwen3vl.server",)  # run until asked to stop; `mlx_qwen3vl.mcp --transport http` too
 STDIN = {"--chat": "Click it.\n"}  # a flag → what the command reads from stdin (then end of input)
@@ -261,7 +262,8 @@ def plan(c):
                 if w == flag and not args[i + 1].startswith("-"):
                     assert args[i + 1] in PATHS.values() or (ROOT / args[i + 1]).exists(), \
                         f"{c.where}: {flag} {args[i + 1]!r} names no file of the repository"
-        p.outputs += [args[i + 1] for i, w in enumerate(args[:-1]) if w in OUTPUT_FLAGS]
+        p.outputs += [args[i + 1] for i, w in enumerate(args[:-1])
+                      if w in OUTPUT_FLAGS and not args[i + 1].startswith("-")]  # a bare --json is a switch
         p.stdin = next((text for flag, text in STDIN.items() if flag in args), p.stdin)
         head = [sys.executable, "-m", name] if words[0].startswith("python") and words[1] == "-m" else \
             [sys.executable, name] if words[0].startswith("python") else [name]

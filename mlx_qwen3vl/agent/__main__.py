@@ -100,7 +100,7 @@ def parse_seeds(text: str):
 
 def _check(args):
     """Every flag checked, under its name, before a model loads or a browser starts."""
-    if (args.model is None) == (args.base_url is None) and not getattr(args, "_replay_only", False):
+    if (args.model is None) == (args.base_url is None):
         raise InputError("give --model (a checkpoint) or --base-url (a server), one of them")
     if args.base_url is not None and not re.match(r"https?://", args.base_url):
         raise InputError(f"--base-url must be an http(s) URL, not {args.base_url!r}")

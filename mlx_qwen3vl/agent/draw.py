@@ -1,5 +1,5 @@
-"""Pictures of answers: the point and box drawn on the screenshot (and two-stage grounding's
-zoom window), and a visible mark when there is no point."""
+"""Pictures of answers: the point, box and drag path drawn on the screenshot (and two-stage
+grounding's zoom window), and a visible mark when there is no point."""
 
 import math
 from typing import Optional

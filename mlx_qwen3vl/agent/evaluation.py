@@ -165,8 +165,8 @@ def report_html(summary: dict, state: dict, tasks, seeds) -> str:
             "td,th{padding:.2em .6em;text-align:left}figure{display:inline-block;margin:.5em;width:220px;"
             "vertical-align:top}figure img{max-width:210px;border:3px solid #999}.ok img{border-color:#070}"
             ".bad img{border-color:#b00}</style></head><body><h1>MiniWoB++ evaluation</h1>"
-            f"<table>{settings}</table><h2>Results</h2><table><tr><th>task</th><th>episodes</th><th>successes</th>"
-            f"<th>success rate</th><th>mean reward</th><th>mean steps</th><th>seconds per step</th></tr>{rows}</table>"
+            "<table><tr><th>task</th><th>episodes</th><th>successes</th><th>success rate</th><th>mean reward</th>"
+            f"<th>mean steps</th><th>seconds per step</th></tr>{rows}</table><h2>Settings</h2><table>{settings}</table>"
             f"<h2>Last step of each episode</h2>{''.join(cards)}</body></html>\n")
 
 

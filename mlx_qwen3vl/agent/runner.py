@@ -18,7 +18,8 @@ Both are asked through one ChatSession (its KV cache and processed turns reused 
 through a server with the OpenAI client (`ServerAnswerer`, the model in another process).
 
 **Coordinates.** The model sees the Observation's image; `map_answer` gives actions in that image's
-pixels; the environment maps them with `envs.to_env` (recorded beside each step as `env_point`).
+pixels; the environment maps them with `envs.to_env_pixel` (recorded beside each step as
+`env_point`: the input coordinate it acted at).
 
 **Endings** (`Episode.reason`): "done" (the environment ended the episode: MiniWoB++ scored it),
 "terminate" (Qwen terminate / UI-Venus Finished), "answer" (the model answered the user: Qwen
@@ -36,8 +37,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from ..errors import ContextLengthError, InputError
+from ..processor import VISION_TOKENS
 from .computer_use import AGENT_FORMATS, AGENT_SAMPLING, ComputerStep, computer_messages, map_answer
-from .envs.base import Environment, Observation, to_env
+from .envs.base import Environment, Observation, to_env_pixel
 from .parse import parse_action, parse_grounding
 from .prompts import VENUS_HISTORY_LENGTH, VENUS_NAVIGATION_SAMPLING, computer_use_system_prompt
 
@@ -74,6 +76,14 @@ def keep_last_images(messages, n: int):
     return messages
 
 
+def without_vision_tokens(text: str) -> str:
+    """An answer as the history shows it: the vision markers a confused model may emit removed (they
+    would read as media slots), as ChatSession keeps its answers."""
+    for token in VISION_TOKENS:
+        text = text.replace(token, "")
+    return text
+
+
 def step_messages(task: str, screenshots: Sequence, answers: Sequence[str], *, agent_format: str,
                   history_images: int = HISTORY_IMAGES, history_steps: int = VENUS_HISTORY_LENGTH,
                   kind: str = "web") -> list:
@@ -82,6 +92,7 @@ def step_messages(task: str, screenshots: Sequence, answers: Sequence[str], *, a
     `history_images` screenshots; venus, the navigation prompt with the last `history_steps` steps."""
     if len(answers) != len(screenshots) - 1:
         raise ValueError("one answer per earlier screenshot")
+    answers = [without_vision_tokens(a) for a in answers]
     if agent_format == "qwen":
         history = [ComputerStep(screenshot=s, answer=a) for s, a in zip(screenshots, answers)]
         messages = computer_messages(task, screenshots[-1], history, format="qwen", history_length=len(history))
@@ -233,8 +244,9 @@ class StepRecord:
 
     image_size: the screenshot's (width, height). status: map_answer's ("action", "message", "done",
     "unmapped"). actions: the ComputerActions as dicts, points in screenshot pixels; point / end: the
-    first pointing action's (None without one), env_point / env_end: the same in the environment's
-    input coordinates (envs.to_env). box: the answer's box where it gave one (screenshot pixels).
+    first pointing action's (None without one), env_point / env_end: the environment's input
+    coordinates it acted at (envs.to_env_pixel). box: the answer's box where it gave one (screenshot
+    pixels).
     error: why an action was not executed (the environment refused it), else None."""
 
     index: int
@@ -312,8 +324,8 @@ def record_step(index: int, obs: Observation, answer: Answer) -> Tuple[StepRecor
     if first is not None:
         rec.point = tuple(first.point) if first.point is not None else None
         rec.end = tuple(first.end) if first.end is not None else None
-        rec.env_point = to_env(rec.point, obs) if rec.point else None
-        rec.env_end = to_env(rec.end, obs) if rec.end else None
+        rec.env_point = to_env_pixel(rec.point, obs) if rec.point else None
+        rec.env_end = to_env_pixel(rec.end, obs) if rec.end else None
     g = parse_grounding(answer.text, width, height)
     if g.status == "ok" and g.box is not None:
         rec.box = tuple(g.box)
@@ -396,11 +408,13 @@ def run_task(model, processor, env: Environment, task: Optional[str] = None, *, 
                 except InputError as e:  # an action the environment cannot carry out
                     rec.error = str(e)
                     break
+                if env.done:  # the task scored, or the person stopped the episode
+                    break
         rec.act_s = time.perf_counter() - tic
         rec.reward = float(env.reward)
         ended = None
         if env.done:
-            ended = ("done", "the environment ended the episode")
+            ended = ("done", getattr(env, "stop_reason", None) or "the environment ended the episode")
         elif turn.status == "done":
             outcome, message = turn.outcome, turn.text or None
             ended = ("terminate", f"the model ended the task ({turn.outcome or 'no status'})")

@@ -35,14 +35,30 @@ def _write_json(path: Path, data):
     os.replace(tmp, path)
 
 
+def describe(actions: List[dict]) -> str:
+    """Actions in a few words (a picture's banner when they point nowhere)."""
+    words = []
+    for a in actions:
+        if a["type"] == "type":
+            words.append(f"type {a['text']!r}")
+        elif a["type"] == "key":
+            words.append("key " + "+".join(a["keys"]))
+        elif a["type"] == "scroll":
+            words.append(f"scroll {a['direction']} {a['amount']}")
+        else:
+            words.append(a["type"].replace("_", " "))
+    return ", ".join(words)
+
+
 def answer_picture(image, rec: StepRecord, path=None):
     """The screenshot with the step's answer drawn: its point, box and drag path, or a banner saying
-    why there is none."""
+    what it did instead (typing, a key, a message) or why nothing was done."""
     note = None
     if rec.point is None and rec.end is None:
-        note = {"message": "no action: a message", "done": "the model ended the task",
+        note = {"action": f"no point: {describe(rec.actions)}", "message": "no action: a message",
+                "done": "the model ended the task",
                 "unmapped": f"not executed: {rec.reason or 'unmapped'}"}.get(rec.status, "no point")
-    elif rec.error:
+    if rec.error:
         note = f"not executed: {rec.error}"
     return annotate(image, point=rec.point or rec.end, box=rec.box, drag=rec.end if rec.point else None, note=note,
                     path=path)

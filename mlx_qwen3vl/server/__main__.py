@@ -97,6 +97,15 @@ def build_parser():
                    help="recent /v1/responses answers kept for previous_response_id (0: none)")
     p.add_argument("--responses-store-mb", type=_positive(float), default=256.0,
                    help="memory those kept responses' conversations may take (least recently used out first)")
+    p.add_argument("--agent-history", type=int, default=None, metavar="N",
+                   help="earlier steps a computer-use prompt replays (default: the format's own, 4 for qwen with "
+                        "their screenshots, 5 for venus); with more, a long loop's prompts keep extending the last "
+                        "one, so the prefix cache serves each turn's history")
+    p.add_argument("--computer-answers", type=int, default=1024, metavar="N",
+                   help="computer-use answers kept by the ids of the calls they became, so a replayed call is "
+                        "shown to the model as it wrote it (0: none)")
+    p.add_argument("--computer-answers-mb", type=_positive(float), default=16.0,
+                   help="memory those kept answers may take (least recently used out first)")
     p.add_argument("--prefix-cache-gb", type=float, default=2.0, help="memory for cached KV prefixes")
     p.add_argument("--vision-cache-gb", type=float, default=0.5, help="memory for cached vision features")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="most prompt tokens per decoder chunk")
@@ -178,6 +187,8 @@ def main(argv=None):
         return 2
     for flag, value, ok in (("--prefill-budget", args.prefill_budget, args.prefill_budget >= 0),
                             ("--responses-store", args.responses_store, args.responses_store >= 0),
+                            ("--computer-answers", args.computer_answers, args.computer_answers >= 0),
+                            ("--agent-history", args.agent_history, args.agent_history is None or args.agent_history >= 0),
                             ("--max-request-seconds", args.max_request_seconds, args.max_request_seconds >= 0),
                             ("--kv-cache-gb", args.kv_cache_gb, args.kv_cache_gb is None or args.kv_cache_gb > 0)):
         if not ok:
@@ -258,7 +269,8 @@ def main(argv=None):
             max_body_bytes=args.max_body_bytes, cors_origins=args.cors_allow_origin, media_policy=policy,
             limits=limits, grammar_timeout_s=args.grammar_timeout, bound_host=args.host, ui=not args.no_ui,
             agent_format=args.agent_format, responses_store=args.responses_store,
-            responses_store_bytes=int(args.responses_store_mb * (1 << 20)), **engine_kwargs)
+            responses_store_bytes=int(args.responses_store_mb * (1 << 20)), computer_answers=args.computer_answers, agent_history=args.agent_history,
+            computer_answers_bytes=int(args.computer_answers_mb * (1 << 20)), **engine_kwargs)
     except Qwen3VLError as e:  # e.g. a --prefix-cache-dir of another user, a KV group size the model cannot take
         print(f"error: {e}", file=sys.stderr)
         return 2

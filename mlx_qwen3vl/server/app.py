@@ -91,9 +91,10 @@ def _sse(obj) -> str:
 
 def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None, max_body_bytes: int = 64 << 20,
                cors_origins=None, bound_host=None, ui: bool = True, agent_format: str = "qwen",
-               response_store=None) -> Starlette:
+               response_store=None, computer_answers=None, agent_history=None) -> Starlette:
     service = Service(engine, builder, model_id=model_id, api_key=api_key, max_body_bytes=max_body_bytes,
-                      agent_format=agent_format)
+                      agent_format=agent_format, computer_answers=computer_answers,
+                      agent_history=agent_history)
     store = response_store if response_store is not None else ResponseStore()
     running = service.running  # handles of the requests being answered (ended with an error when the server stops)
     stopping = []
@@ -119,7 +120,7 @@ def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None,
 
     async def metrics(request):
         check_auth(request)
-        return JSONResponse({**engine.stats(), **store.stats()})
+        return JSONResponse({**engine.stats(), **store.stats(), **service.computer_answers.stats()})
 
     async def chat_completions(request: Request):
         check_auth(request)

@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 
 from ...errors import InputError
 from ..computer_tools import SCROLL_CLICK_PIXELS, ComputerAction
-from .base import Environment, Observation, to_env
+from .base import Environment, Observation, to_env_pixel
 
 CHROME_BINARY, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"  # Debian's; elsewhere selenium finds one
 MAX_WAIT_S = 5.0  # the longest `wait` the environment sleeps
@@ -179,7 +179,8 @@ class MiniWoBEnv(Environment):
         return np.array([x, y], dtype=np.float32)
 
     def act(self, action: ComputerAction) -> None:
-        at = lambda p: to_env(p, self._last)  # noqa: E731  (points are in the last screenshot's pixels)
+        # points are in the last screenshot's pixels; they act at the CSS pixel holding that pixel
+        at = lambda p: to_env_pixel(p, self._last)  # noqa: E731
         point = at(action.point) if action.point is not None else self._cursor
         t = action.type
         if t in ("click", "double_click", "triple_click", "mouse_move", "mouse_down", "mouse_up", "scroll", "drag"):
