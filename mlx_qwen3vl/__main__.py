@@ -9,14 +9,23 @@ import signal
 import sys
 from dataclasses import fields
 
+from . import load
+from .backend import backend_of
+from .chat_session import ChatSession
 from .cli import FLAGS, Parser, check_media_flags, run
+from .distributed import quiet_other_ranks
+from .errors import InputError, Qwen3VLError
+from .generate import stream_generate
+from .hub import resolve_model_path
+from .kv_settings import KVSettings, resolve
+from .media import load_image
+from .prompt_cache import PromptCache
+from .sampling import SamplingParams, check_sampling
 
 DEFAULT_PROMPT = "Describe this image."
 
 
 def _sampling_fields():
-    from .sampling import SamplingParams
-
     return [f for f in fields(SamplingParams) if f.metadata.get("flag")]
 
 
@@ -86,23 +95,16 @@ def _print_stats(last, out=None, kv=None):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    from .distributed import quiet_other_ranks
-
     quiet_other_ranks()  # under mlx.launch only rank 0 prints
     return run(lambda: _main(args))
 
 
 def _main(args):
-    from .errors import InputError
-    from .sampling import SamplingParams, check_sampling
-
     flags = {f.name: f.metadata["flag"] for f in _sampling_fields()}
     values = {name: getattr(args, name) for name in flags}
     check_sampling(values, name=flags.get)
     if args.prefill_step_size < 1:
         raise InputError(f"--prefill-step-size = {args.prefill_step_size} is not allowed; use an integer >= 1")
-    from .kv_settings import KVSettings
-
     kv_flags = {"kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size", "quantized_kv_start": "--quantized-kv-start"}
     kv_args = {name: getattr(args, name) for name in kv_flags}
     KVSettings.build(**kv_args, name=kv_flags.get)
@@ -112,17 +114,9 @@ def _main(args):
 
         threads.configure(args.blas_threads, "--blas-threads")
 
-    from . import load
-    from .backend import backend_of
-    from .hub import resolve_model_path
-    from .generate import stream_generate
-    from .chat_session import ChatSession
-
     path = resolve_model_path(args.model, flag="--model")
     check_media_flags(path, args.min_pixels, args.max_pixels, args.fps, args.source_fps)
     model, processor = load(path, dtype=args.dtype, parallel=args.parallel)
-    from .kv_settings import resolve
-
     kv = resolve(model, KVSettings.build(**kv_args))
     if args.verbose:
         print(f"[mlx_qwen3vl] model: {args.model}; backend: {backend_of(model).describe()}; KV cache: "
@@ -174,9 +168,6 @@ class _stop_on_interrupt:
 def _chat(session, args):
     """The interactive loop. The `>> ` prompt, commands' replies and errors go to stderr, so stdout
     holds the answers alone; commands never reach the model."""
-    from .errors import Qwen3VLError
-    from .media import load_image
-    from .prompt_cache import PromptCache
 
     images, videos = list(args.image), list(args.video)
 

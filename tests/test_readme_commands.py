@@ -214,7 +214,7 @@ def substitute(words, port=None):
 
 
 @dataclass
-class Plan:
+class Run:
     """How one command runs: its shell line, whether it serves (and on which port), its stdin."""
     command: Command
     argv_segments: list
@@ -229,9 +229,9 @@ class Plan:
         return " && ".join(shlex.join(s) for s in self.argv_segments)
 
 
-def plan(c):
-    """The Plan of a command to run (substitutions, small sizes, ports)."""
-    p = Plan(c, [])
+def how_to_run(c):
+    """How a command runs (substitutions, small sizes, ports): its Run."""
+    p = Run(c, [])
     for seg in segments(c.words):
         env = [w for w in seg if re.match(r"^[A-Z_][A-Z0-9_]*=", w)]
         words = seg[len(env):]
@@ -390,7 +390,7 @@ def units():
         if classify(c)[0] != "run" or c.words[0] == "curl":
             continue
         try:
-            p = plan(c)
+            p = how_to_run(c)
         except AssertionError as e:  # reported by test_command_runs for this command
             out.append((str(e), [c], []))
             continue
@@ -552,7 +552,7 @@ def test_command_runs(unit, scratch):
     if "mlx.launch" in p.shell and shutil.which("mlx.launch") is None:
         pytest.skip("mlx.launch is not on PATH")
     if p.serve:
-        status, log, results = serve(p, scratch, [client_shell(plan(c), "PORT") for c in clients])
+        status, log, results = serve(p, scratch, [client_shell(how_to_run(c), "PORT") for c in clients])
         # Both servers promise status 0 on SIGTERM (docs/server.md, docs/protocols.md).
         assert status == 0, \
             f"{where}: {p.command.text}\nstopped with {status}:\n{log[-3000:]}"
