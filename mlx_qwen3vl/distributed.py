@@ -55,6 +55,7 @@ import numpy as np
 from mlx.nn.layers.distributed import shard_inplace, shard_linear
 from mlx.utils import tree_flatten, tree_unflatten
 
+from . import errors
 from .backend import MLXBackend
 from .errors import ConfigError, Qwen3VLError, WeightsError
 
@@ -430,7 +431,9 @@ class RankZeroProcessor:
 
 
 def _error_payload(e) -> bytes:
-    kind = type(e).__name__ if isinstance(e, Qwen3VLError) else "RuntimeError"
+    # The nearest class the other ranks rebuild from errors.py (a MediaError is sent as InputError).
+    kind = next((c.__name__ for c in type(e).__mro__ if getattr(errors, c.__name__, None) is c
+                 and issubclass(c, Qwen3VLError)), "RuntimeError")
     return b"E" + json.dumps({"kind": kind, "message": str(e)}).encode()
 
 
@@ -442,8 +445,6 @@ def _arrays_payload(out) -> bytes:
 
 
 def _from_payload(data: bytes):
-    from . import errors
-
     if data[:1] == b"E":
         info = json.loads(data[1:])
         cls = getattr(errors, info["kind"], None)
