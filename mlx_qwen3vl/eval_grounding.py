@@ -29,10 +29,14 @@ import sys
 import time
 from typing import Callable, List, Optional
 
+import mlx.core as mx
+
+from . import batch_generate, generate, load
 from .agent import (GROUNDING_FORMATS, ZOOM_FRACTION, choose, covers, crop, grounding_messages, parse_grounding,
                     zoom_fraction, zoom_window)
 from .cli import FLAGS, Parser, check_max_tokens, check_media_flags, run
 from .errors import InputError, Qwen3VLError
+from .hub import resolve_model_path
 from .media import load_image
 from .processor import image_budget
 
@@ -283,8 +287,6 @@ class ModelPredictor:
         self.options = dict(max_tokens=max_tokens, min_pixels=min_pixels, max_pixels=max_pixels)
 
     def __call__(self, samples: List[dict]) -> List[str]:
-        from . import batch_generate, generate
-
         msgs = [grounding_messages(s["pixels"], s["instruction"], self.format, self.allow_refusal) for s in samples]
         if len(msgs) == 1:
             return [generate(self.model, self.processor, messages=msgs[0], **self.options).text]
@@ -433,11 +435,6 @@ def _main(args, predictor):
     if predictor is None:
         if not args.model:
             raise InputError("give --model: the checkpoint to evaluate")
-        import mlx.core as mx
-
-        from . import load
-        from .hub import resolve_model_path
-
         path = resolve_model_path(args.model, flag="--model")
         check_max_tokens(args.max_tokens)
         check_media_flags(path, args.min_pixels, args.max_pixels)

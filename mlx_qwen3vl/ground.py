@@ -17,11 +17,12 @@ import os
 import sys
 import tempfile
 
-from . import cli
+from . import cli, load
 from .agent import (GROUNDING_FORMATS, ZOOM_FRACTION, GroundingResult, annotate, ground, missing_point_note,
                     parse_grounding, zoom_fraction)
 from .cli import FLAGS, Parser, check_max_tokens, check_media_flags
 from .errors import InputError
+from .hub import resolve_model_path
 from .media import load_image
 
 
@@ -82,8 +83,6 @@ def run(args) -> dict:
         if args.answer is not None:
             raise InputError("--zoom runs the model a second time, on the crop; it cannot go with --answer")
     if args.answer is None:
-        from .hub import resolve_model_path
-
         args.model = resolve_model_path(args.model, flag="--model")
         check_max_tokens(args.max_tokens)
         check_media_flags(args.model, args.min_pixels, args.max_pixels)
@@ -93,8 +92,6 @@ def run(args) -> dict:
         g = parse_grounding(args.answer, width, height)
         result = GroundingResult(g.point, g.box, g.status, args.answer, width, height, args.format)
     else:
-        from . import load
-
         model, processor = load(args.model, dtype=args.dtype)
         result = ground(model, processor, rgb, args.instruction, format=args.format,
                         allow_refusal=not args.no_refusal, zoom=args.zoom, min_pixels=args.min_pixels,

@@ -1,10 +1,12 @@
 """Model folders from a local path or the Hugging Face hub."""
 
+import json
 import os
 import re
 from pathlib import Path
 
-import json
+from huggingface_hub import get_hf_file_metadata, hf_hub_url, snapshot_download
+from huggingface_hub.errors import HfHubHTTPError
 
 from .errors import ConfigError, ModelNotFoundError
 
@@ -31,8 +33,6 @@ def resolve_model_path(path_or_hub_id, flag: str = "--model") -> Path:
         raise ModelNotFoundError(f"{flag} {name} is a file; pass the checkpoint's folder")
     if not HUB_ID.match(name):
         raise ModelNotFoundError(f"{flag} {name!r} is neither a local folder nor a Hugging Face repo id (owner/name)")
-    from huggingface_hub import snapshot_download
-
     try:
         return Path(hub_fetch(name, lambda **kw: snapshot_download(name, allow_patterns=HUB_FILES, **kw)))
     except HubUnavailable as e:
@@ -52,9 +52,6 @@ def hub_fetch(repo_id, download):
     huggingface_hub retries a connection that fails five times, with back-off (~25 s and a dozen
     warning lines); one HEAD of the repo's config.json, without retries, says first whether the hub
     answers. When it does not, the local cache serves, as with HF_HUB_OFFLINE=1."""
-    from huggingface_hub import get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.errors import HfHubHTTPError
-
     if os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0"):
         try:
             return download()

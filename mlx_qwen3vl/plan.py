@@ -35,11 +35,22 @@ import os
 import sys
 from pathlib import Path
 
-from .cli import Parser, run
-from .errors import ConfigError, InputError, ModelNotFoundError
+import mlx.core as mx
+from huggingface_hub import hf_hub_download
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
 from .architectures import HUB_IDS, PRESETS, QWEN3VL_PREPROCESSOR, preset_config
+from .cli import Parser, run
+from .config import ModelConfig
+from .convert import quant_spec, quantize_layers
+from .errors import ConfigError, InputError, ModelNotFoundError
 from .hub import HUB_ID, HubUnavailable, hub_fetch
 from .memory import memory_limits
+from .model import Qwen3VLForConditionalGeneration
+from .moe import weight_counts
+from .processor import ImageConfig, image_budget, read_media_configs
+from .video import smart_resize
 
 SCHEMA = 1
 KV_TOKENS = 1024
@@ -78,8 +89,6 @@ def read_config(model=None, preset=None, flag="--model"):
         if not HUB_ID.match(str(model)):
             raise ModelNotFoundError(f"{flag} {model!r} is neither a local folder, a config.json nor a Hugging Face "
                                      "repo id (owner/name)")
-        from huggingface_hub import hf_hub_download
-
         try:
             file = Path(hub_fetch(str(model), lambda **kw: hf_hub_download(str(model), "config.json", **kw)))
             folder = None
@@ -100,8 +109,6 @@ def read_config(model=None, preset=None, flag="--model"):
 # ---------------------------------------------------------------------------------------------
 def lazy_model(config, dtype=None):
     """The model of `config` with unevaluated parameters (no memory is allocated)."""
-    from .model import Qwen3VLForConditionalGeneration
-
     model = Qwen3VLForConditionalGeneration(config)
     if dtype is not None:
         model.set_dtype(dtype)
@@ -111,9 +118,6 @@ def lazy_model(config, dtype=None):
 def parameter_counts(config) -> dict:
     """total, vision, language (embedding and LM head included) and `active`: the language model's
     weights one token runs through (all of them in a dense model; k of E experts in an MoE one)."""
-    from mlx.utils import tree_flatten
-
-    from .moe import weight_counts
 
     model = lazy_model(config)
     params = tree_flatten(model.parameters())
@@ -126,10 +130,6 @@ def parameter_counts(config) -> dict:
 
 def weight_rows(config) -> list:
     """Weight bytes as each format stores them, the quantized ones as mlx_qwen3vl.convert makes them."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    from .convert import quant_spec, quantize_layers
 
     n = parameter_counts(config)["total"]
     rows = [dict(name=name, bits=8 * size, bytes=n * size, bits_per_weight=8.0 * size, dtype=name,
@@ -150,9 +150,6 @@ def weight_rows(config) -> list:
 
 def kv_rows(config, tokens=KV_TOKENS) -> list:
     """KV cache bytes of `tokens` tokens, from mlx-lm's cache classes fed lazy zeros (nothing computed)."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache
-
     t = config.text_config
     layers = t.num_hidden_layers
 
@@ -179,8 +176,6 @@ def kv_rows(config, tokens=KV_TOKENS) -> list:
 
 def image_config_for(folder):
     """The checkpoint's image preprocessing (its pixel budget), else the published Qwen3-VL one."""
-    from .processor import ImageConfig, read_media_configs
-
     if folder is not None and ((folder / "preprocessor_config.json").is_file()
                                or (folder / "processor_config.json").is_file()):
         return read_media_configs(folder)[0], "the checkpoint's preprocessor config"
@@ -194,9 +189,6 @@ def vision_plan(config, image_config, size, max_pixels=None, dtype_bytes=2) -> d
     and the DeepStack features kept for the decoder. The full attention-score matrix is given
     apart: Apple GPUs run a fused kernel that never holds it, and this engine's CPU path computes
     it in chunks of 128 MB."""
-    from .processor import image_budget
-    from .video import smart_resize
-
     vc = config.vision_config
     w, h = size
     lo, hi = image_budget(image_config, None, max_pixels, names={"max_pixels": "--max-pixels"})
@@ -220,8 +212,6 @@ CPU_PATH_SCORES = 2 * 128 * 10**6  # cpu/kernels.py: query chunks of 2**25 float
 def attention_working_bytes(scores_bytes, device=None) -> int:
     """What the vision tower's attention holds beyond its activations on this device: nothing on
     an Apple GPU (a fused kernel), the CPU path's chunks on a CPU, the whole matrix elsewhere."""
-    import mlx.core as mx
-
     if device is None:
         device = ("metal" if mx.metal.is_available() else "gpu") if mx.default_device().type == mx.DeviceType.gpu else "cpu"
     return 0 if device == "metal" else min(scores_bytes, CPU_PATH_SCORES) if device == "cpu" else scores_bytes
@@ -269,7 +259,6 @@ def make_plan(raw, label="model", folder=None, *, screenshot=DEFAULT_SCREENSHOT,
               max_pixels=None, limits=None, device=None) -> dict:
     """The whole plan as a JSON-ready dict (see the module docstring). `limits` (memory.
     memory_limits) and `device` ("metal", "gpu" or "cpu") default to this machine's."""
-    from .config import ModelConfig
 
     config = ModelConfig.from_dict(raw)
     image_config, pixels_from = image_config_for(folder)

@@ -698,7 +698,7 @@ def test_killed_conversion_folder_is_not_a_checkpoint(tmp_path):
 def test_hub_id_is_downloaded_with_patterns(tmp_path, monkeypatch):
     import shutil
 
-    import huggingface_hub
+    from mlx_qwen3vl import hub
 
     seen = {}
 
@@ -708,9 +708,10 @@ def test_hub_id_is_downloaded_with_patterns(tmp_path, monkeypatch):
         shutil.copytree(FIXTURES / "tiny-b", snap, ignore=shutil.ignore_patterns("reference"))
         return str(snap)
 
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setattr(hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setattr(hub, "get_hf_file_metadata", lambda url, **kw: seen.update(probed=url))  # the hub answers
     out = convert("Qwen/Qwen3-VL-2B-Instruct", tmp_path / "out", log=QUIET)
-    assert seen["repo_id"] == "Qwen/Qwen3-VL-2B-Instruct"
+    assert seen["repo_id"] == "Qwen/Qwen3-VL-2B-Instruct" and seen["probed"].endswith("/config.json")
     patterns = seen["allow_patterns"]
     for name in ("model-00001-of-00002.safetensors", "model.safetensors.index.json", "config.json", "tokenizer.json",
                  "chat_template.jinja", "preprocessor_config.json", "video_preprocessor_config.json",
