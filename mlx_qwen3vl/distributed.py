@@ -23,7 +23,7 @@
   are broadcast, so other ranks need the checkpoint but not the media. Ranks then compute the
   same logits (collectives give every rank identical sums), and the random seed is made equal at
   load, so sampled tokens agree without a per-token exchange.
-- Loading: each rank reads only its slices from the safetensors files (sharded_load.py: the surgery runs
+- Loading: each rank reads only its slices from the safetensors files (slices.py: the surgery runs
   on placeholders, then each kept parameter's byte ranges are read), and the ranks first compare a
   fingerprint of config.json and the safetensors headers, so different checkpoints on different
   machines fail at once.
@@ -55,8 +55,8 @@ import numpy as np
 from mlx.nn.layers.distributed import shard_inplace, shard_linear
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import errors
 from .backend import MLXBackend
+from . import errors
 from .errors import ConfigError, Qwen3VLError, WeightsError
 
 VISION_MODES = ("replicate", "heads")
@@ -380,10 +380,10 @@ def check_parallel(parallel: str, vision: str = VISION_DEFAULT):
 def sharded_load(path, group, dtype=None, vision: str = VISION_DEFAULT, backend=None, parallel: str = "tensor"):
     """The model of a checkpoint folder, split over `group` (parallel "tensor": every layer split,
     "pipeline": the layers split, see pipeline.py): each rank reads only its slices of the
-    safetensors files (sharded_load.load_kept). backend: None or "mlx" (the only one that shards)."""
+    safetensors files (slices.load_kept). backend: None or "mlx" (the only one that shards)."""
     from .config import ModelConfig
     from .pipeline import check_pipelinable, pipeline
-    from .sharded_load import load_kept
+    from .slices import load_kept
 
     check_parallel(parallel, vision)
     if backend not in (None, "mlx"):
@@ -431,9 +431,10 @@ class RankZeroProcessor:
 
 
 def _error_payload(e) -> bytes:
-    # The nearest class the other ranks rebuild from errors.py (a MediaError is sent as InputError).
-    kind = next((c.__name__ for c in type(e).__mro__ if getattr(errors, c.__name__, None) is c
-                 and issubclass(c, Qwen3VLError)), "RuntimeError")
+    # the nearest class the other ranks can raise: errors.py's (a module's own subclass, such as
+    # media_access.MediaError, is not importable by name there)
+    kind = next((c.__name__ for c in type(e).__mro__
+                 if issubclass(c, Qwen3VLError) and getattr(errors, c.__name__, None) is c), "RuntimeError")
     return b"E" + json.dumps({"kind": kind, "message": str(e)}).encode()
 
 
