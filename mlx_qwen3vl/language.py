@@ -4,6 +4,7 @@ DeepStack (vision features from early ViT blocks added after the first decoder l
 import mlx.core as mx
 import mlx.nn as nn
 
+from .attention import scaled_dot_product_attention
 from .config import TextConfig
 from .moe import SparseMoeBlock
 from .rope import TextRotary
@@ -40,8 +41,9 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, mask):
         """softmax(q k^T * scale, masked) v over grouped heads; mask None, "causal" (lower-right
-        aligned, so it holds with a KV cache) or boolean (B, 1, L, S)."""
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        aligned, so it holds with a KV cache) or boolean (B, 1, L, S); in query chunks of bounded
+        memory over a long prompt (attention.py)."""
+        return scaled_dot_product_attention(q, k, v, self.scale, mask)
 
     def attend_quantized(self, q, k, v, mask, bits, group_size):
         """`attend` over quantized keys and values: mlx-lm's quantized attention (MLX's quantized
