@@ -12,7 +12,7 @@ import mlx.core as mx
 
 # The most bytes the scores and probabilities of one query chunk may hold (override per call
 # with `budget`, or set this module default).
-SCORE_BUDGET = 1 << 28
+SCORE_BUDGET = 1 << 29
 FUSED_HEAD_DIMS = (64, 80, 128)  # mx.fast's Metal kernel for many queries
 
 
@@ -45,4 +45,7 @@ def scaled_dot_product_attention(q, k, v, scale, mask=None, budget=None):
             ks, vs = k, v
             m = mask[..., a:b, :] if mask is not None and mask.shape[-2] == L else mask
         outs.append(mx.fast.scaled_dot_product_attention(q[:, :, a:b], ks, vs, scale=scale, mask=m))
+        # Evaluated one by one: in one lazy graph MLX dispatches several chunks ahead of the
+        # computation and holds all their scores at once.
+        mx.eval(outs[-1])
     return mx.concatenate(outs, axis=2)

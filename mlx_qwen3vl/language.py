@@ -27,9 +27,10 @@ class Attention(nn.Module):
 
     def __call__(self, x, rope, mask, cache=None):
         B, L, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = self.project(x)
+        q = self.q_norm(q.reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q, k = rope(q), rope(k)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
@@ -38,6 +39,13 @@ class Attention(nn.Module):
         else:
             out = self.attend(q, k, v, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def project(self, x):
+        """q, k, v: one matmul when backend.fuse built their stacked weight at load."""
+        qkv = self.get("_qkv")
+        if qkv is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return mx.split(x @ qkv.T, self._qkv_split, axis=-1)
 
     def attend(self, q, k, v, mask):
         """softmax(q k^T * scale, masked) v over grouped heads; mask None, "causal" (lower-right
@@ -61,7 +69,15 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(nn.silu(gate) * up)
+
+    def gate_up(self, x):
+        """gate and up projections: one matmul when backend.fuse built their stacked weight at load."""
+        w = self.get("_gate_up")
+        if w is None:
+            return self.gate_proj(x), self.up_proj(x)
+        return mx.split(x @ w.T, 2, axis=-1)
 
 
 def make_mlp(config: TextConfig, index: int) -> nn.Module:
