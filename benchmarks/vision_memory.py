@@ -4,13 +4,13 @@
 Checkpoints (random weights, written once by the benchmark harness's preset generator under
 benchmarks/models/): `h-mid`, Qwen3-VL-2B's layer shapes cut to 6 decoder layers and 6 vision
 blocks; `h72-mid`, the same decoder with the 4B/8B/30B-A3B vision tower's shapes (1152 wide, 16
-heads of 72), 6 blocks. Each (checkpoint, screenshot, engine) runs in a process of its own, float32
-(mlx-vlm cast to float32, MKL loaded into its process as into ours), after an untimed warm-up;
-figures: ready inputs → first token (vision, prefill, one greedy sample), MLX's peak allocation
+heads of 72), 6 blocks. Each (checkpoint, screenshot, engine) runs in a process of its own, in
+--dtype (float32 here: mlx-vlm cast to it too, MKL loaded into its process as into ours), after an
+untimed warm-up; figures: ready inputs → first token (vision, prefill, one greedy sample), MLX's peak allocation
 and the process's peak resident set over that run.
 
     python benchmarks/vision_memory.py [--presets h-mid,h72-mid] [--sizes 1080p,4k]
-        [--engines mlx,cpu,mlx-vlm] [--depth 6] [--out benchmarks/results/vision-memory.json]
+        [--engines mlx,cpu,mlx-vlm] [--depth 6] [--layers 6] [--dtype float32] [--out FILE.json]
 
 mlx-vlm is optional (skipped when it cannot be imported). The 4K screenshot is 32,640 patches:
 unchunked, one vision layer's scores alone are 68 GB.
@@ -55,7 +55,7 @@ def folder(preset, depth, layers):
     return build_preset(preset, root=MODELS / "vision-memory" / f"{depth}x{layers}", log=log)
 
 
-def worker(path, engine, size):
+def worker(path, engine, size, dtype="float32"):
     import mlx_qwen3vl as M  # loads the BLAS before mlx.core, in every engine's process
     import mlx.core as mx
     import numpy as np
@@ -64,13 +64,13 @@ def worker(path, engine, size):
     from mlx_qwen3vl.bench import run
     from mlx_qwen3vl.bench.inputs import screenshot_messages
 
-    model, processor = M.load(str(path), dtype="float32", backend="mlx" if engine == "mlx" else None)
+    model, processor = M.load(str(path), dtype=dtype, backend="mlx" if engine == "mlx" else None)
     describe = model.backend.describe()
     inputs, preprocess_s = run.encode(processor, screenshot_messages(*SIZES[size]))
     if engine == "mlx-vlm":
         del model
         theirs, vlm_processor = vlm.load_ignoring_eos(path)
-        theirs.set_dtype(mx.float32)
+        theirs.set_dtype(getattr(mx, dtype))
         mx.eval(theirs.parameters())
         small, _ = run.encode(processor, screenshot_messages(320, 200))
         list(vlm.tokens(theirs, vlm_processor, {k: np.asarray(v) for k, v in small.items()}, 2))  # warm-up
@@ -91,9 +91,10 @@ def main():
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--depth", type=int, default=6, help="vision blocks (6: h-mid)")
     p.add_argument("--layers", type=int, default=6, help="decoder layers (6: h-mid)")
+    p.add_argument("--dtype", default="float32", help="compute dtype of every engine (a GPU: bfloat16)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vision-memory.json"))
-    p.add_argument("--worker", nargs=3, metavar=("PATH", "ENGINE", "SIZE"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)  # PATH ENGINE SIZE DTYPE
     args = p.parse_args()
     if args.worker:
         print(json.dumps(worker(*args.worker)))
@@ -113,14 +114,15 @@ def main():
                 if engine != "cpu":
                     env.pop("MLX_QWEN3VL_CPU_KERNELS", None)
                 tic = time.perf_counter()
-                proc = subprocess.run([sys.executable, __file__, "--worker", str(path), engine, size], env=env,
-                                      capture_output=True, text=True, timeout=args.timeout)
+                proc = subprocess.run([sys.executable, __file__, "--worker", str(path), engine, size, args.dtype],
+                                      env=env, capture_output=True, text=True, timeout=args.timeout)
                 if proc.returncode != 0:
                     row = dict(engine=engine, size=size, error=(proc.stderr.strip().splitlines() or ["?"])[-1],
                                returncode=proc.returncode)
                 else:
                     row = json.loads(proc.stdout.strip().splitlines()[-1])
-                row.update(preset=preset, depth=args.depth, layers=args.layers, wall_s=time.perf_counter() - tic)
+                row.update(preset=preset, dtype=args.dtype, depth=args.depth, layers=args.layers,
+                           wall_s=time.perf_counter() - tic)
                 rows.append(row)
                 log(json.dumps({k: row.get(k) for k in ("preset", "size", "engine", "ttft_s", "peak_memory_gb",
                                                          "peak_rss_gb", "load_average", "error")}))
