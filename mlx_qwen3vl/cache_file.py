@@ -6,11 +6,13 @@ A file records what identifies the model it came from (a hash of its config, a f
 its weights' values, the compute dtype, its layer and head shapes) and the KV settings its cache
 was made with, plus a BLAKE3 checksum over all of it and every tensor. A file may come from
 elsewhere, so it is data only: the header is parsed and checked here (its JSON, every tensor's
-dtype, shape and byte range, the file's length) before MLX reads a byte of it, the cache classes
-it names must be mlx-lm's KVCache, QuantizedKVCache or ArraysCache (load_prompt_cache looks them
-up by name), and each layer's tensors must have the shapes and dtypes this model makes before
-they are put into our cache types. Nothing is unpickled or evaluated. Anything wrong raises
-`CacheFileError`, one line naming the file and what is wrong.
+dtype, shape and byte range, the file's length) before MLX reads a byte of it; the file is
+opened once without blocking and read from that descriptor only if it is a regular file; its
+tensors must be exactly those `write` makes for this model (the cache classes mlx-lm's KVCache,
+QuantizedKVCache and ArraysCache), of this model's shapes and dtypes, with finite values, before
+they are put into our cache types (`fill`). Nothing is unpickled or evaluated, and nothing in a
+file is looked up by name. Anything wrong raises `CacheFileError`, one line naming the file and
+what is wrong.
 
 Writes are atomic (a private temporary file in the same folder, flushed, then os.replace), and
 files are created 0600: they hold screenshots' keys and values.
@@ -19,6 +21,7 @@ files are created 0600: they hold screenshots' keys and values.
 import hashlib
 import json
 import os
+import stat
 import struct
 import uuid
 import weakref
@@ -136,11 +139,35 @@ def write(path, caches, meta: dict, arrays=(), *, model, kv: KVSettings = FLOAT)
 
 
 # --------------------------------------------------------------------------- reading
-def peek(path) -> dict:
-    """The file's recorded info (format, identity, kv, positions, meta), from its header alone,
-    after checking the header's structure and the file's length; CacheFileError otherwise."""
-    info, _, _ = _header(Path(path))
-    return info
+def _open(path: Path, what: str):
+    """(file object, os.stat_result) of `path`, opened without blocking (a FIFO or a device named
+    as the file never blocks the open) and refused unless its descriptor is a regular file; every
+    later read goes through that descriptor, never the name again."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise CacheFileError(f"{what}: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CacheFileError(f"{what} is not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb"), st
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def peek(path, what=None):
+    """(the file's recorded info: format, identity, kv, positions, meta; its os.stat_result), from
+    its header alone, after checking the header's structure and the file's length;
+    CacheFileError otherwise."""
+    path = Path(path)
+    what = what or f"cache file {str(path)!r}"
+    f, st = _open(path, what)
+    with f:
+        info, _, _, _ = _header(f, st.st_size, what)
+    return info, st
 
 
 def check(info: dict, model, kv=None, *, what="cache file") -> KVSettings:
@@ -158,74 +185,101 @@ def check(info: dict, model, kv=None, *, what="cache file") -> KVSettings:
         raise CacheFileError(f"{what} records unknown KV settings {info.get('kv')!r}") from None
     if kv is not None and (stored.kind != kv.kind or (kv.quantized and stored.start != kv.start)):
         raise CacheFileError(f"{what} holds a {stored.describe()} KV cache, not the {kv.describe()} one asked for")
+    context = int(model.config.text_config.max_position_embeddings)
+    if not 0 <= info["positions"] <= context:
+        raise CacheFileError(f"{what} records {info['positions']} positions, outside this model's context {context}")
     return stored
 
 
 def read(path, model, kv=None, *, what=None):
     """(caches in this model's cache types, meta, extra arrays as numpy, KVSettings the cache was
     made with) of a file written by `write` for `model` (and, when `kv` is given, those KV
-    settings). The cache is quantized when the file says so (its settings' kind), else float."""
-    from mlx_lm.models.cache import load_prompt_cache
-
+    settings). The cache is quantized when the file says so (its settings' kind), else float.
+    The file is opened once (see _open) and read whole from that descriptor: its tensors must be
+    exactly the ones `write` makes for this model, of its shapes and dtypes, and finite."""
     path = Path(path)
     what = what or f"cache file {str(path)!r}"
-    info, checksum, _ = _header(path, what)
-    stored = check(info, model, kv, what=what)
-    try:
-        loaded = load_prompt_cache(str(path))
-    except Exception as e:  # noqa: BLE001 — MLX's reader on a file that passed the header checks
-        raise CacheFileError(f"{what} could not be read ({type(e).__name__}: {e})") from None
-    *layers, holder = loaded
-    extra = list(holder.cache) if hasattr(holder, "cache") else None
-    if extra is None or len(extra) != info.get("arrays") or len(layers) != info["identity"]["layers"]:
-        raise CacheFileError(f"{what} does not hold this model's layers")
-    text = json.dumps(info, sort_keys=True, separators=(",", ":"))
-    if _checksum(text, layers, extra) != checksum:
-        raise CacheFileError(f"{what} is corrupted (its checksum does not match); delete it")
+    f, st = _open(path, what)
+    with f:
+        info, checksum, meta, _ = _header(f, st.st_size, what)
+        stored = check(info, model, kv, what=what)
+        try:
+            f.seek(0)
+            tensors = mx.load(f, format="safetensors")
+            mx.eval(list(tensors.values()))  # read now, while the descriptor is open
+        except Exception as e:  # noqa: BLE001 — MLX's reader on a file that passed the header checks
+            raise CacheFileError(f"{what} could not be read ({type(e).__name__}: {e})") from None
     quantized = info.get("quantized") is True
     if quantized and not stored.quantized:
         raise CacheFileError(f"{what} records a quantized cache without its KV settings")
-    caches = [_ours(c, model, stored if quantized else None, info["positions"], what) for c in layers]
+    layers, positions = info["identity"]["layers"], info["positions"]
+    names = [f"1.{i}" for i in range(layers + 1)]
+    if [meta.get(n) for n in names] != ["QuantizedKVCache" if quantized else "KVCache"] * layers + ["ArraysCache"]:
+        raise CacheFileError(f"{what} does not hold this model's layers")
+    if set(tensors) != _tensor_names(layers, quantized, info["arrays"]):
+        raise CacheFileError(f"{what} does not hold this model's layers")
+    caches = [_layer(tensors, i, model, stored if quantized else None, positions, what) for i in range(layers)]
+    extra = [tensors[f"{layers}.0.{k}"] for k in range(info["arrays"])]
+    if any(a.dtype != mx.uint8 or a.ndim < 1 for a in extra) or tensors[f"{layers}.1"].size \
+            or tensors[f"{layers}.2"].size:
+        raise CacheFileError(f"{what} holds media of another dtype than uint8 bytes")
+    text = json.dumps(info, sort_keys=True, separators=(",", ":"))
+    if _checksum(text, caches, extra) != checksum:
+        raise CacheFileError(f"{what} is corrupted (its checksum does not match); delete it")
     return caches, info["meta"], [np.asarray(a) for a in extra], stored
 
 
-def _ours(c, model, kv, positions: int, what):
-    """mlx-lm's loaded cache → this model's cache type (quantized with `kv`'s bits and group size,
-    float when `kv` is None), its tensors checked against the model."""
+def _tensor_names(layers: int, quantized: bool, arrays: int) -> set:
+    """The tensors mlx-lm's save_prompt_cache writes for `write`'s caches: per layer its state
+    (keys, values, offset; quantized: each of keys and values as data, scales, biases, then
+    offset, group size, bits), then the extra arrays' holder (an ArraysCache: its list, no padding,
+    no lengths)."""
+    per = ([f"{a}.{b}" for a in "01" for b in "012"] + ["2", "3", "4"]) if quantized else ["0", "1", "2"]
+    holder = {f"{layers}.0.{k}" for k in range(arrays)} | {f"{layers}.1", f"{layers}.2"}  # cache, padding, lengths
+    return {f"{i}.{n}" for i in range(layers) for n in per} | holder
+
+
+def _layer(tensors, i: int, model, kv, positions: int, what):
+    """Layer `i`'s cache in this model's cache type from the file's tensors (quantized with `kv`'s
+    bits and group size, float when `kv` is None), checked against the model: shapes, dtypes,
+    the recorded positions and settings, finite values."""
     ident = identity(model)
     H, hd = ident["kv_heads"], ident["head_dim"]
     dtype = getattr(mx, ident["dtype"])
+    t = lambda n: tensors[f"{i}.{n}"]  # noqa: E731
+    scalar = lambda n: t(n).item() if t(n).size == 1 and t(n).dtype in (mx.int32, mx.int64) else None  # noqa: E731
     out = model.make_cache()[0]
-    if positions == 0 and kv is None:  # nothing held yet: an empty cache, as a new session's
-        return out
+    if scalar(2) != positions:
+        raise CacheFileError(f"{what} holds other positions than the {positions} it records")
     if kv is not None:
-        if type(c).__name__ != "QuantizedKVCache" or (c.bits, c.group_size) != kv.kind:
+        if (scalar(4), scalar(3)) != kv.kind:
             raise CacheFileError(f"{what} does not hold the {kv.describe()} cache it records")
         G = hd // kv.group_size
         want = [((1, H, positions, hd * kv.bits // 32), mx.uint32), ((1, H, positions, G), dtype),
                 ((1, H, positions, G), dtype)]
-        keys, values = tuple(c.keys), tuple(c.values)
-        if any(len(t) != 3 or any(a.shape != s or a.dtype != d for a, (s, d) in zip(t, want)) for t in (keys, values)):
+        keys, values = (tuple(t(f"{a}.{b}") for b in range(3)) for a in range(2))
+        if any(a.shape != s or a.dtype != d for part in (keys, values) for a, (s, d) in zip(part, want)):
             raise CacheFileError(f"{what} holds tensors of other shapes or dtypes than this model's cache")
+        floats = (*keys[1:], *values[1:])
         out = out.to_quantized(group_size=kv.group_size, bits=kv.bits)
     else:
-        if type(c).__name__ != "KVCache":
-            raise CacheFileError(f"{what} does not hold the float cache it records")
-        keys, values = c.keys, c.values
-        if any(a is None or a.shape != (1, H, positions, hd) or a.dtype != dtype for a in (keys, values)):
+        if positions == 0:  # nothing held yet: an empty cache, as a new session's
+            return out
+        keys, values = t(0), t(1)
+        if any(a.shape != (1, H, positions, hd) or a.dtype != dtype for a in (keys, values)):
             raise CacheFileError(f"{what} holds tensors of other shapes or dtypes than this model's cache")
-    if c.offset != positions:
-        raise CacheFileError(f"{what} holds {c.offset} positions, not the {positions} it records")
-    out.keys, out.values, out.offset = keys, values, positions
-    return out
+        floats = (keys, values)
+    if positions and not all(mx.isfinite(a).all().item() for a in floats):
+        raise CacheFileError(f"{what} holds KV values that are not finite (NaN or infinity)")
+    return out.fill(keys, values) if positions else out
 
 
 def _checksum(text: str, caches, arrays) -> str:
     h = blake3()
     h.update(text.encode())
     for c in caches:
-        h.update(f"|{type(c).__name__}|{c.offset}|".encode())
-        for part in (c.keys, c.values):
+        h.update(f"|{type(c).__name__}|{c.size()}|".encode())
+        for part in c.buffers():
             for a in (part if isinstance(part, (tuple, list)) else (part,)):
                 _digest_array(h, a)
     for a in arrays:
@@ -242,20 +296,18 @@ def _digest_array(h, a):
         h.update(memoryview(np.ascontiguousarray(np.asarray(mx.view(mx.contiguous(a), mx.uint8)))).cast("B"))
 
 
-def _header(path: Path, what=None):
-    """(info, checksum, tensors) from the safetensors header, checked: JSON of the expected
-    layout, known dtypes, byte ranges that tile the data exactly, the file's length."""
-    what = what or f"cache file {str(path)!r}"
+def _header(f, size: int, what: str):
+    """(info, checksum, metadata, tensors) from the safetensors header read from `f` (at its
+    start), checked: JSON of the expected layout, known dtypes, byte ranges that tile the data
+    exactly, the file's length."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CacheFileError(f"{what} is truncated (no header)")
-            (n,) = struct.unpack("<Q", head)
-            if n > min(MAX_HEADER_BYTES, size - 8):
-                raise CacheFileError(f"{what} is truncated or not a cache file (its header does not fit)")
-            raw = f.read(n)
+        head = f.read(8)
+        if len(head) < 8:
+            raise CacheFileError(f"{what} is truncated (no header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(MAX_HEADER_BYTES, size - 8):
+            raise CacheFileError(f"{what} is truncated or not a cache file (its header does not fit)")
+        raw = f.read(n)
     except OSError as e:
         raise CacheFileError(f"{what}: {e.strerror or e}") from None
     try:
@@ -263,7 +315,7 @@ def _header(path: Path, what=None):
         meta = header.pop("__metadata__")
         info = json.loads(meta["0.info"])
         checksum = meta["0.checksum"]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         raise CacheFileError(f"{what} is not a cache file of this library (or its header is corrupted)") from None
     if not isinstance(info, dict) or info.get("format") != FORMAT or not isinstance(info.get("identity"), dict):
         raise CacheFileError(f"{what} is not a cache file of this library's format {FORMAT}")
@@ -271,14 +323,14 @@ def _header(path: Path, what=None):
     classes = [meta.get(f"1.{i}") for i in range(layers + 1)] if isinstance(layers, int) and 0 < layers < 4096 else []
     if not classes or any(c not in CLASSES for c in classes) or f"1.{layers + 1}" in meta:
         raise CacheFileError(f"{what} names cache types other than {', '.join(CLASSES)}")
-    if not isinstance(info.get("positions"), int) or not isinstance(info.get("arrays"), int):
+    if not _count(info.get("positions")) or not _count(info.get("arrays")) or not isinstance(checksum, str):
         raise CacheFileError(f"{what} is not a cache file of this library (or its header is corrupted)")
     ends = []
     for name, t in header.items():
         try:
             dtype, shape, (b, e) = t["dtype"], t["shape"], t["data_offsets"]
-            ok = (_KEY.fullmatch(name) and dtype in SAFETENSORS_DTYPES and all(isinstance(d, int) and d >= 0 for d in shape)
-                  and isinstance(b, int) and isinstance(e, int) and 0 <= b <= e
+            ok = (_KEY.fullmatch(name) and dtype in SAFETENSORS_DTYPES and isinstance(shape, list)
+                  and all(_count(d) for d in shape) and _count(b) and _count(e) and b <= e
                   and e - b == int(np.prod(shape, dtype=np.int64)) * SAFETENSORS_DTYPES[dtype])
         except (KeyError, TypeError, ValueError):
             ok = False
@@ -293,4 +345,8 @@ def _header(path: Path, what=None):
         at = e
     if size != 8 + n + at:
         raise CacheFileError(f"{what} is truncated ({size} bytes, its header describes {8 + n + at})")
-    return info, checksum, header
+    return info, checksum, meta, header
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0

@@ -21,9 +21,9 @@ from .positions import IMAGE, VIDEO
 from .processor import VISION_TOKENS, _block_type, _media_of, renamed_source_fps
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams
+from .session_file import TURN_SETTINGS, check_state
 from .spans import _PIXELS, content_hash, media_hashes
 
-TURN_SETTINGS = ("fps", "source_fps", "min_pixels", "max_pixels", "sample_frames")
 
 
 def _concat_inputs(parts: list) -> dict:
@@ -329,35 +329,31 @@ class ChatSession:
         what = f"session file {str(path)!r}"
         caches, state, arrays, kv = cache_file.read(path, model, None if want is None else resolve(model, want),
                                                     what=what)
+        session = cls(model, processor)
         try:
-            session = cls(model, processor)
-            session._restore(state, arrays)
-            session.prompt_cache = PromptCache(caches, [int(t) for t in state["tokens"]],
-                                               [tuple(m) for m in state["media_keys"]], kv)
-        except (KeyError, TypeError, ValueError, IndexError):
+            session._restore(state, arrays, caches, kv)
+        except InputError as e:
+            raise cache_file.CacheFileError(f"{what}: {e}") from None
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError):
             raise cache_file.CacheFileError(f"{what} does not hold a chat session") from None
         return session
 
-    def _restore(self, state, arrays):
-        messages = state["messages"]
-        for entry in state["media"]:
-            parts = [arrays[k] for k in entry["arrays"]]
+    def _restore(self, state, arrays, caches, kv):
+        """The session a file's `state` describes, every part of it checked as data (see
+        session_file.check_state), with media as the pixels or private copies the file holds."""
+        messages, media, settings, defaults, generation = check_state(state, arrays, caches, kv, self.model,
+                                                                      self.processor)
+        for (i, j, name, form, suffix), parts in media:
             for a in parts:
                 a.flags.writeable = False
-            if entry["form"] == "file":
-                value, _ = self._video_files.store(parts[0].tobytes(), str(entry["suffix"])[:16])
-            elif entry["form"] == "array":
-                value = parts[0]
+            if form == "file":
+                value, _ = self._video_files.store(parts[0].tobytes(), suffix)
             else:
-                value = parts
-            name = entry["kind"]
-            if name not in ("image", "video"):
-                raise ValueError(name)
-            messages[entry["message"]]["content"][entry["block"]] = {"type": name, name: value}
-        self.messages = messages
-        self.settings = state["settings"]
-        self.defaults = {k: v for k, v in state["defaults"].items() if k in TURN_SETTINGS}
-        self.generation_kwargs = _settings_from_json(state["generation"])
+                value = parts[0] if form == "array" else parts
+            messages[i]["content"][j] = {"type": name, name: value}
+        self.messages, self.settings, self.defaults = messages, settings, defaults
+        self.generation_kwargs = generation
+        self.prompt_cache = PromptCache(caches, list(state["tokens"]), [tuple(m) for m in state["media_keys"]], kv)
 
     def _kv(self) -> KVSettings:
         return resolve(self.model, KVSettings.pop_from(dict(self.generation_kwargs)))
@@ -382,13 +378,3 @@ def _settings_to_json(kwargs: dict) -> dict:
     return out
 
 
-def _settings_from_json(saved: dict) -> dict:
-    out = {}
-    for k, v in saved.items():
-        if k == "sampling" and isinstance(v, dict) and "sampling_params" in v:
-            fields = v["sampling_params"]
-            if isinstance(fields.get("stop"), list):
-                fields["stop"] = list(fields["stop"])
-            v = SamplingParams(**fields)
-        out[k] = v
-    return out

@@ -5,8 +5,9 @@ It is mlx-lm's `KVCache` (the buffer grown in steps of 256 positions, `update_an
 `state`, `nbytes`) with the row operations of its `BatchKVCache` (rows right-aligned, each with
 its own left padding: `merge`, `filter`, `extract`) in the same type, so one request's cache and a
 batch's are one kind of object, plus what the engine and the prefix cache need and mlx-lm lacks:
-a right-sized copy of a row's first n positions (`extract(row, length)`), a key mask for the
-padding, and a dependency hook for pipeline stages.
+a right-sized copy of a row's first n positions (`extract(row, length)`), `trim_to(n)`, `fill`
+(a cache read from a file), a key mask for the padding, and a dependency hook for pipeline stages.
+Every row operation leaves fresh row-contiguous buffers: the CPU decode stack reads them in place.
 
 mlx-lm (and with it transformers) is imported with this module, so modules that `import
 mlx_qwen3vl` loads call these methods on caches the model made rather than importing it.
@@ -75,6 +76,25 @@ class _Rows:
         """An empty cache of the same type and settings."""
         return type(self)()
 
+    def buffers(self):
+        """(keys, values) as held: None, a buffer, or a tuple of buffers each."""
+        return self.keys, self.values
+
+    def fill(self, keys, values):
+        """Hold exactly `keys` / `values` (buffers as `buffers()` gives them, batch 1, of exactly
+        the positions they hold), replacing whatever this cache held."""
+        self.keys, self.values = keys, values
+        self.offset = _first(keys).shape[2]
+        self.left_padding = None
+        return self
+
+    def trim_to(self, n: int):
+        """Keep only the first `n` positions, padding included (in place; buffers are not copied):
+        mlx-lm's trim counted from the other end."""
+        if n > self.offset:
+            raise ValueError(f"trim_to({n}) on a cache of {self.offset} positions")
+        self.trim(self.offset - n)
+
     @property
     def nbytes(self) -> int:
         """Bytes of its buffers (their whole capacity)."""
@@ -114,7 +134,8 @@ class _Rows:
         pads = [self.padding()[i] for i in rows]
         trim = min(pads) if pads else 0
         index = mx.array(list(rows))
-        pick = lambda a: a[index, :, trim:self.offset]  # noqa: E731
+        # A fresh row-contiguous buffer: the CPU decode stack reads it in place as (B, H, S, ...).
+        pick = lambda a: mx.contiguous(a[index, :, trim:self.offset])  # noqa: E731
         self.keys, self.values = _map(pick, self.keys), _map(pick, self.values)
         self.offset -= trim
         pads = [p - trim for p in pads]
@@ -175,34 +196,3 @@ class KVCache(_Rows, mlx_lm_cache.KVCache):
             out.values = tuple(mx.quantize(used(self.values), group_size=group_size, bits=bits))
             out.offset = self.offset
         return out
-
-
-def kind(caches: list):
-    """None (float) or (bits, group_size) of a model's caches (all layers are alike)."""
-    return caches[0].kind if caches else None
-
-
-def merge(layers: Sequence[list]) -> list:
-    """Per-layer caches of several requests (each a list over layers) → one batch, per layer."""
-    return [type(group[0]).merge(group) for group in zip(*layers)]
-
-
-def filter_rows(caches: list, rows: Sequence[int]):
-    for c in caches:
-        c.filter(rows)
-
-
-def extract(caches: list, row: int = 0, length: Optional[int] = None) -> list:
-    return [c.extract(row, length) for c in caches]
-
-
-def size(caches: list) -> int:
-    return caches[0].size() if caches else 0
-
-
-def nbytes(caches: list) -> int:
-    return sum(c.nbytes for c in caches)
-
-
-def state(caches: list) -> list:
-    return [c.state for c in caches]

@@ -27,10 +27,9 @@ class PromptCache:
 
     def trim(self, keep: int):
         """Drop everything after the first `keep` tokens."""
-        drop = self.cache[0].size() - keep if self.cache else 0
-        if drop > 0:
+        if self.cache and self.cache[0].size() > keep:
             for c in self.cache:
-                c.trim(drop)
+                c.trim_to(keep)
         self.tokens = self.tokens[:keep]
         self.media = [key for key in self.media if key[2] <= keep]
 

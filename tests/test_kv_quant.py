@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -451,6 +452,24 @@ def test_server_kv_bits_per_request_settings_metrics_and_a_restart_from_the_disk
         assert metrics["kv_cache"]["settings"] == {"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 40}
         assert metrics["kv_cache"]["bytes"] == 0 and metrics["prefix_cache"]["disk"]["folder"] == str(folder)
         assert metrics["prefix_cache"]["entries"] == 2  # one per cache kind
+        # Concurrent 8-bit requests of different lengths: rows leave the quantized batch while
+        # others decode (before the fix the CPU decode stack failed the others with a 500).
+        asks = [("Hi.", 3), ("Tell me a long story.", 12), ("Where is the menu?", 6), ("Say more.", 9)]
+        kv0 = {"kv_bits": 8, "quantized_kv_start": 0}
+
+        def ask(a):
+            return server.client().chat.completions.create(
+                model="m", messages=[{"role": "user", "content": a[0]}], max_tokens=a[1], temperature=0,
+                extra_body=kv0).choices[0].message.content
+
+        before = server.metrics()["decode_steps_by_batch_size"]
+        with ThreadPoolExecutor(len(asks)) as pool:
+            answers = list(pool.map(ask, asks))
+        for (text, n), got in zip(asks, answers):
+            assert got == M.generate(model, processor, messages=[{"role": "user", "content": text}], max_tokens=n,
+                                     **kv0).text
+        after = server.metrics()["decode_steps_by_batch_size"]
+        assert sum(v - before.get(k, 0) for k, v in after.items() if int(k) >= 2) > 0  # decoded together
     finally:
         server.stop()  # SIGTERM: what was not written yet is written on the way out
     assert len(list(folder.iterdir())) == 1  # the 8-bit entry; the 4-bit request's stays in memory

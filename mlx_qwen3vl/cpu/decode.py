@@ -111,7 +111,7 @@ def decode_tokens(text_model, x, position_ids, caches, deepstack_embeds, ops):
     layers = text_model.layers
     cos, sin = text_model.rotary.cos_sin(position_ids, 1)
     # One sync: this step's inputs and the previous step's queued cache writes.
-    mx.eval(x, cos, sin, deepstack_embeds, kv_cache.state(caches))
+    mx.eval(x, cos, sin, deepstack_embeds, [c.state for c in caches])
     B, _, D = x.shape
     first = layers[0]["self_attn"]
     nq, nkv, hd = first.n_heads, first.n_kv_heads, first.head_dim

@@ -10,6 +10,11 @@ import mlx.core as mx
 from .step import decode_step, sample
 
 
+def cache_bytes(cache) -> int:
+    """Bytes of a cache's buffers over its layers (0: none yet)."""
+    return sum(c.nbytes for c in cache) if cache else 0
+
+
 class Row:
     """One request being decoded (or about to be: its first token comes from its prefill)."""
 
@@ -73,7 +78,7 @@ class Batch:
 
     def measure(self):
         """Each row's Row.kv_bytes: its share of the cache's buffers as they are now (padding included)."""
-        share = sum(c.nbytes for c in self.cache) // len(self.rows)
+        share = cache_bytes(self.cache) // len(self.rows)
         for row in self.rows:
             row.kv_bytes = share
 
@@ -97,7 +102,7 @@ class Batch:
             if 0 in keep_caches:
                 row = self.rows[0]
                 for c in self.cache:
-                    c.trim(c.size() - row.held)
+                    c.trim_to(row.held)
                 out[0] = self.cache
             self.rows, self.cache, self.y, self.lp, self.positions = [], None, None, None, None
             return out

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..kv_settings import FLOAT
 from ..spans import media_keys, media_spans
+from .batch import cache_bytes
 
 
 def index_keys(tokens, media) -> tuple:
@@ -280,7 +281,7 @@ class PrefixCache:
                   else c.extract(0, n) for c in caches]
         mx.async_eval([c.state[:2] for c in caches])  # the copy runs beside the next step, not in its way
         num, den = self.scale
-        nbytes = sum(c.nbytes for c in caches) * num // den
+        nbytes = cache_bytes(caches) * num // den
         if nbytes > self.max_bytes:
             return None
         eid = self._next

@@ -25,7 +25,7 @@ from ..kv_settings import KVSettings, bytes_per_position, quantize_if_due, resol
 from ..sampling import Sampler, SamplingParams
 from ..spans import media_keys
 from .answer import AnswerText, eos_token_ids
-from .batch import Batch, Row
+from .batch import Batch, Row, cache_bytes
 from .caches import FeatureCache, PrefixCache, pipeline_scale
 from .prefill import Costs, PrefillJob
 from .step import sample
@@ -331,7 +331,7 @@ class Engine:
         for cache in caches:
             if cache and not cache[0].empty():
                 kind = cache[0].kind
-                by_kind["float" if kind is None else f"{kind[0]}-bit/g{kind[1]}"] += _nbytes(cache)
+                by_kind["float" if kind is None else f"{kind[0]}-bit/g{kind[1]}"] += cache_bytes(cache)
                 positions += cache[0].size() * max(1, cache[0].batch_size)
         return {"bytes": sum(by_kind.values()), "positions": positions, "by_kind": dict(by_kind)}
 
@@ -521,7 +521,7 @@ class Engine:
             reason = cancels.pop(j.id, None)
             if reason is not None:
                 self.jobs.remove(j)
-                held = _nbytes(j.job.cache)
+                held = cache_bytes(j.job.cache)
                 self._drop_job(j)
                 self._end_unstarted(j.waiting.request, reason, j.cached, events, held)
         by_reason = collections.defaultdict(list)
@@ -544,7 +544,7 @@ class Engine:
         if request.cache is None:
             return None
         for c in request.cache:
-            c.trim(c.size() - request.start)
+            c.trim_to(request.start)
         return request.cache
 
     def _drop_job(self, j):
@@ -672,7 +672,7 @@ class Engine:
         answer = AnswerText(self.tokenizer.detokenizer, self.eos, r.params)
         row = Row(r, w.sampler, answer, j.prompt_tokens, j.cached, history, w.kv)
         cache = j.job.cache
-        row.kv_bytes = _nbytes(cache)  # the cache its first token came from
+        row.kv_bytes = cache_bytes(cache)  # the cache its first token came from
         batch = self._batch(cache[0].kind)
         if self.lookahead:  # its first token is read with the next step's
             mx.async_eval(y, lp)
@@ -688,15 +688,10 @@ class Engine:
                 cache = None
             else:
                 for c in cache:
-                    c.trim(c.size() - row.held)
+                    c.trim_to(row.held)
             self._finish(row, answer.finish, cache, events)
             return
         batch.join(row, cache, y, lp, position)
-
-
-def _nbytes(cache) -> int:
-    """Bytes of a cache's buffers, over its layers (0: none yet)."""
-    return sum(c.nbytes for c in cache) if cache else 0
 
 
 def _final_kind(kv: KVSettings, length: int):

@@ -4,8 +4,9 @@ restarted server's first turn of a known conversation reuses its history instead
 An entry file holds the token ids, the media keys (spans.media_keys: kind, span, content hash) and
 the KV tensors of one prompt-and-answer, with what identifies the model. At start the folder's
 file headers are read into a radix index (caches.PrefixIndex, the in-memory tier's); files of
-another model, dtype or KV settings, or unreadable ones, are skipped with one warning line each
-and left as they are. Entries are written when the engine is idle (`flush`) and read back when a
+another model, dtype or KV settings, unreadable ones and anything that is not a regular file
+(checked on the descriptor, opened without blocking: a FIFO never hangs the start) are skipped
+with one warning line each and left as they are. Entries are written when the engine is idle (`flush`) and read back when a
 request's longest reusable prefix is on disk only; the least recently used files go when the
 folder is over its budget. Only entries of the tier's own KV settings are kept here.
 """
@@ -41,8 +42,9 @@ class DiskTier:
         self.hits = self.writes = self.skipped = 0
         for path in sorted(self.folder.glob("*" + SUFFIX)):
             try:
-                info = cache_file.peek(path)
-                cache_file.check(info, model, kv, what=f"prefix cache file {path.name!r}")
+                what = f"prefix cache file {path.name!r}"
+                info, st = cache_file.peek(path, what)
+                cache_file.check(info, model, kv, what=what)
                 meta = info["meta"]
                 keys = index_keys([int(t) for t in meta["tokens"]], [tuple(m) for m in meta["media"]])
             except (cache_file.CacheFileError, KeyError, TypeError, ValueError) as e:
@@ -50,7 +52,6 @@ class DiskTier:
                 self.warn(f"skipped {e}" if isinstance(e, cache_file.CacheFileError)
                           else f"skipped prefix cache file {path.name!r}: it does not hold a prefix entry")
                 continue
-            st = path.stat()
             self._add(path.name, keys, st.st_size, st.st_mtime, info.get("quantized") is True)
         self._evict()
 
