@@ -1,6 +1,8 @@
 """The Qwen3 decoder of Qwen3-VL: q/k RMSNorm on the head dim, GQA, SwiGLU, interleaved mRoPE, and
 DeepStack (vision features from early ViT blocks added after the first decoder layers)."""
 
+from functools import partial
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -61,6 +63,12 @@ class Attention(nn.Module):
         return quantized_scaled_dot_product_attention(q, k, v, self.scale, mask, group_size=group_size, bits=bits)
 
 
+@partial(mx.compile, shapeless=True)
+def swiglu(gate, up):
+    """silu(gate) * up as one kernel (mlx-lm's); compiled once for every shape."""
+    return nn.silu(gate) * up
+
+
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -69,8 +77,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def __call__(self, x):
-        gate, up = self.gate_up(x)
-        return self.down_proj(nn.silu(gate) * up)
+        return self.down_proj(swiglu(*self.gate_up(x)))
 
     def gate_up(self, x):
         """gate and up projections: one matmul when backend.fuse built their stacked weight at load."""

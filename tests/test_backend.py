@@ -162,3 +162,26 @@ def test_plain_graph_stacks_projections_without_renaming_or_copying(fixture, on_
                for layer in layers)
     inputs = case_inputs("image")
     np.testing.assert_allclose(np.array(fused(**inputs)), np.array(plain(**inputs)), rtol=1e-5, atol=1e-5)
+
+
+def test_plain_mlp_is_silu_gate_times_up_stacked_or_not(on_cpu):
+    """language.MLP (what a GPU runs: compiled swiglu, gate/up stacked by backend.fuse) computes
+    down(silu(gate(x)) * up(x)) at any number of tokens, before and after stacking."""
+    import mlx.nn as nn
+    from types import SimpleNamespace
+
+    from mlx_qwen3vl.backend import fuse
+
+    mlp = language.MLP(64, 96)
+    mx.eval(mlp.parameters())
+    want = lambda x: mlp.down_proj(nn.silu(mlp.gate_proj(x)) * mlp.up_proj(x))  # noqa: E731
+    xs = [mx.random.normal((2, 7, 64)), mx.random.normal((1, 1, 64))]
+    expected = [want(x) for x in xs]
+    for x, e in zip(xs, expected):
+        np.testing.assert_allclose(np.array(mlp(x)), np.array(e), rtol=1e-6, atol=1e-6)
+    attn = SimpleNamespace(q_proj=None)  # a layer whose attention cannot be stacked
+    attn.q_proj = attn.k_proj = attn.v_proj = nn.QuantizedLinear(64, 64)
+    fuse(SimpleNamespace(language_model=SimpleNamespace(layers=[SimpleNamespace(self_attn=attn, mlp=mlp)])))
+    assert mlp.get("_gate_up") is not None
+    for x, e in zip(xs, expected):
+        np.testing.assert_allclose(np.array(mlp(x)), np.array(e), rtol=1e-5, atol=1e-5)
