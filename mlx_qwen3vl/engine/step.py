@@ -1,6 +1,6 @@
 """One decode token and the choice of the next: `decode_step` (tokens through the cache → logits)
 and `sample` (logits → tokens, with each row's processors and random stream), gpt-fast's small
-functions, shared by the engine and generate_step."""
+functions, the engine's (engine/batch.py's decode)."""
 
 import mlx.core as mx
 
