@@ -38,7 +38,7 @@ def log(*a):
 
 def register(depth, layers):
     """The h-mid shapes as presets of the harness's generator (built once, then reused)."""
-    from mlx_qwen3vl.bench.presets import PRESETS
+    from mlx_qwen3vl.architectures import PRESETS
 
     taps = [i for i in (1, 3, 5) if i < depth] or [0]
     text = dict(PRESETS["2b"]["text"], num_hidden_layers=layers)
@@ -49,7 +49,7 @@ def register(depth, layers):
 
 
 def folder(preset, depth, layers):
-    from harness.presets import MODELS, build_preset
+    from harness.preset_folders import MODELS, build_preset
 
     register(depth, layers)
     return build_preset(preset, root=MODELS / "vision-memory" / f"{depth}x{layers}", log=log)
