@@ -369,6 +369,45 @@ BAD = [  # (name, path, body, status, what the message names)
     ("computer tool_choice", "/v1/messages", {**GOOD_M, "tool_choice": {"type": "any"}, "tools": [
         {"type": "computer_toolset_20260801"}]}, 400, "tool_choice"),
     ("body too big", "/v1/messages", _m({"type": "text", "text": "x" * 2_100_000}), 413, "--max-body-bytes"),
+    # fields a client may send that this server could not honour: a 400 naming each, never ignored
+    ("include", "/v1/responses", {**GOOD_R, "include": ["message.output_text.logprobs"]}, 400, "include[0]"),
+    ("summary", "/v1/responses", {**GOOD_R, "reasoning": {"summary": "auto"}}, 400, "reasoning.summary"),
+    ("obfuscation", "/v1/responses", {**GOOD_R, "stream_options": {"include_obfuscation": True}}, 400,
+     "stream_options.include_obfuscation"),
+    ("cache retention", "/v1/responses", {**GOOD_R, "prompt_cache_retention": "24h"}, 400, "prompt_cache_retention"),
+    ("image detail", "/v1/responses", _r({"type": "input_image", "image_url": "data:,", "detail": "max"}), 400,
+     "input[0].content[0].detail"),
+    ("pending checks", "/v1/responses", {**GOOD_R, "tools": [{"type": "computer"}], "input": [
+        {"role": "user", "content": "x"}, {"type": "computer_call", "call_id": "c", "pending_safety_checks": [
+            {"id": "s", "code": "malicious_instructions", "message": "?"}], "action": {"type": "screenshot"}}]}, 400,
+     "input[1].pending_safety_checks"),
+    ("acknowledged checks", "/v1/responses", {**GOOD_R, "input": [{"type": "computer_call_output", "call_id": "c",
+                                                                   "acknowledged_safety_checks": [{"id": "s"}],
+                                                                   "output": {"type": "computer_screenshot",
+                                                                              "image_url": "data:,"}}]}, 400,
+     "input[0].acknowledged_safety_checks"),
+    ("thinking on Instruct", "/v1/messages", {**GOOD_M, "max_tokens": 2000,
+                                              "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400,
+     "cannot be enabled"),
+    ("thinking budget", "/v1/messages", {**GOOD_M, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400,
+     "less than 'max_tokens'"),
+    ("thinking omitted", "/v1/messages", {**GOOD_M, "thinking": {"type": "adaptive", "display": "omitted"}}, 400,
+     "thinking.display"),
+    ("citations", "/v1/messages", _m({"type": "text", "text": "x", "citations": [{"type": "char_location"}]}), 400,
+     "messages[0].content[0].citations"),
+    ("caller", "/v1/messages", {**GOOD_M, "messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {},
+                                           "caller": {"type": "code_execution_20250825", "tool_id": "s"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "ok"}]}]}, 400,
+     "messages[1].content[0].caller"),
+    ("input examples", "/v1/messages", {**GOOD_M, "tools": [{"name": "f", "input_schema": {"type": "object"},
+                                                             "input_examples": [{}]}]}, 400, "tools[0].input_examples"),
+    ("defer loading", "/v1/messages", {**GOOD_M, "tools": [{"name": "f", "input_schema": {"type": "object"},
+                                                            "defer_loading": True}]}, 400, "tools[0].defer_loading"),
+    ("display number", "/v1/messages", {**GOOD_M, "tools": [
+        {"type": "computer_20250124", "name": "computer", "display_width_px": 10, "display_height_px": 10,
+         "display_number": 1}]}, 400, "tools[0].display_number"),
     ("body too big", "/v1/responses", {**GOOD_R, "input": "x" * 2_100_000}, 413, "--max-body-bytes"),
 ]
 
@@ -420,6 +459,8 @@ SCRIPT = {
     "@phone": "LongPress(box=(500, 500))",
     "@check": 'Let me check.\n<tool_call>\n{"name": "lookup", "arguments": {"q": "weather"}}\n</tool_call>',
     "@exif": CALL(action="left_click", coordinate=[437, 812]),
+    "@two": ('<tool_call>\n{"name": "lookup", "arguments": {"q": "rain"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "find", "arguments": {"q": "snow"}}\n</tool_call>'),
 }
 # A 10-step loop: each step's answer points where the pixels written back to 0-1000 differ from it
 # on the 1366x768 display (y = 13 is pixel 9, written back as 12; 216 is 165, written back as 215).
@@ -789,3 +830,98 @@ def test_venus_format_renders_navigation_prompts():
     want = computer_messages("Open the settings", SHOTS[1], [step], format="venus", display=DISPLAY)
     assert rendered == [(want, [SHOTS[1]])] and request.display == DISPLAY and request.cursor == (683, 230)
     assert "Click(box=(500, 300))" in want[1]["content"][0]["text"]
+
+
+# ------------------------------------------------------------------------------------ every field has its effect
+def test_image_detail_low_reads_fewer_pixels_than_high(server):
+    """OpenAI's detail: "low" is a 512x512-pixel budget, "high" and "auto" the request's own."""
+    image = data_url(png(np.random.default_rng(3).integers(0, 256, (600, 800, 3), dtype=np.uint8)))
+    tokens = {}
+    for detail in ("low", "high", None):
+        url = {"url": image, **({"detail": detail} if detail else {})}
+        tokens["chat", detail] = oai(server).chat.completions.create(model="m", max_tokens=1, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": url},
+                                         {"type": "text", "text": "What?"}]}]).usage.prompt_tokens
+        part = {"type": "input_image", "image_url": image, **({"detail": detail} if detail else {})}
+        tokens["responses", detail] = oai(server).responses.create(model="m", max_output_tokens=1, input=[
+            {"role": "user", "content": [part, {"type": "input_text", "text": "What?"}]}]).usage.input_tokens
+    for api in ("chat", "responses"):
+        assert tokens[api, "low"] < tokens[api, "high"] == tokens[api, None], tokens
+
+
+def test_chat_history_fields_render_or_are_refused(server):
+    """A refusal sent back is the assistant's text; a tool result's name is accepted; a user's name,
+    reasoning_content and annotations (which this server never answers with) are a 400 naming each."""
+    def ask(assistant, **user):
+        return server.request("POST", "/v1/chat/completions", {"model": "m", "max_tokens": 1, "messages": [
+            {"role": "user", "content": "Do it.", **user}, {"role": "assistant", **assistant},
+            {"role": "user", "content": "Please?"}]})
+    said, refused = ask({"content": "I can't."}), ask({"content": None, "refusal": "I can't."})
+    tokens = lambda r: r[1]["usage"]["prompt_tokens"]  # noqa: E731
+    assert said[0] == refused[0] == 200 and tokens(said) == tokens(refused)
+    assert refused[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == tokens(said) - 1  # the same prompt
+    assert tokens(ask({"content": "", "refusal": "I can't."})) == tokens(said)
+    for assistant, user, param in (({"content": "x"}, {"name": "bob"}, "messages[0].name"),
+                                   ({"content": "x", "reasoning_content": "hm"}, {}, "messages[1].reasoning_content"),
+                                   ({"content": "x", "annotations": [{"type": "url_citation"}]}, {},
+                                    "messages[1].annotations"),
+                                   ({"content": "x", "refusal": "no"}, {}, "messages[1].refusal")):
+        status, err = ask(assistant, **user)
+        assert status == 400 and err["error"]["param"] == param, err
+    assert ask({"content": "x", "reasoning_content": None, "annotations": []})[0] == 200
+    status, _ = server.request("POST", "/v1/chat/completions", {"model": "m", "max_tokens": 1, "messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                              "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c", "name": "f", "content": "ok"}]})
+    assert status == 200
+
+
+def test_anthropic_history_fields_take_effect(server):
+    """is_error is in the tool result's text; cache_control, metadata.user_id, thinking disabled (an
+    Instruct checkpoint) and a direct caller are accepted."""
+    def count(is_error, **extra):
+        use = {"type": "tool_use", "id": "t", "name": "f", "input": {}, "caller": {"type": "direct"}}
+        return claude(server).messages.count_tokens(model="m", messages=[
+            {"role": "user", "content": "x"}, {"role": "assistant", "content": [use]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "gone",
+                                          "is_error": is_error, "cache_control": {"type": "ephemeral"}}]}],
+            tools=[{"name": "f", "input_schema": {"type": "object"}}], **extra).input_tokens
+    assert count(True) > count(False) == count(False, thinking={"type": "disabled"})
+    r = claude(server).messages.create(model="m", max_tokens=1, metadata={"user_id": "u1"},
+                                       thinking={"type": "disabled"}, messages=[{"role": "user", "content": "hi"}])
+    assert r.usage.output_tokens == 1
+
+
+STRICT = {"type": "object", "properties": {"q": {"enum": ["sunny", "cloudy"]}}, "required": ["q"],
+          "additionalProperties": False}
+
+
+def test_strict_tools_hold_an_unforced_call_to_the_schema(scripted):
+    """The scripted answer calls lookup with q "weather": a strict tool's schema (q one of two words)
+    constrains that call although tool_choice is auto; the same tool not strict lets it through."""
+    s, _ = scripted
+    ask = "What is the weather? @check"
+    for strict in (True, False):
+        fn = {"name": "lookup", "parameters": STRICT, "strict": strict}
+        chat = oai(s).chat.completions.create(model="m", max_tokens=64, messages=[{"role": "user", "content": ask}],
+                                              tools=[{"type": "function", "function": fn}])
+        resp = oai(s).responses.create(model="m", input=ask, tools=[{"type": "function", **fn}], max_output_tokens=64)
+        msg = claude(s).messages.create(model="m", max_tokens=64, messages=[{"role": "user", "content": ask}], tools=[
+            {"name": "lookup", "input_schema": STRICT, "strict": strict}])
+        got = [json.loads(chat.choices[0].message.tool_calls[0].function.arguments)["q"],
+               json.loads([o for o in resp.output if o.type == "function_call"][0].arguments)["q"],
+               [b for b in msg.content if b.type == "tool_use"][0].input["q"]]
+        assert all(q in ("sunny", "cloudy") for q in got) if strict else got == ["weather"] * 3, (strict, got)
+
+
+def test_max_tool_calls_cuts_the_calls(scripted):
+    s, _ = scripted
+    ask = dict(model="m", input="Two lookups @two", max_output_tokens=80,
+               tools=[{"type": "function", **LOOKUP}, {"type": "function", **LOOKUP, "name": "find"}])
+    calls = lambda r: [json.loads(o.arguments)["q"] for o in r.output if o.type == "function_call"]  # noqa: E731
+    assert calls(oai(s).responses.create(**ask)) == ["rain", "snow"]
+    r = oai(s).responses.create(**ask, max_tool_calls=1)
+    assert calls(r) == ["rain"] and r.max_tool_calls == 1
+    with oai(s).responses.stream(**ask, max_tool_calls=1) as stream:
+        assert calls(stream.get_final_response()) == ["rain"]

@@ -37,7 +37,7 @@ class TextPart(Wire):
 
 class URL(Wire):
     url: Annotated[str, Field(min_length=1)]
-    detail: Optional[str] = None  # OpenAI's resolution hint: pixels are this server's min/max_pixels
+    detail: Optional[Literal["low", "high", "auto"]] = None  # "low": model_inputs.LOW_DETAIL_PIXELS
 
 
 class ImagePart(Wire):
@@ -76,7 +76,8 @@ class Message(Wire):
     name: Optional[str] = None
     tool_calls: Optional[List[ToolCall]] = None
     tool_call_id: Optional[str] = None
-    # what an answer carries and clients send back with it: nothing of it is rendered
+    # what an answer carries and clients send back with it: a refusal is the assistant's text;
+    # this server never answers with reasoning_content or annotations, so only empty ones pass
     refusal: Optional[str] = None
     reasoning_content: Optional[str] = None
     annotations: Optional[List[Any]] = None
@@ -239,10 +240,25 @@ def read_messages(messages: List[Message]) -> List[Turn]:
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         role = "system" if m.role == "developer" else m.role
-        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+        if m.content is None and not (m.role == "assistant" and (m.tool_calls or m.refusal)):
             raise invalid(f"{where}.content", f"'{where}.content' is missing; send a string or a list of content "
                           "parts", "missing_field")
+        if m.name and role != "tool":  # a tool result's name is its function's, which the call already names
+            raise invalid(f"{where}.name", f"'{where}.name' is not supported by this server: the chat template has no "
+                          "participant names; put the name in the message's text", "unsupported_field")
+        if m.reasoning_content:
+            raise invalid(f"{where}.reasoning_content", f"'{where}.reasoning_content' is not supported by this "
+                          "server: its answers carry <think> text in 'content'; send it back there",
+                          "unsupported_field")
+        if m.annotations:
+            raise invalid(f"{where}.annotations", f"'{where}.annotations' is not supported by this server: its "
+                          "answers carry no annotations", "unsupported_field")
+        if m.refusal and (m.role != "assistant" or (m.content and m.content != m.refusal)):
+            raise invalid(f"{where}.refusal", f"'{where}.refusal' is an assistant's answer instead of content; "
+                          "send one or the other", "invalid_value")
         parts = []
+        if m.refusal and not m.content:  # the model said it: render it as the assistant's text
+            parts.append(Part("text", m.refusal, f"{where}.refusal"))
         if isinstance(m.content, str):
             parts.append(Part("text", m.content, f"{where}.content"))
         for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
@@ -255,7 +271,8 @@ def read_messages(messages: List[Message]) -> List[Turn]:
             if role not in ("user", "tool"):  # the chat template renders media only there
                 raise invalid(p, f"'{p}' is {'a video' if kind == 'video' else 'an image'} in a {m.role} message, "
                               "where the chat template renders no media; send it in a user or tool message")
-            parts.append(Part(kind, ref.url if isinstance(ref, URL) else ref, f"{p}.{part.type}.url"))
+            parts.append(Part(kind, ref.url if isinstance(ref, URL) else ref, f"{p}.{part.type}.url",
+                              detail=ref.detail if isinstance(ref, URL) and kind == "image" else None))
         calls = [Call(c.id, c.function.name, arguments=c.function.arguments, param=f"{where}.tool_calls[{k}]")
                  for k, c in enumerate(m.tool_calls or ())]
         turns.append(Turn(role, parts, calls=calls, call_id=m.tool_call_id, param=where,

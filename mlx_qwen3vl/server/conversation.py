@@ -22,6 +22,7 @@ class Part:
     kind: str  # "text" | "image" | "video"
     value: str  # the text, or the image's URL
     param: str = ""  # where the client put it, for error messages
+    detail: Optional[str] = None  # an image's resolution hint: "low" reads it at LOW_DETAIL_PIXELS
 
 
 @dataclass

@@ -65,6 +65,8 @@ class GrammarFactory:
         self._llg_tokenizer()  # built once, outside any request's deadline
         if spec[0] == "json_schema":
             compile_, param = (lambda: self.json_schema(spec[1])), "response_format"
+        elif spec[0] == "tool_text":
+            compile_, param = (lambda: self.tool_call(spec[1], free_text=True)), "tools"
         else:
             compile_, param = (lambda: self.tool_call(spec[1], spec[2])), "tool_choice"
         if self.timeout_s is None:
@@ -88,15 +90,18 @@ class GrammarFactory:
                            code="invalid_schema") from None
         return self._processor(grammar, param)
 
-    def tool_call(self, tools, name=None):
+    def tool_call(self, tools, name=None, free_text=False):
         """One `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` block, for the
-        named function or any of `tools`, in the Qwen3-VL template's format."""
+        named function or any of `tools`, in the Qwen3-VL template's format. `free_text` (tool_choice
+        auto with a strict tool): any text, then any number of such blocks, each strict tool's
+        arguments held to its schema (another tool's to any object)."""
         import llguidance
 
         options = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
         calls = [{"type": "object", "properties": {
                      "name": {"const": f["name"]},
-                     "arguments": f.get("parameters") or {"type": "object"}},
+                     "arguments": (f.get("parameters") or {"type": "object"}) if f.get("strict") or not free_text
+                     else {"type": "object"}},
                   "required": ["name", "arguments"], "additionalProperties": False} for f in options]
         schema = {"anyOf": calls} if len(calls) > 1 else calls[0]
         schema["x-guidance"] = COMPACT
@@ -104,6 +109,13 @@ class GrammarFactory:
         if any(i is None or i == self.tokenizer.unk_token_id for i in ids):
             raise APIError(400, "this checkpoint's tokenizer has no <tool_call> token; tool_choice "
                            "'required' cannot be enforced", param="tool_choice")
+        if free_text:  # text (a thinking checkpoint's <think> tokens too), then the calls
+            think = [self.tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>")]
+            think = [f"<[{i}]>" for i in think if i is not None and i != self.tokenizer.unk_token_id]
+            lark = (f'start: text? (<[{ids[0]}]> "\\n" call "\\n" <[{ids[1]}]> "\\n"?)*\n'
+                    f'text: (TEXT {" ".join("| " + t for t in think)})+\nTEXT: /(?s:.+)/\n'
+                    f'call: %json {json.dumps(schema)}\n')
+            return self._processor(llguidance.LLMatcher.grammar_from_lark(lark), "tools")
         lark = f'start: <[{ids[0]}]> "\\n" call "\\n" <[{ids[1]}]>\ncall: %json {json.dumps(schema)}\n'
         return self._processor(llguidance.LLMatcher.grammar_from_lark(lark), "tool_choice")
 

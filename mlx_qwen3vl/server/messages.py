@@ -18,7 +18,7 @@ the prefix cache, `cache_read_input_tokens` those that were. Errors have Anthrop
 
 import json
 import uuid
-from typing import List
+from typing import List, Optional
 
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -31,7 +31,7 @@ from .protocol import APIError, ChatRequest
 
 FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "metadata", "tools",
           "tool_choice", "thinking", "output_config", "temperature", "top_p", "top_k",
-          # accepted, with no effect on a local server
+          # accepted, with no effect on a local server's output (docs/protocols.md says why each)
           "service_tier", "cache_control", "inference_geo", "speed", "user_profile_id", "workspace_id",
           # this server's extensions (extra_body)
           "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "min_pixels", "max_pixels",
@@ -107,10 +107,20 @@ def _parts(content, where) -> List[Part]:
     parts = []
     for kind, block, p in _blocks(content, ("text", "image"), where):
         if kind == "text":
+            _no_citations(block, p)
             parts.append(Part("text", P.string(block, "text", p, required=True), f"{p}.text"))
         else:
             parts.append(_image(block, p))
     return parts
+
+
+def _no_citations(block, where):
+    """A text block's citations: this server cites nothing, so only an empty (or disabled) one passes."""
+    cites = block.get("citations")
+    if cites in (None, []) or (isinstance(cites, dict) and cites.get("enabled") is False):
+        return
+    raise P.invalid(f"{where}.citations", f"'{where}.citations' is not supported by this server: its answers cite "
+                    "no documents", "unsupported_field")
 
 
 def read_messages(body) -> List[Turn]:
@@ -138,11 +148,16 @@ def read_messages(body) -> List[Turn]:
             thoughts = []
             for kind, block, p in _blocks(m["content"], ASSISTANT_BLOCKS, c):
                 if kind == "text":
+                    _no_citations(block, p)
                     turn.parts.append(Part("text", P.string(block, "text", p, required=True), p))
                 elif kind == "thinking":
                     thoughts.append(P.string(block, "thinking", p, required=True))
                 elif kind == "tool_use":
                     name = P.string(block, "name", p, required=True, empty=False)
+                    caller = block.get("caller")
+                    if caller is not None and (not isinstance(caller, dict) or caller.get("type") != "direct"):
+                        raise P.invalid(f"{p}.caller", f"'{p}.caller' must be {{'type': 'direct'}}: the model calls "
+                                        "tools itself here (no code execution calls them)", "unsupported_field")
                     if not isinstance(block.get("input"), dict):
                         raise P.invalid(f"{p}.input", f"'{p}.input' must be an object", "invalid_type")
                     call = {"name": name, "input": block["input"]}
@@ -158,11 +173,13 @@ def read_messages(body) -> List[Turn]:
         for kind, block, p in _blocks(m["content"], USER_BLOCKS, c):
             if kind == "tool_result":
                 call_id = P.string(block, "tool_use_id", p, required=True, empty=False)
-                P.flag(block, "is_error", p)
                 content = block.get("content")
                 parts = _parts(content, f"{p}.content") if content is not None else []
+                if P.flag(block, "is_error", p):  # the template has no error flag: the result's text says it
+                    parts.insert(0, Part("text", "Error: ", f"{p}.is_error"))
                 turns.append(Turn("tool", parts, call_id=call_id, param=p))
             elif kind == "text":
+                _no_citations(block, p)
                 plain.append(Part("text", P.string(block, "text", p, required=True), f"{p}.text"))
             else:
                 plain.append(_image(block, p))
@@ -187,9 +204,21 @@ def _tools(tools):
             P.check_fields(t, {"type", "name", "description", "input_schema", "cache_control", "strict",
                                "input_examples", "defer_loading", "eager_input_streaming"}, p)
             functions.append(function_tool(t.get("name"), t.get("description"), t.get("input_schema"), p))
+            if P.flag(t, "strict", p):  # its calls' input is held to its schema (model_inputs.py)
+                functions[-1]["function"]["strict"] = True
+            if t.get("input_examples") not in (None, []):
+                raise P.invalid(f"{p}.input_examples", f"'{p}.input_examples' is not supported by this server: the "
+                                "chat template renders a tool's schema and description only", "unsupported_field")
+            if P.flag(t, "defer_loading", p):
+                raise P.invalid(f"{p}.defer_loading", f"'{p}.defer_loading' is not supported by this server: there "
+                                "is no tool search here; every tool is in the prompt", "unsupported_field")
+            P.flag(t, "eager_input_streaming", p)  # a call's input is streamed whole, once it is complete
         elif kind in ("computer_20250124", "computer_20251124"):
             P.check_fields(t, {"type", "name", "display_width_px", "display_height_px", "display_number",
                                "enable_zoom", "cache_control"}, p)
+            if t.get("display_number") is not None:
+                raise P.invalid(f"{p}.display_number", f"'{p}.display_number' is not supported by this server: the "
+                                "model's computer-use prompt has one display", "unsupported_field")
         elif kind == "computer_toolset_20260801":
             P.check_fields(t, {"type", "configs", "cache_control"}, p)
         else:
@@ -250,11 +279,7 @@ def parse_request(body, agent_format: str, count=False):
     rf = _output_format(body.get("output_config"))
     if tool is not None and rf is not None:
         raise P.invalid("output_config.format", "a computer-use answer cannot be constrained; leave it out")
-    thinking = body.get("thinking")
-    if thinking is not None:  # the checkpoint decides whether it thinks; its <think> text comes back as thinking
-        P.check_fields(thinking, {"type", "budget_tokens", "display"}, "thinking")
-        if thinking.get("type") not in ("enabled", "disabled", "adaptive"):
-            raise P.invalid("thinking.type", "'thinking.type' must be enabled, disabled or adaptive")
+    thinking = _thinking(body)
     if body.get("metadata") is not None:
         P.check_fields(body["metadata"], {"user_id"}, "metadata")
     defaults = computer.sampling_defaults(agent_format) if tool is not None else {}
@@ -275,7 +300,40 @@ def parse_request(body, agent_format: str, count=False):
     chat = ChatRequest(turns=[], sampling=sampling, max_tokens=max_tokens, model=body.get("model"),
                        tools=functions, tool_choice=tool_choice if functions else "none", response_format=rf,
                        chat_template_kwargs=P.template_switches(body.get("chat_template_kwargs")), **pixels)
-    return turns, chat, tool, P.flag(body, "stream", None)
+    return turns, chat, tool, P.flag(body, "stream", None), thinking
+
+
+def _thinking(body) -> Optional[str]:
+    """thinking.type, checked (None when not sent); whether the checkpoint can is checked once its
+    prompt is rendered (check_thinking)."""
+    thinking = body.get("thinking")
+    if thinking is None:
+        return None
+    P.check_fields(thinking, {"type", "budget_tokens", "display"}, "thinking")
+    kind = thinking.get("type")
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise P.invalid("thinking.type", "'thinking.type' must be enabled, disabled or adaptive")
+    if kind == "enabled":
+        budget = P.number(thinking, "budget_tokens", 1024, integer=True, param="thinking.budget_tokens")
+        if budget is None:
+            raise P.invalid("thinking.budget_tokens", "'thinking.budget_tokens' is required when thinking is "
+                            "enabled", "missing_field")
+        if isinstance(body.get("max_tokens"), int) and budget >= body["max_tokens"]:
+            raise P.invalid("thinking.budget_tokens", "'thinking.budget_tokens' must be less than 'max_tokens'")
+    if thinking.get("display") not in (None, "summarized"):  # the whole reasoning is sent: no summary is shorter
+        raise P.invalid("thinking.display", "'thinking.display' must be 'summarized' here: thinking blocks carry "
+                        "the model's whole reasoning (nothing is omitted or signed)", "unsupported_field")
+    return kind
+
+
+def check_thinking(kind, thinks: bool):
+    """The rendered prompt decides: a thinking checkpoint's opens a <think> block."""
+    if kind == "enabled" and not thinks:
+        raise P.invalid("thinking.type", "'thinking' cannot be enabled: this checkpoint's chat template does not "
+                        "think (use a Qwen3-VL Thinking checkpoint)", "unsupported_field")
+    if kind == "disabled" and thinks:
+        raise P.invalid("thinking.type", "'thinking' cannot be disabled: this checkpoint's chat template always "
+                        "thinks (use a Qwen3-VL Instruct checkpoint)", "unsupported_field")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,16 +488,24 @@ def _sse(event) -> str:
 def routes(service) -> list:
     tokenizer = service.processor.tokenizer
 
+    template = getattr(service.processor, "chat_template", None) or getattr(tokenizer, "chat_template", None) or ""
+    switch = isinstance(template, str) and "enable_thinking" in template  # a hybrid template's switch
+
     def build(parsed):
-        turns, chat, tool, _ = parsed
+        turns, chat, tool, _, thinking = parsed
+        if thinking in ("enabled", "disabled") and switch:
+            chat.chat_template_kwargs.setdefault("enable_thinking", thinking == "enabled")
         if tool is not None:
-            return computer.prepare(service.builder, chat, turns, tool, service.agent_format,
-                                    service.computer_answers, service.agent_history)
-        chat.turns = turns
-        return service.builder.build(chat), None
+            built = computer.prepare(service.builder, chat, turns, tool, service.agent_format,
+                                     service.computer_answers, service.agent_history)
+        else:
+            chat.turns = turns
+            built = service.builder.build(chat), None
+        check_thinking(thinking, prompt_opens_reasoning(tokenizer, built[0].tokens))
+        return built
 
     async def create(request):
-        (turns, chat, tool, stream), prepared, computer_request, handle = await service.admit(
+        (turns, chat, tool, stream, _), prepared, computer_request, handle = await service.admit(
             request, lambda body: parse_request(body, service.agent_format), build)
         writer = Writer(chat, chat.model, prepared.prompt_tokens, prompt_opens_reasoning(tokenizer, prepared.tokens),
                         computer_request)

@@ -7,7 +7,9 @@ import threading
 import traceback
 
 import numpy as np
+from PIL import Image
 
+from .. import media
 from ..engine import fit_to_context
 from ..errors import ContextLengthError, Qwen3VLError
 from ..media_access import release_memory
@@ -17,6 +19,23 @@ from .fetch import hide_temp_paths, resolve_image, resolve_video
 from .limits import Limits, check_media, check_pixel_options, check_token_ids
 from .prepared import Prepared
 from .protocol import APIError, ChatRequest
+
+
+# OpenAI's detail "low" is a 512x512 thumbnail: here the image is resized to at most that many
+# pixels before the processor reads it ("high" and "auto" keep the request's min/max_pixels).
+LOW_DETAIL_PIXELS = 512 * 512
+
+
+def low_detail(data, cap: int, label: str):
+    """Encoded image bytes → an RGB array of at most LOW_DETAIL_PIXELS (orientation applied); an
+    image over the server's pixel cap is left encoded, for check_media to refuse by name."""
+    w, h = media.image_size(data, label)
+    if w * h <= LOW_DETAIL_PIXELS or w * h > cap:
+        return data
+    im = Image.fromarray(media.pil_to_rgb(media.decode(data, label)))
+    scale = (LOW_DETAIL_PIXELS / (w * h)) ** 0.5
+    size = (max(1, int(w * scale)), max(1, int(h * scale)))
+    return np.asarray(im.resize(size, Image.Resampling.BICUBIC))
 
 
 class PromptBuilder:
@@ -33,7 +52,13 @@ class PromptBuilder:
 
         def resolve(part):  # every medium of the request under one budget of bytes, pixels, frames and time
             if part.kind == "image":
-                return resolve_image(part.value, self.policy, part.param, budget)
+                data = resolve_image(part.value, self.policy, part.param, budget)
+                if part.detail == "low":
+                    try:
+                        return low_detail(data, self.limits.max_request_pixels, part.param)
+                    except Qwen3VLError as e:
+                        raise APIError(400, str(e), param=part.param, code="invalid_input") from None
+                return data
             return resolve_video(part.value, self.policy, part.param, temp_files, budget)
 
         try:
@@ -87,5 +112,7 @@ class PromptBuilder:
         elif req.tools and (req.tool_choice == "required" or isinstance(req.tool_choice, dict)):
             name = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
             grammar = ["tool_call", req.tools, name]
+        elif tools and any(t["function"].get("strict") for t in tools):  # a call it makes keeps to its schema
+            grammar = ["tool_text", req.tools]
         return Prepared(inputs=inputs, tokens=tokens, media=media, sampling=req.sampling, max_tokens=max_tokens,
                         grammar=grammar, processors=self.grammars.build(grammar), kv=req.kv)

@@ -32,7 +32,7 @@ from .store import ResponseStore
 FIELDS = {"model", "input", "instructions", "previous_response_id", "max_output_tokens", "text", "tools",
           "tool_choice", "parallel_tool_calls", "stream", "store", "metadata", "include", "top_logprobs",
           "truncation", "reasoning", "stream_options", "max_tool_calls",
-          # accepted, with no effect on a local server
+          # accepted, with no effect on a local server's output (docs/protocols.md says why each)
           "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "service_tier",
           # this server's extensions, as chat completions takes them (extra_body)
           "min_pixels", "max_pixels", "chat_template_kwargs", "stop", *P.SAMPLING_FIELDS}
@@ -40,7 +40,8 @@ REFUSED = {"background": "responses are answered while the request waits",
            "conversation": "conversations are not stored here; use previous_response_id",
            "prompt": "stored prompts are not available here",
            "context_management": "the context is not managed here"}
-INCLUDABLE = ("reasoning.encrypted_content",)  # nothing is encrypted here: accepted, adds nothing
+# reasoning items carry their text as content here, nothing is encrypted: asking for it adds nothing
+INCLUDABLE = ("reasoning.encrypted_content",)
 MAX_METADATA = 16
 
 
@@ -85,7 +86,10 @@ def _content(content, role, where) -> List[Part]:
             if role != "user":
                 raise P.invalid(p, f"'{p}' is an image in a {role} message, where the chat template renders no "
                                 "media; send it in a user message")
-            parts.append(Part("image", url, f"{p}.image_url"))
+            detail = part.get("detail")
+            if detail not in (None, "low", "high", "auto"):
+                raise P.invalid(f"{p}.detail", f"'{p}.detail' must be low, high or auto")
+            parts.append(Part("image", url, f"{p}.image_url", detail=detail))
         elif kind == "refusal":
             parts.append(Part("text", P.string(part, "refusal", p, required=True), p))
         else:
@@ -154,6 +158,7 @@ def read_input(value, where="input") -> List[Turn]:
             assistant(p).calls.append(Call(call_id, name, arguments=arguments, param=p))
         elif kind == "computer_call":
             call_id = P.string(item, "call_id", p, required=True, empty=False)
+            _no_safety_checks(item, "pending_safety_checks", p)
             action = item.get("actions") if item.get("actions") is not None else item.get("action")
             if not isinstance(action, (dict, list)):
                 raise P.invalid(f"{p}.action", f"'{p}' needs an 'action' (or 'actions')", "missing_field")
@@ -167,6 +172,7 @@ def read_input(value, where="input") -> List[Turn]:
             turns.append(Turn("tool", _content(output, "user", f"{p}.output"), call_id=call_id, param=p))
         else:  # computer_call_output
             call_id = P.string(item, "call_id", p, required=True, empty=False)
+            _no_safety_checks(item, "acknowledged_safety_checks", p)
             out, o = item.get("output"), f"{p}.output"
             P.check_fields(out, {"type", "image_url", "file_id"}, o)
             if out.get("type") not in ("computer_screenshot", "input_image"):
@@ -199,6 +205,13 @@ class ResponsesRequest:
         return (head if self.instructions is not None else []) + self.history
 
 
+def _no_safety_checks(item, key, where):
+    """This server never issues safety checks: an empty list (what it sent) passes, any other is a 400."""
+    if item.get(key) not in (None, []):
+        raise P.invalid(f"{where}.{key}", f"'{where}.{key}' must be empty: this server issues no safety checks, "
+                        "so none can be pending or acknowledged", "unsupported_field")
+
+
 def _tools(tools):
     """→ (chat function tools, the computer tool or None)."""
     if tools is None:
@@ -212,6 +225,8 @@ def _tools(tools):
         if kind == "function":
             P.check_fields(t, {"type", "name", "description", "parameters", "strict"}, p)
             functions.append(function_tool(t.get("name"), t.get("description"), t.get("parameters"), p))
+            if P.flag(t, "strict", p):  # its calls' arguments are held to its schema (model_inputs.py)
+                functions[-1]["function"]["strict"] = True
         elif kind in ("computer_use_preview", "computer"):
             P.check_fields(t, {"type", "display_width", "display_height", "environment"}, p)
         else:
@@ -293,8 +308,12 @@ def parse_request(body, agent_format: str) -> ResponsesRequest:
     if tool is not None and rf is not None:
         raise P.invalid("text.format", "'text.format' cannot constrain a computer-use answer; leave it out")
     include = body.get("include") or []
-    if not isinstance(include, list) or any(v not in INCLUDABLE for v in include):
-        raise P.invalid("include", f"'include' may list only {', '.join(INCLUDABLE)} on this server")
+    if not isinstance(include, list):
+        raise P.invalid("include", "'include' must be a list", "invalid_type")
+    for k, value in enumerate(include):
+        if value not in INCLUDABLE:
+            raise P.invalid(f"include[{k}]", f"'include' value {str(value)[:80]!r} is not supported by this server "
+                            f"(it may list only {', '.join(INCLUDABLE)})", "unsupported_field")
     if body.get("top_logprobs") not in (None, 0):
         raise P.invalid("top_logprobs", "'top_logprobs' is not supported by this server", "unsupported_field")
     if body.get("truncation") not in (None, "disabled"):
@@ -311,10 +330,23 @@ def parse_request(body, agent_format: str) -> ResponsesRequest:
     if P.flag(body, "parallel_tool_calls", None, True) is not True:
         raise P.invalid("parallel_tool_calls", "'parallel_tool_calls' must be true: this model may answer with several "
                         "calls and the server does not cut them", "unsupported_field")
+    P.check_fields(body.get("reasoning") or {}, {"effort", "summary", "generate_summary"}, "reasoning")
+    for key in ("summary", "generate_summary"):
+        if (body.get("reasoning") or {}).get(key) is not None:
+            raise P.invalid(f"reasoning.{key}", f"'reasoning.{key}' is not supported by this server: it makes no "
+                            "summaries; reasoning items carry the whole reasoning text as content",
+                            "unsupported_field")
+    P.check_fields(body.get("stream_options") or {}, {"include_obfuscation"}, "stream_options")
+    if P.flag(body.get("stream_options") or {}, "include_obfuscation", "stream_options") is True:
+        raise P.invalid("stream_options.include_obfuscation", "'stream_options.include_obfuscation' is not "
+                        "supported by this server: stream events are not padded", "unsupported_field")
+    if body.get("prompt_cache_retention") not in (None, "in-memory", "in_memory"):
+        raise P.invalid("prompt_cache_retention", "'prompt_cache_retention' must be 'in-memory': this server keeps "
+                        "its prefix cache in memory only", "unsupported_field")
     if (body.get("reasoning") or {}).get("effort") is not None:
         raise P.invalid("reasoning.effort", "'reasoning.effort' is not available here: this checkpoint's thinking is "
                         "switched by 'chat_template_kwargs': {'enable_thinking': ...}", "unsupported_field")
-    P.number(body, "max_tool_calls", 1, integer=True)
+    max_tool_calls = P.number(body, "max_tool_calls", 1, integer=True)
     defaults = computer.sampling_defaults(agent_format) if tool is not None else {}
     stop = P.stop_strings(body.get("stop"), "stop")
     sampling = P.sampling_params(body, stop, defaults=defaults)
@@ -330,7 +362,8 @@ def parse_request(body, agent_format: str) -> ResponsesRequest:
             "previous_response_id": previous, "reasoning": body.get("reasoning") or {"effort": None, "summary": None},
             "temperature": sampling.temperature, "top_p": sampling.top_p, "text": text_echo,
             "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-            "truncation": body.get("truncation") or "disabled", "user": body.get("user")}
+            "truncation": body.get("truncation") or "disabled", "user": body.get("user"),
+            "max_tool_calls": max_tool_calls}
     return ResponsesRequest(model, history, instructions, chat, tool, P.flag(body, "stream", None),
                             P.flag(body, "store", None, True), echo)
 
@@ -352,6 +385,7 @@ class Writer:
         self.raw, self.reasoning_tokens = [], 0
         self.status, self.usage, self.error = "in_progress", None, None
         self.turn: Optional[Turn] = None
+        self.calls_made = 0
 
     def event(self, kind, **fields) -> dict:
         self.seq += 1
@@ -412,6 +446,8 @@ class Writer:
 
     def _segment(self, kind, value) -> List[dict]:
         if kind == "call":
+            if not self._may_call():  # past max_tool_calls: the call is dropped, as OpenAI ignores it
+                return []
             events = self._close()
             fn = value["function"]
             item = {"type": "function_call", "id": _id("fc"), "call_id": value["id"], "name": fn["name"],
@@ -433,6 +469,11 @@ class Writer:
         name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
         extra = {} if kind == "reasoning" else {"logprobs": []}
         return events + [self.event(name, item_id=item["id"], output_index=i, content_index=0, delta=value, **extra)]
+
+    def _may_call(self) -> bool:
+        cap = self.req.echo.get("max_tool_calls")
+        self.calls_made += 1
+        return cap is None or self.calls_made <= cap
 
     def _whole_item(self, item) -> List[dict]:
         self.output.append(item)
@@ -483,6 +524,8 @@ class Writer:
                                                                           "annotations": [], "logprobs": []}]})
         tool = self.computer.tool
         for batch in ([turn.calls] if tool.batched else [[c] for c in turn.calls]) if turn.calls else []:
+            if not self._may_call():
+                break
             call_id = _id("call")
             item = {"type": "computer_call", "id": _id("cu"), "call_id": call_id, "pending_safety_checks": [],
                     "status": "completed"}
