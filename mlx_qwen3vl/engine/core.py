@@ -28,11 +28,11 @@ from .answer import AnswerText, eos_token_ids
 from .batch import Batch, Row, cache_bytes
 from .caches import FeatureCache, PrefixCache, pipeline_scale
 from .prefill import Costs, PrefillJob
+from .speculative import DEFAULT_DRAFT, MAX_DRAFT
 from .step import sample
 
 FINISH_REASONS = ("stop", "length", "time_limit", "cancelled")
 CACHE_STEP = 256  # mlx-lm's KVCache and QuantizedKVCache grow their buffers by this many positions
-MAX_DRAFT = 64  # draft tokens per verify forward at most
 
 
 def _size(n: int) -> str:
@@ -64,7 +64,7 @@ class Request:
     media: Optional[list] = None
     kv: Optional[KVSettings] = None
     drafter: Optional[object] = None
-    num_draft_tokens: int = 4
+    num_draft_tokens: int = DEFAULT_DRAFT
 
 
 @dataclass

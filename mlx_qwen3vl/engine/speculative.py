@@ -18,6 +18,10 @@ from typing import List, Optional, Protocol, Sequence
 
 import mlx.core as mx
 
+from ..errors import ConfigError, InputError
+
+MAX_DRAFT = 64  # draft tokens per verify forward at most
+
 
 class Drafter(Protocol):
     def propose(self, token_ids: Sequence[int], k: int) -> List[int]:
@@ -45,17 +49,20 @@ class PromptLookup:
         return []
 
 
-class Scripted:
-    """Proposes from a fixed continuation: after `prompt_tokens` prompt tokens and an answer of m
-    tokens so far, `continuation[m:m + k]`. With the plain run's own answer it is the oracle (every
-    draft right: the mechanism's ceiling); with anything else, a drafter that is wrong."""
+class Oracle:
+    """Proposes from a known sequence (a prompt and its answer, e.g. the plain run's own): while
+    the tokens so far are its beginning, what follows them there; else nothing. With the plain
+    run's answer every draft is right: the mechanism's ceiling, for benchmarks and tests."""
 
-    def __init__(self, prompt_tokens: int, continuation: Sequence[int]):
-        self.prompt_tokens, self.continuation = prompt_tokens, [int(t) for t in continuation]
+    def __init__(self, sequence: Sequence[int]):
+        self.sequence = [int(t) for t in sequence]
 
     def propose(self, token_ids, k):
-        m = len(token_ids) - self.prompt_tokens
-        return self.continuation[m:m + k]
+        n = len(token_ids)
+        tail = min(n, 16)  # the tokens so far are checked by their end: the prompt is the caller's
+        if self.sequence[n - tail:n] != [int(t) for t in token_ids[n - tail:]]:
+            return []
+        return self.sequence[n:n + k]
 
 
 class Wrong:
@@ -69,16 +76,35 @@ class Wrong:
         return [(int(token_ids[-1]) + 1 + i) % self.vocab_size for i in range(k)]
 
 
-def make_drafter(prompt_lookup: int = 0, drafter: Optional[Drafter] = None) -> Optional[Drafter]:
-    """The drafter of the surfaces' arguments: `drafter` as given, else PromptLookup(prompt_lookup)
-    when it is > 0, else None."""
-    if drafter is not None:
-        if not callable(getattr(drafter, "propose", None)):
-            raise TypeError("drafter must have a propose(token_ids, k) method")
-        return drafter
-    if prompt_lookup:
-        return PromptLookup(max_n=int(prompt_lookup))
-    return None
+NAMES = ("draft_model", "num_draft_tokens", "prompt_lookup", "drafter")  # the surfaces' arguments
+DEFAULT_DRAFT = 4  # num_draft_tokens when a drafter is given without it
+
+
+def drafting(draft_model=None, num_draft_tokens=None, prompt_lookup=0, drafter=None) -> dict:
+    """The surfaces' arguments (mlx-lm's draft_model / num_draft_tokens, and prompt_lookup: the
+    longest n-gram PromptLookup matches, 0 off; drafter: any object with `propose`) → the
+    Request's fields {drafter, num_draft_tokens} (drafter None: no speculation)."""
+    if draft_model is not None:
+        raise ConfigError("draft_model is not available yet: a draft model needs its own prefill and caches in "
+                          "the engine, which are not built; use prompt_lookup= or drafter= instead")
+    if not (isinstance(prompt_lookup, int) and not isinstance(prompt_lookup, bool) and 0 <= prompt_lookup <= 64):
+        raise InputError(f"prompt_lookup = {prompt_lookup!r} is not allowed; use an integer in [0, 64] "
+                         "(the longest n-gram matched; 0 = off)")
+    if num_draft_tokens is not None and not (isinstance(num_draft_tokens, int) and not isinstance(num_draft_tokens, bool)
+                                             and 0 <= num_draft_tokens <= MAX_DRAFT):
+        raise InputError(f"num_draft_tokens = {num_draft_tokens!r} is not allowed; use an integer in [0, {MAX_DRAFT}]")
+    if drafter is not None and not callable(getattr(drafter, "propose", None)):
+        raise InputError("drafter must have a propose(token_ids, k) method")
+    if drafter is None and prompt_lookup:
+        drafter = PromptLookup(max_n=prompt_lookup)
+    if drafter is None:
+        return {}
+    return {"drafter": drafter, "num_draft_tokens": DEFAULT_DRAFT if num_draft_tokens is None else num_draft_tokens}
+
+
+def pop_drafting(kwargs: dict) -> dict:
+    """drafting() of the surfaces' arguments found in `kwargs`, removed from it."""
+    return drafting(**{k: kwargs.pop(k) for k in NAMES if k in kwargs})
 
 
 def accept(sampler, history, fed: List[int], logits, log_softmax, greedy_argmax=None):
