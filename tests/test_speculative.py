@@ -53,12 +53,18 @@ def kv_args(kind, messages, processor):
 
 
 @pytest.mark.parametrize("kind", list(KV))
-@pytest.mark.parametrize("fixture, backend", [("tiny-a", "mlx"), ("tiny-a", None), ("tiny-moe", "mlx"),
-                                              ("tiny-moe", None)])
-def test_greedy_answers_with_every_drafter_equal_the_plain_run(processor, on_cpu, fixture, backend, kind):
+@pytest.mark.parametrize("fixture, backend", [("tiny-a", "mlx"), ("tiny-a", None), ("tiny-a", "cpu-all"),
+                                              ("tiny-moe", "mlx"), ("tiny-moe", None)])
+def test_greedy_answers_with_every_drafter_equal_the_plain_run(processor, on_cpu, monkeypatch, fixture, backend,
+                                                               kind):
     """Per prompt, four rows in one batch: the oracle (k=4), prompt lookup (k=2), an always-wrong
     drafter (k=3) and no drafter; each row's tokens are the plain run's, the oracle's drafts are
-    all kept, the wrong one's none."""
+    all kept, the wrong one's none. "cpu-all": the CPU path for every size, as on the 2B model
+    (the verify forward's linears through the C extension's matmul_rows)."""
+    if backend == "cpu-all":
+        from conftest import cpu_path_for_every_size
+
+        cpu_path_for_every_size(monkeypatch)
     model = load_fixture_model(fixture, backend=backend)
     for messages in asks():
         kv = kv_args(kind, messages, processor)
@@ -230,6 +236,24 @@ def test_drop_last_on_every_cache_kind():
         assert np.asarray(batch.key_mask(0)).sum(axis=1).tolist() == [6, 5, 6]
         batch.drop_last([1, 1, 1])  # the same count for every row: a trim
         assert batch.size() == 7 and batch.padding() == [2, 3, 2]
+
+
+def test_linear_of_a_few_rows_reads_the_weight_once_with_the_same_result(monkeypatch):
+    """The CPU path's linear for 2..SMALL_ROWS rows (the C extension's matmul_rows over column
+    ranges on several threads, rows in groups of 10) equals numpy's matmul; one row and many rows
+    keep numpy's."""
+    from mlx_qwen3vl.cpu import kernels
+
+    if kernels._native is None:
+        pytest.skip("the C extension is not built")
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((1003, 300)).astype(np.float32)  # K not a multiple of 8, N odd
+    for m in (1, 2, 5, 10, 13, 16, 17):
+        a = rng.standard_normal((m, 300)).astype(np.float32)
+        for n_threads in (1, 2, 3):
+            monkeypatch.setattr(kernels.threads, "apply", lambda: n_threads)
+            got = np.asarray(kernels.linear(mx.array(a), mx.array(w)))
+            np.testing.assert_allclose(got, a @ w.T, rtol=1e-4, atol=1e-4)
 
 
 def test_bad_drafters_and_arguments_get_one_line(processor, on_cpu):
