@@ -18,7 +18,7 @@ from PIL import Image
 import mlx_qwen3vl as M
 from conftest import FIXTURES, load_fixture_model
 from mlx_qwen3vl.engine import Done, Engine, Failed, Request, Token
-from mlx_qwen3vl.engine.speculative import Oracle, PromptLookup, Wrong
+from mlx_qwen3vl.engine.speculative import GrammarForced, Oracle, PromptLookup, Wrong
 from mlx_qwen3vl.errors import ConfigError, InputError
 from mlx_qwen3vl.generate import encode_prompt
 from mlx_qwen3vl.kv_settings import KVSettings
@@ -159,6 +159,34 @@ def test_prefix_reuse_and_chat_session_across_turns(processor, on_cpu):
         assert spec.last.generation_tokens == plain.last.generation_tokens
         assert spec.last.cached_tokens == plain.last.cached_tokens
     assert spec.last.draft_proposed > 0
+
+
+def test_grammar_forced_tokens_are_proposed_and_always_kept(processor, on_cpu):
+    """A JSON-schema answer (llguidance's mask as the request's processor): with GrammarForced
+    drafting the schema's fixed keys, the plain grammar run's tokens; every forced draft is kept."""
+    from mlx_qwen3vl.server.grammar import GrammarFactory
+
+    model = load_fixture_model("tiny-a", backend=None)
+    tok = processor.tokenizer
+    grammars = GrammarFactory(tok, model.config.text_config.vocab_size, tok.eos_token_id)
+    schema = {"type": "object", "properties": {"action": {"const": "left_click"}, "target": {"const": "search box"},
+                                               "x": {"type": "integer"}},
+              "required": ["action", "target", "x"], "additionalProperties": False}
+    inputs = encode_prompt(processor, messages=asks()[1])
+    params = M.SamplingParams(max_tokens=40)
+
+    def run(drafting):
+        engine = Engine(model, processor, max_batch=2)
+        grammar = grammars.json_schema(schema)
+        rid = engine.add(Request(inputs, params, processors=[grammar],
+                                 **({"drafter": GrammarForced(grammar), "num_draft_tokens": 8} if drafting else {})))
+        events = [e for e in engine.run() if e.id == rid]
+        return [e.token for e in events if isinstance(e, Token)], events[-1]
+
+    want, plain = run(False)
+    got, done = run(True)
+    assert got == want and done.text == plain.text
+    assert done.draft_proposed > 5 and done.draft_accepted == done.draft_proposed
 
 
 def _chi_square_bound(df: int, z: float = 3.09) -> float:

@@ -4,7 +4,9 @@ distribution (sampled).
 
 A drafter is any object with `propose(token_ids, k) -> list of ids`: given a request's prompt
 and answer so far, up to k tokens it guesses come next (fewer, or none, when it has no guess).
-It is asked once per decode step of a row that has one, so it should be cheap.
+It is asked once per decode step of a row that has one, so it should be cheap. Here:
+PromptLookup (n-grams the sequence already holds), GrammarForced (what a grammar forces), Oracle
+(a known continuation: benchmarks' ceiling) and Wrong (tests' worst case).
 
 `accept` is the rule for one row: greedy rows keep the drafts while they equal the argmax of the
 target's (processed) logits; sampled rows use the speculative sampling rule for a deterministic
@@ -74,6 +76,27 @@ class Wrong:
 
     def propose(self, token_ids, k):
         return [(int(token_ids[-1]) + 1 + i) % self.vocab_size for i in range(k)]
+
+
+class GrammarForced:
+    """The tokens a request's grammar forces next (llguidance's fast-forward tokens: where the
+    grammar admits one continuation, e.g. a JSON schema's fixed keys), proposed as drafts; the
+    grammar's mask then gives them all the probability, so they are always kept. `processor`: the
+    request's grammar processor (server/grammar.py's GrammarProcessor: its llguidance `matcher`
+    and the tokens `seen`), read on a copy of the matcher, never advanced."""
+
+    def __init__(self, processor):
+        self.processor = processor
+
+    def propose(self, token_ids, k):
+        seen = self.processor.seen
+        if seen is None:
+            return []
+        matcher = self.processor.matcher.deep_copy()
+        for t in token_ids[seen:]:
+            if not matcher.consume_token(int(t)):
+                return []
+        return list(matcher.compute_ff_tokens())[:k]
 
 
 NAMES = ("draft_model", "num_draft_tokens", "prompt_lookup", "drafter")  # the surfaces' arguments
