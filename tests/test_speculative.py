@@ -86,6 +86,56 @@ def test_greedy_answers_with_every_drafter_equal_the_plain_run(processor, on_cpu
         assert oracle.logprobs == pytest.approx(want.logprobs, abs=1e-3)
 
 
+@pytest.mark.parametrize("backend, seed", [(None, 0), ("mlx", 1)])
+def test_random_schedule_with_drafters_each_equal_alone(processor, on_cpu, backend, seed):
+    """A seeded random schedule: requests with random drafters (oracle, prompt lookup, wrong,
+    none) and k, random cache kinds and quantized_kv_start, greedy or sampled, joining at random
+    steps of a batch with a prefix cache; each greedy row's tokens equal the request run alone,
+    each sampled row's are a valid answer of its length (its distribution: the chi-square test)."""
+    import random
+
+    rnd = random.Random(seed)
+    model = load_fixture_model("tiny-a", backend=backend)
+    words = "one two three the cat menu button click open close one two three".split()
+    shot = Image.open(MEDIA / "img_123x77.png")
+    asks = []
+    for i in range(8):
+        messages = user(" ".join(rnd.choice(words) for _ in range(rnd.randrange(2, 14))),
+                        *([shot] if rnd.random() < 0.3 else []))
+        params = dict(max_tokens=rnd.randrange(2, 20), ignore_eos=rnd.random() < 0.7)
+        if rnd.random() < 0.25:
+            params.update(temperature=1.0, seed=rnd.randrange(100))
+        kv = rnd.choice([{}, dict(kv_bits=8, kv_group_size=32, quantized_kv_start=rnd.choice((0, 30, 45)))])
+        asks.append((messages, params, kv, rnd.choice(("oracle", "lookup", "wrong", None)), rnd.randrange(1, 7),
+                     rnd.choice((0, 0, 1, 2))))
+    wants, requests = [], []
+    for messages, params, kv, drafter, k, _ in asks:
+        want = M.generate(model, processor, messages=messages, **params, **kv)
+        wants.append(want)
+        inputs = encode_prompt(processor, messages=messages)
+        prompt = inputs["input_ids"][0].tolist()
+        d = {"oracle": Oracle(prompt + want.token_ids), "lookup": PromptLookup(3),
+             "wrong": Wrong(model.config.text_config.vocab_size), None: None}[drafter]
+        requests.append(Request(inputs, M.SamplingParams(**params), kv=KVSettings.build(**kv) if kv else None,
+                                **({"drafter": d, "num_draft_tokens": k} if d else {})))
+    engine = Engine(model, processor, max_batch=rnd.choice((3, 8)), prefix_cache_bytes=1 << 24)
+    ids, tokens, pending = {}, {}, list(range(len(asks)))
+    while pending or engine.busy:
+        for i in list(pending):
+            if asks[i][5] == 0 or rnd.random() < 0.5:
+                ids[engine.add(requests[i])] = i
+                pending.remove(i)
+        for ev in engine.step():
+            assert not isinstance(ev, Failed), ev
+            if isinstance(ev, Token):
+                tokens.setdefault(ids[ev.id], []).append(ev.token)
+    for i, (messages, params, kv, drafter, k, _) in enumerate(asks):
+        if "temperature" in params:
+            assert len(tokens[i]) == len(wants[i].token_ids) or not params["ignore_eos"]
+        else:
+            assert tokens[i] == wants[i].token_ids, (i, drafter, k, kv)
+
+
 def test_stream_says_which_tokens_came_from_drafts_and_cuts_as_plain(processor, on_cpu):
     """stream_generate with the oracle: each piece's from_draft, the running counts, and the answer
     cut where the plain run cuts it: a stop string across a token boundary, max_tokens inside an
