@@ -26,6 +26,7 @@ sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 
 from mlx_qwen3vl import ChatSession, ContextLengthError, InputError, load, resolve_model_path  # noqa: E402
 from mlx_qwen3vl.agent import computer_use_system_prompt, parse_action  # noqa: E402
+from mlx_qwen3vl.media import image_size  # noqa: E402
 from mlx_qwen3vl.cli import run as run_cli  # noqa: E402
 
 DEFAULT_MODEL = HERE.parent / "tests" / "fixtures" / "tiny-a"
@@ -71,14 +72,11 @@ def fitting_max_pixels(model, processor, task, steps, keep_images, max_tokens):
 
 def run(model, processor, task, screenshots, keep_images=2, max_tokens=256, on_step=None, max_pixels=None):
     """Drive one task over the screenshots; returns (one record per step, the session)."""
-    from PIL import Image
-
     session = ChatSession(model, processor, system=computer_use_system_prompt(), max_tokens=max_tokens,
                           max_pixels=max_pixels)
     steps = []
     for n, shot in enumerate(screenshots):
-        with Image.open(shot) as im:
-            width, height = im.size
+        width, height = image_size(shot)  # as the model sees it (EXIF orientation applied)
         text = task if n == 0 else NEXT_STEP
         try:
             answer = session.send(text, images=[shot])

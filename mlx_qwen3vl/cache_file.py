@@ -220,7 +220,8 @@ def read(path, model, kv=None, *, what=None):
         raise CacheFileError(f"{what} does not hold this model's layers")
     caches = [_layer(tensors, i, model, stored if quantized else None, positions, what) for i in range(layers)]
     extra = [tensors[f"{layers}.0.{k}"] for k in range(info["arrays"])]
-    if any(a.dtype != mx.uint8 or a.ndim < 1 for a in extra) or tensors[f"{layers}.1"].size or tensors[f"{layers}.2"].size:
+    if any(a.dtype != mx.uint8 or a.ndim < 1 for a in extra) or tensors[f"{layers}.1"].size \
+            or tensors[f"{layers}.2"].size:
         raise CacheFileError(f"{what} holds media of another dtype than uint8 bytes")
     text = json.dumps(info, sort_keys=True, separators=(",", ":"))
     if _checksum(text, caches, extra) != checksum:

@@ -20,8 +20,8 @@ from .media import describe, load_image, read_file
 from .positions import IMAGE, VIDEO
 from .processor import VISION_TOKENS, _block_type, _media_of, renamed_source_fps
 from .prompt_cache import PromptCache
-from .session_file import TURN_SETTINGS, check_state
 from .sampling import SamplingParams
+from .session_file import TURN_SETTINGS, check_state
 from .spans import _PIXELS, content_hash, media_hashes
 
 

@@ -18,23 +18,22 @@ Arrays are already pixels: 1 channel is repeated, 4 channels are composited onto
 transformers' formula for arrays.
 """
 
-import base64
-import binascii
 import io
 import os
 import re
 import stat
 import struct
 import urllib.error
-import urllib.parse
 import urllib.request
 import warnings
 import zlib
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
+from . import media_access
 from .errors import InputError
 
 URL_TIMEOUT_S = 10
@@ -49,6 +48,7 @@ MAX_IMAGE_PIXELS = 100_000_000
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 FORMATS_TEXT = "PNG, JPEG, WebP, GIF, BMP or TIFF"
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+_TRANSPOSED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
 _ADDRESS = re.compile(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>")  # "<_io.BytesIO object at 0x...>"
 
 
@@ -95,23 +95,7 @@ def read_file(path, label):
     """The bytes of a regular file. Anything else (a directory, FIFO, device) is refused before a
     byte is read: a FIFO would block and /dev/zero would never end. Opened non-blocking and checked
     on the open descriptor, so the file cannot be swapped between the check and the read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise InputError(
-            f"{label} is not an existing file, http(s) URL or data: URL; check the path"
-        ) from None
-    except OSError as e:
-        raise InputError(f"{label} could not be read ({reason(e)}); check the file") from None
-    kind = _file_kind(os.fstat(fd).st_mode)
-    if kind:
-        os.close(fd)
-        raise InputError(f"{label} is a {kind}, not a regular file; pass an image file")
-    with os.fdopen(fd, "rb") as f:
-        try:
-            return f.read()
-        except OSError as e:
-            raise InputError(f"{label} could not be read ({reason(e)}); check the file") from None
+    return media_access.read_regular(path, label)
 
 
 def _fetch_url(url, label):
@@ -120,21 +104,6 @@ def _fetch_url(url, label):
             return r.read()
     except (urllib.error.URLError, OSError, ValueError) as e:
         raise InputError(f"{label} could not be fetched ({reason(e)}); check the URL or pass a local file") from None
-
-
-def _data_url_bytes(url, label):
-    """data:[<type>][;base64],<data>; the type is not needed (agents send `data:image;base64,`)."""
-    header, sep, payload = url.partition(",")
-    if not sep:
-        raise InputError(f"{label} is not a valid data: URL (no comma); pass data:image/png;base64,<data>")
-    if not header.endswith(";base64"):
-        return urllib.parse.unquote_to_bytes(payload)
-    try:
-        return base64.b64decode("".join(payload.split()), validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise InputError(
-            f"{label} is not valid base64 ({reason(e)}); pass data:image/png;base64,<data>"
-        ) from None
 
 
 def _too_large(label, size=""):
@@ -156,11 +125,52 @@ def _open(data, label):
         raise InputError(f"{label} is not a readable image ({reason(e)}); pass a valid image file") from None
 
 
-def image_size(data, label="image"):
-    """(width, height) of encoded image bytes, from the header alone (nothing is decoded), after
-    the same format check as `decode`: what a server budgets before any decoding."""
+def _png_exif(data) -> Optional[bytes]:
+    """A PNG's eXIf chunk, wherever it lies, found by walking the chunks (nothing decompressed):
+    Pillow reads one after the image data only when it decodes."""
+    at = 8
+    while at + 8 <= len(data):
+        length, kind = struct.unpack(">I4s", data[at:at + 8])
+        if kind == b"eXIf":
+            return data[at + 8:at + 8 + length]
+        if kind == b"IEND":
+            return None
+        at += 12 + length
+    return None
+
+
+def _orientation(im, data):
+    """The EXIF orientation `decode` will apply (exif_transpose's tag), read from the header."""
+    if im.format == "PNG" and "exif" not in im.info:
+        chunk = _png_exif(data)
+        if chunk is not None:
+            im.info["exif"] = b"Exif\x00\x00" + chunk  # as Pillow's PNG reader keeps it
+    try:
+        exif = Image.Image.getexif(im)  # the base method: PNG's own would decode the image first
+        return exif.get(ExifTags.Base.Orientation, 1)  # as exif_transpose takes it: only 2..8 turn the image
+    except (OSError, SyntaxError, ValueError, TypeError, EOFError, struct.error):
+        return 1  # unreadable metadata: decode's exif_transpose reads it the same way and leaves the image
+
+
+def image_size(x, label="image"):
+    """(width, height) of an image as the model sees it: EXIF orientation applied, as `load_image`
+    applies it. Encoded sources (bytes; a path, http(s) URL or data: URL, read as load_image reads
+    them) are told from the header alone (nothing is decoded), after the same format check as
+    `decode`: what a server budgets, and the pixels coordinates refer to. A PIL image or an array
+    is its own size (load_image does not rotate those). Every size coordinates are read against
+    comes from here."""
+    if isinstance(x, Image.Image):
+        return x.width, x.height
+    if isinstance(x, np.ndarray):
+        return int(x.shape[1]), int(x.shape[0])
+    if isinstance(x, (str, Path)):
+        x = _bytes_of(str(x), f"{label} {describe(x)}")
+    data = bytes(x)
     im = _open(data, label)
-    return im.width, im.height
+    w, h = im.width, im.height
+    if im.format == "TIFF":  # Pillow's TIFF reader gives the upright size already (and turns it when loading)
+        return w, h
+    return (h, w) if _orientation(im, data) in _TRANSPOSED else (w, h)
 
 
 def decode(data, label):
@@ -224,7 +234,7 @@ def _bytes_of(s, label):
     if s.startswith(("http://", "https://")):
         return _fetch_url(s, label)
     if s.startswith("data:"):
-        return _data_url_bytes(s, label)
+        return media_access.decode_data_url(s, label)
     return read_file(s, label)
 
 

@@ -27,7 +27,7 @@ from .video import check_fps, smart_resize
 TURN_SETTINGS = ("fps", "source_fps", "min_pixels", "max_pixels", "sample_frames")
 ROLES = ("system", "user", "assistant")
 GENERATION = FIELD_NAMES | set(KV_FIELDS) | {"sampling", "prefill_step_size", "prompt_lookup", "num_draft_tokens"}
-SUFFIX = re.compile(r"(\.[A-Za-z0-9]{1,15})?")  # a video copy's extension: no separators, no "..""
+SUFFIX = re.compile(r"(\.[A-Za-z0-9]{1,15})?")  # a video copy's extension: no separator, no ".."
 FORMS = {"image": ("array",), "video": ("array", "frames", "file")}
 
 
@@ -116,10 +116,11 @@ def _check_media(entries, arrays, slots):
             _fail(f"media entry {n} is malformed")
         where = (e.get("message"), e.get("block"))
         kind, form, idx = e.get("kind"), e.get("form"), e.get("arrays")
-        if slots.get(where) != kind or form not in FORMS[kind]:
+        if kind not in FORMS or slots.get(where) != kind or form not in FORMS[kind]:
             _fail(f"media entry {n} does not fill a {kind!r} placeholder of its message as a {form!r}")
         del slots[where]
-        if not isinstance(idx, list) or not idx or not all(_index(k, len(arrays)) and k not in used for k in idx):
+        if not isinstance(idx, list) or not idx or len(set(map(repr, idx))) != len(idx) or not all(
+                _index(k, len(arrays)) and k not in used for k in idx):
             _fail(f"media entry {n} names arrays the file does not hold (or another entry's)")
         used |= set(idx)
         parts = [arrays[k] for k in idx]

@@ -172,6 +172,11 @@ class VideoInfo:
     fps: float  # the stream's average rate, else DEFAULT_SOURCE_FPS
 
 
+def _decode_reason(e):
+    """PyAV's error without the file name it appends (the label names the file)."""
+    return reason(getattr(e, "strerror", None) or e)
+
+
 def _av(label):
     try:
         import av
@@ -199,7 +204,7 @@ def open_video(path, label="video"):
         container = av.open(str(path), format=demuxer,
                             container_options={"protocol_whitelist": "file", "enable_drefs": "0"})
     except (OSError, av.error.FFmpegError) as e:
-        raise InputError(f"{label} could not be decoded ({reason(e)}); pass a readable video file") from None
+        raise InputError(f"{label} could not be decoded ({_decode_reason(e)}); pass a readable video file") from None
     if container.format.name != demuxer or not container.streams.video:
         container.close()
         raise InputError(f"{label} has no video stream; pass a video file")
@@ -228,7 +233,7 @@ def probe_video(path, label="video", max_frames=None):
         with open_video(path, label) as container:
             return _info(container, max_frames)
     except (OSError, IndexError, av.error.FFmpegError) as e:
-        raise InputError(f"{label} could not be decoded ({reason(e)}); pass a readable video file") from None
+        raise InputError(f"{label} could not be decoded ({_decode_reason(e)}); pass a readable video file") from None
 
 
 def read_video_file(path, source_fps, sample, cfg: VideoConfig, label="video"):
@@ -252,7 +257,7 @@ def read_video_file(path, source_fps, sample, cfg: VideoConfig, label="video"):
                 if indices is None or i in wanted:
                     kept[i] = frame.to_ndarray(format="rgb24")
     except (OSError, IndexError, av.error.FFmpegError) as e:
-        raise InputError(f"{label} could not be decoded ({reason(e)}); pass a readable video file") from None
+        raise InputError(f"{label} could not be decoded ({_decode_reason(e)}); pass a readable video file") from None
     indices = sorted(kept) if indices is None else [i for i in indices if i in kept]
     if not indices:
         raise InputError(f"{label} has no frames; pass a non-empty video")

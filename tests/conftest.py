@@ -119,3 +119,18 @@ def write_fixture_video(folder, reverse=False):
             container.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
         container.mux(stream.encode())
     return frames, path
+
+
+def exif_image(width, height, orientation, format="JPEG", seed=0) -> bytes:
+    """An image stored `width` x `height` with EXIF orientation `orientation` (6 and 8: turned a
+    quarter, 3: half; 5 and 7: transposed; the model sees it upright), encoded in `format`."""
+    import io
+
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format=format, exif=exif.tobytes())
+    return buf.getvalue()

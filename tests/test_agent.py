@@ -91,16 +91,19 @@ def test_answer_formats_map_to_original_pixels(answer, points, boxes, size):
     assert parse_point(answer, *size) == points[size]
 
 
-@pytest.mark.parametrize("answer", [
+REFUSALS = [
     "[-1,-1]", "[-1, -1]", "(-1,-1)", "[]", "```json\n[]\n```",
-    '<tool_call>\n{"name": "computer_use", "arguments": {"action": "terminate", "status": "failure"}}\n</tool_call>'])
+    '<tool_call>\n{"name": "computer_use", "arguments": {"action": "terminate", "status": "failure"}}\n</tool_call>']
+
+
+@pytest.mark.parametrize("answer", REFUSALS)
 def test_refusals(answer):
     g = parse_grounding(answer, 123, 77)
     assert (g.point, g.box, g.status) == (None, None, "refused")
     assert parse_point(answer, 123, 77) is None
 
 
-@pytest.mark.parametrize("answer", [
+MALFORMED = [
     "", "   ", "I cannot find it.", "[1500, 20]", "[20, -5]", "[1,2,3]", "[12, abc]", "[0,0,1200,10]",
     '<tool_call>\n{"name": "computer_use", "arguments": {"action": "left_click", "coordinate": [5000, 1]}}',
     '<tool_call>\n{"name": "computer_use", "arguments": {"action": "left_click"',  # truncated
@@ -108,7 +111,10 @@ def test_refusals(answer):
     "<think>It is at [500, 500]</think>", "<think>It is at [500, 500]",  # reasoning alone: no answer
     '[{"label": "tab [2, 3]"}]',  # a string alone
     "[500,500]\n[-1,-1]", "[-1,-1]\n[500,500]", "[-1, -1] or (500, 500)",  # a point and a refusal: ambiguous
-    None])
+    None]
+
+
+@pytest.mark.parametrize("answer", MALFORMED)
 def test_malformed_answers(answer):
     g = parse_grounding(answer, 123, 77)
     assert (g.point, g.box, g.status) == (None, None, "malformed")

@@ -15,6 +15,7 @@ from mlx_qwen3vl.agent.computer_use import (QWEN_ACTIONS, VENUS_TABLE, ComputerS
                                             map_answer)
 from mlx_qwen3vl.agent.prompts import COMPUTER_USE_ACTIONS
 from mlx_qwen3vl.errors import InputError
+from test_agent import FORMATS, MALFORMED, REFUSALS
 
 SCREENSHOT = (1280, 720)  # what the model sees; the declared display is another size
 ANTHROPIC = computer_tool({"type": "computer_20251124", "name": "computer", "display_width_px": 1366,
@@ -219,6 +220,52 @@ def test_answers_that_map_to_nothing_come_back_as_text(answer, status):
         turn = map_answer(answer, DISPLAY, tool=tool)
         assert (turn.status, turn.actions, turn.calls, turn.text) == (status, [], [], answer.strip())
         assert (turn.reason is not None) == (status == UNMAPPED)
+
+
+# One parser: every answer shape grounding reads (test_agent's FORMATS, refusals, malformed
+# answers) means the same through computer use: a click at the grounding point, on both protocols.
+@pytest.mark.parametrize("answer, points, boxes", FORMATS)
+@pytest.mark.parametrize("size", [(123, 77), (90, 260)])
+def test_every_grounding_shape_is_a_click_at_its_point(answer, points, boxes, size):
+    x, y = points[size]
+    for tool, call in ((None, None), (computer_tool({"type": "computer_toolset_20260801"}),
+                                      {"name": "left_click", "toolset_name": "computer", "input": {"coordinate": [x, y]}}),
+                       (computer_tool({"type": "computer"}), {"type": "click", "button": "left", "x": x, "y": y})):
+        turn = map_answer(answer, size, tool=tool)
+        assert (turn.status, turn.actions) == ("action", [A("click", point=(x, y))]), answer
+        assert turn.calls == ([call] if tool else [])
+
+
+@pytest.mark.parametrize("answer", REFUSALS + MALFORMED)
+def test_refusals_and_malformed_answers_are_never_actions(answer):
+    if answer is None:
+        with pytest.raises(InputError):
+            map_answer(answer, (123, 77))
+        return
+    turn = map_answer(answer, (123, 77), tool=ANTHROPIC)
+    if '"action": "type"' in answer:  # no point for grounding, but an action with no coordinate here
+        assert turn.actions == [A("type", text="hi")]
+        return
+    assert turn.actions == [] and turn.calls == []
+    terminate = '"terminate"' in answer
+    assert turn.status == ("done" if terminate else UNMAPPED if "<tool_call>" in answer else "message"), answer
+
+
+@pytest.mark.parametrize("answer, actions", [
+    ("Click(box=(100, 200, 300, 400))", [A("click", point=(273, 230))]),  # the box's centre (200, 300)
+    ("<think>There.</think><action>DoubleClick(box=(300, 400, 100, 200))</action>", [A("double_click", point=(273, 230))]),
+    ("Hover(box=[100, 200, 300, 400])", [A("mouse_move", point=(273, 230))]),
+    ("Drag(start=(0, 0, 200, 200), end=(500, 300))", [A("drag", point=(136, 76), end=P)]),
+    ("Scroll(start=(100, 200, 300, 400), direction='down')", [A("scroll", point=(273, 230), direction="down",
+                                                              amount=5)]),
+])
+def test_venus_boxes_are_their_centres(answer, actions):
+    """UI-Venus answers a box as often as a point: read as parse_grounding reads it, its centre."""
+    from mlx_qwen3vl.agent import parse_grounding
+
+    turn = map_answer(answer, DISPLAY, tool=ANTHROPIC)
+    assert (turn.status, turn.actions) == ("action", actions)
+    assert parse_grounding(answer, *DISPLAY).point == actions[0].point or "start=" in answer
 
 
 # ---------------------------------------------------------------------------------------------

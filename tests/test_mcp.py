@@ -26,7 +26,7 @@ import mlx_qwen3vl as M  # noqa: E402
 from mlx_qwen3vl.agent import ground, parse_grounding  # noqa: E402
 from mlx_qwen3vl.agent.computer_use import AGENT_SAMPLING, ComputerStep, computer_messages, map_answer  # noqa: E402
 from anyio.from_thread import start_blocking_portal  # noqa: E402
-from conftest import asgi_status  # noqa: E402
+from conftest import asgi_status, exif_image  # noqa: E402
 from scripted import write_scripted_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,9 +34,11 @@ ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", 
 CALL = ('<tool_call>\n{"name": "computer_use", "arguments": {"action": "left_click", "coordinate": [500, 300]}}'
         '\n</tool_call>')
 BOX = '{"bbox_2d": [100, 200, 300, 400]}'
-SCRIPT = {"@find": BOX, "@act": CALL, "@ask": "It says Apply."}
+VENUS_BOX = "<action>Click(box=(100, 200, 300, 400))</action>"  # UI-Venus answers a box too
+SCRIPT = {"@find": BOX, "@act": CALL, "@ask": "It says Apply.", "@tapbox": VENUS_BOX}
 MAX_PIXELS = 1_000_000  # the server's --max-request-pixels here
 MAX_BYTES = 300_000  # --max-image-bytes
+SESSIONS, PER_CLIENT = 16, 4  # the HTTP server's --max-sessions, --max-sessions-per-client
 
 rng = np.random.default_rng(0)
 SHOT = rng.integers(0, 256, (120, 200, 3), dtype=np.uint8)
@@ -164,6 +166,41 @@ def test_next_action_equals_the_library(client, local):
     assert got["parsed"]["name"] == "left_click"
 
 
+@pytest.mark.parametrize("orientation", [6, 8, 5, 7, 3])
+def test_rotated_screenshots_answer_in_the_upright_pixels(client, local, orientation):
+    """A JPEG stored 640x360 with an EXIF orientation is seen upright by the model: ground and
+    next_action (no screen size) report and map in the upright size, and zoom's window lies in it.
+    By hand, on 360x640: the box [100, 200, 300, 400] is [36, 128, 108, 256], its centre [72, 192];
+    the click [500, 300] is [180, 192] (on 640x360, turned half: [64, 72, 192, 144], [128, 108] and [320, 108])."""
+    data = exif_image(640, 360, orientation)
+    turned = orientation != 3
+    size = [360, 640] if turned else [640, 360]
+    shot = {"type": "image", "data": base64.b64encode(data).decode(), "mimeType": "image/jpeg"}
+    got = ok(client.call("ground", {"screenshot": shot, "instruction": "it @find"}))
+    assert got["image_size"] == got["screen_size"] == size
+    assert (got["point"], got["box"]) == (([72, 192], [36, 128, 108, 256]) if turned else ([128, 108], [64, 72, 192, 144]))
+    zoomed = ok(client.call("ground", {"screenshot": shot, "instruction": "it @find", "zoom": True}))
+    want = ground(*local, data, "it @find", format="qwen", zoom=True)
+    assert (zoomed["point"], zoomed["box"], zoomed["zoom"]["window"]) == (list(want.point), list(want.box),
+                                                                          list(want.window))
+    act = ok(client.call("next_action", {"screenshot": shot, "task": "Open it @act"}))
+    assert act["image_size"] == act["screen_size"] == size
+    assert act["actions"] == [{"type": "click", "point": [180, 192] if turned else [320, 108], "button": "left"}]
+    if orientation == 6:  # a Retina screen in points, half the upright pixels: (200, 300) of 180x320 is (36, 96)
+        retina = ok(client.call("ground", {"screenshot": shot, "instruction": "it @find", "screen_width": 180,
+                                           "screen_height": 320}))
+        assert (retina["point"], retina["screen_size"], retina["image_size"]) == ([36, 96], [180, 320], size)
+
+
+def test_next_action_reads_a_venus_box_as_its_centre(client):
+    """Click(box=(x1, y1, x2, y2)) is a click at the box's centre, as ground reads it: (200, 300) of
+    1000 on 200x120 is pixel (40, 36)."""
+    got = ok(client.call("next_action", {"screenshot": content(png(SHOT)), "task": "Tap it @tapbox"}))
+    assert got["answer"] == VENUS_BOX and got["status"] == "action"
+    assert got["actions"] == [{"type": "click", "point": [40, 36], "button": "left"}]
+    assert got["parsed"]["args"] == {"box": [40, 36]} and parse_grounding(VENUS_BOX, 200, 120).point == (40, 36)
+
+
 def test_ask_equals_the_library(client, local):
     data = png(SHOT)
     result = client.call("ask", {"screenshot": "data:image;base64," + base64.b64encode(data).decode(),
@@ -181,7 +218,7 @@ def test_paths_only_under_the_allowed_folder(client, world):
     assert ok(ask((allowed / "shot.png").as_uri()))["answer"] == "It says Apply."
     for attack in (str(outside / "secret.png"), str(allowed / "link.png"), (outside / "secret.png").as_uri(),
                    str(allowed / ".." / "outside" / "secret.png"), "/etc/passwd", "tests/fixtures/tiny-a/config.json"):
-        assert "--allowed-image-dir" in error(ask(attack)), attack
+        assert "--allowed-local-media-path" in error(ask(attack)), attack
     assert "not a PNG, JPEG, WebP, GIF, BMP or TIFF image" in error(ask(str(allowed / "notes.png")))
     assert "not a regular file" in error(ask(str(allowed / "pipe.png")))  # answered at once, nothing read
     assert "not a regular file" in error(ask(str(allowed)))
@@ -240,11 +277,14 @@ def _post(port, body, headers):
     return r.status, raw
 
 
-def test_http_transport_key_rule_and_body_limit(world, local):
+@pytest.fixture(scope="module")
+def http_port(world):
+    """An MCP server over HTTP with a key, a small body limit and small session caps."""
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlx_qwen3vl.mcp", "--model", str(world["folder"]), "--transport", "http", "--port",
-         str(port), "--api-key", KEY, "--max-body-bytes", "200000", "--log-level", "info"],
+         str(port), "--api-key", KEY, "--max-body-bytes", "200000", "--log-level", "info",
+         "--max-sessions", str(SESSIONS), "--max-sessions-per-client", str(PER_CLIENT)],
         cwd=ROOT, env={**os.environ, **ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     ready, log = threading.Event(), []
 
@@ -258,32 +298,78 @@ def test_http_transport_key_rule_and_body_limit(world, local):
     threading.Thread(target=drain, daemon=True).start()
     try:
         assert ready.wait(120) and proc.poll() is None, "".join(log)
-        assert _post(port, INIT, {})[0] == 401
-        assert _post(port, INIT, {"Authorization": "Bearer wrong"})[0] == 401
-        assert _post(port, INIT, {"Authorization": KEY})[0] == 401  # not a Bearer token
-        # With the key, any Host is served (a LAN name): the key does the protecting.
-        status, raw = _post(port, INIT, {"Authorization": f"Bearer {KEY}", "Host": "gpu-box.lan:8765"})
-        assert status == 200 and b'"serverInfo"' in raw
-        assert _post(port, b"x" * 300_000, {"Authorization": f"Bearer {KEY}"})[0] == 413
-
-        # The SDK's client over HTTP, with the key: the same answer as the library.
-        import httpx2
-        from mcp.client.streamable_http import streamable_http_client
-
-        data = png(SHOT)
-        with start_blocking_portal() as portal:
-            http_client = httpx2.AsyncClient(headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
-            transport = streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http_client)
-            with portal.wrap_async_context_manager(mcp.Client(transport)) as c:
-                result = portal.call(c.call_tool, "ask", {"screenshot": content(data), "question": "@ask"})
-        messages = [{"role": "user", "content": [{"type": "image", "image": data}, {"type": "text", "text": "@ask"}]}]
-        assert ok(result)["answer"] == M.generate(*local, messages=messages, max_tokens=512, temperature=0.0).text
+        yield port, proc
     finally:
         proc.terminate()
         try:
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_http_transport_key_rule_and_body_limit(http_port, local):
+    port, _ = http_port
+    assert _post(port, INIT, {})[0] == 401
+    assert _post(port, INIT, {"Authorization": "Bearer wrong"})[0] == 401
+    assert _post(port, INIT, {"Authorization": KEY})[0] == 401  # not a Bearer token
+    # With the key, any Host is served (a LAN name): the key does the protecting.
+    status, raw = _post(port, INIT, {"Authorization": f"Bearer {KEY}", "Host": "gpu-box.lan:8765"})
+    assert status == 200 and b'"serverInfo"' in raw
+    assert _post(port, b"x" * 300_000, {"Authorization": f"Bearer {KEY}"})[0] == 413
+
+    # The SDK's client over HTTP, with the key: the same answer as the library.
+    import httpx2
+    from mcp.client.streamable_http import streamable_http_client
+
+    data = png(SHOT)
+    with start_blocking_portal() as portal:
+        http_client = httpx2.AsyncClient(headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+        transport = streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http_client)
+        with portal.wrap_async_context_manager(mcp.Client(transport)) as c:
+            result = portal.call(c.call_tool, "ask", {"screenshot": content(data), "question": "@ask"})
+    messages = [{"role": "user", "content": [{"type": "image", "image": data}, {"type": "text", "text": "@ask"}]}]
+    assert ok(result)["answer"] == M.generate(*local, messages=messages, max_tokens=512, temperature=0.0).text
+
+
+def _from(port, source, method="POST", body=INIT, session=None):
+    """A request to the MCP server from the loopback address `source` (127.0.0.x)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60, source_address=(source, 0))
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+               "Authorization": f"Bearer {KEY}", **({"Mcp-Session-Id": session} if session else {})}
+    conn.request(method, "/mcp", body=json.dumps(body) if body is not None else None, headers=headers)
+    r = conn.getresponse()
+    raw = r.read()
+    conn.close()
+    return r.status, r.getheader("Mcp-Session-Id"), raw
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs 127.0.0.2 and 127.0.0.3 (127/8 on Linux)")
+def test_a_session_flood_gets_503_for_the_flooder_only(http_port):
+    """300 initialize POSTs from one address: the first PER_CLIENT open sessions, the rest get
+    503 at once; another address still opens one and uses it; ending one of the flooder's
+    sessions (DELETE) lets it open one again. The server's memory stays flat."""
+    port, proc = http_port
+    def rss():
+        with open(f"/proc/{proc.pid}/status") as f:
+            return int(next(line for line in f if line.startswith("VmRSS:")).split()[1])
+
+    before = rss()
+    answers = [_from(port, "127.0.0.2") for _ in range(300)]
+    opened = [sid for status, sid, _ in answers if status == 200]
+    assert len(opened) == PER_CLIENT and [a[0] for a in answers].count(503) == 300 - PER_CLIENT, \
+        sorted({a[0] for a in answers})
+    assert b"--max-sessions-per-client" in answers[-1][2]
+    status, sid, raw = _from(port, "127.0.0.3")
+    assert status == 200 and sid and b'"serverInfo"' in raw
+    initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+    assert _from(port, "127.0.0.3", body=initialized, session=sid)[0] == 202
+    status, _, raw = _from(port, "127.0.0.3", body={"jsonrpc": "2.0", "id": 2, "method": "tools/list"}, session=sid)
+    assert status == 200 and b'"next_action"' in raw
+    assert _from(port, "127.0.0.2", method="DELETE", body=None, session=opened[0])[0] == 200
+    assert _from(port, "127.0.0.2")[0] == 200
+    assert _from(port, "127.0.0.2")[0] == 503
+    print(f"RSS {before >> 10} MB before the flood, {rss() >> 10} MB after")
+    assert rss() - before < 50 << 10  # KiB
 
 
 def test_without_a_key_only_this_machine_s_names_and_origin():

@@ -471,3 +471,35 @@ def test_video_without_a_frame_count_holds_only_its_sampled_frames(processor, tm
     assert clip.indices == want.indices and len(clip.indices) == n // 24 * 2
     assert all(np.array_equal(a, b) for a, b in zip(clip.frames, want.frames))
     assert peak < 3 * len(clip.frames) * size * size * 3  # the kept frames (and change), not all n
+
+
+def _exif_after_image_data(png: bytes, orientation: int) -> bytes:
+    """A PNG whose eXIf chunk comes after IDAT (Pillow reads it only when it decodes)."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    body = exif.tobytes()[6:]  # without the "Exif\\0\\0" header, as the chunk holds it
+    chunk = struct.pack(">I", len(body)) + b"eXIf" + body + struct.pack(">I", zlib.crc32(b"eXIf" + body))
+    return png[:-12] + chunk + png[-12:]  # before IEND
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_image_size_is_the_upright_size_from_every_source(orientation, tmp_path):
+    """media.image_size, read from the header alone, is the size load_image decodes to (EXIF
+    orientation applied) for every format that carries the tag and every source."""
+    from conftest import exif_image
+
+    upright = (360, 640) if orientation in (5, 6, 7, 8) else (640, 360)
+    plain = io.BytesIO()
+    Image.fromarray(np.zeros((360, 640, 3), np.uint8)).save(plain, format="PNG")
+    encoded = {f: exif_image(640, 360, orientation, format=f) for f in ("JPEG", "PNG", "WEBP", "TIFF", "MPO")}
+    encoded["PNG, eXIf after IDAT"] = _exif_after_image_data(plain.getvalue(), orientation)
+    for name, data in encoded.items():
+        path = tmp_path / "shot.img"
+        path.write_bytes(data)
+        url = "data:image;base64," + base64.b64encode(data).decode()
+        for source in (data, bytearray(data), str(path), path, url):
+            assert media.image_size(source) == upright, (name, type(source))
+        assert media.load_image(data).shape[:2] == upright[::-1], name
+    pil = Image.open(io.BytesIO(encoded["JPEG"]))  # a PIL image is taken as it is, as load_image takes it
+    assert media.image_size(pil) == (640, 360) == media.load_image(pil).shape[1::-1]
+    assert media.image_size(np.zeros((5, 7, 3), np.uint8)) == (7, 5)

@@ -21,7 +21,7 @@ import mlx_qwen3vl as M
 from mlx_qwen3vl.agent.computer_tools import find_computer_tool
 from mlx_qwen3vl.agent.computer_use import ComputerStep, computer_messages, map_answer
 from scripted import write_scripted_checkpoint
-from conftest import FIXTURES, load_fixture_model
+from conftest import FIXTURES, exif_image, load_fixture_model
 from test_server import CHECKPOINT, KEY, MEDIA, ROOT, Server, _blas_threads, data_url, png_bytes
 
 openai = pytest.importorskip("openai")
@@ -408,16 +408,25 @@ SCRIPT = {
     "Step 2 done": CALL(action="terminate", status="success"),
     "@drag": CALL(action="left_click_drag", coordinate=[900, 100]),
     "@phone": "LongPress(box=(500, 500))",
+    "@exif": CALL(action="left_click", coordinate=[437, 812]),
 }
+# A 10-step loop: each step's answer points where the pixels written back to 0-1000 differ from it
+# on the 1366x768 display (y = 13 is pixel 9, written back as 12; 216 is 165, written back as 215).
+LOOP = [("left_click" if i % 3 else "double_click", [100 + 70 * i, y])
+        for i, y in enumerate([13, 113, 216, 315, 414, 513, 613, 716, 815, 914])]
+SCRIPT.update({("@loop" if i == 0 else f"@r{i}"): "<think>Go.</think>\n" + CALL(action=a, coordinate=xy)
+               for i, (a, xy) in enumerate(LOOP)})
 DISPLAY = (1366, 768)
 rng = np.random.default_rng(0)
 SHOTS = [png(rng.integers(0, 256, (120, 200, 3), dtype=np.uint8)) for _ in range(3)]  # same size, other content
+LOOP_SHOTS = [png(rng.integers(0, 256, (32, 64, 3), dtype=np.uint8)) for _ in range(len(LOOP))]
 
 
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory):
     folder = write_scripted_checkpoint(tmp_path_factory.mktemp("protocols") / "scripted", SCRIPT)
-    s = Server("--api-key", KEY, model=folder)
+    # --agent-history 10: the 10-step loop's prompts each extend the one before (the default window slides)
+    s = Server("--api-key", KEY, "--agent-history", "10", model=folder)
     yield s, M.load(folder)
     s.stop()
 
@@ -469,6 +478,131 @@ def test_anthropic_computer_use_loop_end_to_end(scripted):
         ("text", "LongPress(box=(500, 500))")]
 
 
+def _anthropic_loop(client, declared, fresh_ids):
+    """Ten steps of LOOP through the real client; `fresh_ids`: each tool_use is replayed under an id
+    this server never issued (as a client that rewrites ids would), so history is rendered from the
+    replayed pixels. → (the usage of each turn, the actions)."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Walk the grid @loop"}, b64_block(LOOP_SHOTS[0])]}]
+    usage, actions = [], []
+    for i in range(len(LOOP)):
+        reply = client.messages.create(model="m", max_tokens=256, tools=[declared], messages=messages,
+                                       extra_body={"min_pixels": 1024, "max_pixels": 2048})  # 2 tokens an image
+        assert reply.stop_reason == "tool_use", i
+        usage.append(reply.usage)
+        blocks = [b.model_dump(exclude_none=True) for b in reply.content]
+        actions.append(blocks[-1]["input"])
+        if fresh_ids:
+            blocks[-1]["id"] = f"toolu_client{i:02d}"
+        messages.append({"role": "assistant", "content": blocks})
+        if i + 1 < len(LOOP):
+            messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": blocks[-1]["id"],
+                                                          "content": [b64_block(LOOP_SHOTS[i + 1]),
+                                                                      {"type": "text", "text": f"@r{i + 1}"}]}]})
+    return usage, actions
+
+
+def test_a_ten_step_anthropic_loop_reads_its_history_from_the_prefix_cache(scripted):
+    """Every replayed tool_use the server issued is rendered from the model's own answer, so each
+    turn's prompt extends the previous prompt and answer: cache_read_input_tokens covers all of
+    them, turn after turn. The same loop replayed under ids the server never issued is written back
+    from the pixels (y 13 → pixel 9 → 12 on 768 rows): each prompt leaves the cache inside the
+    previous step's action, which the model is shown as an action it did not write."""
+    s, _ = scripted
+    client = claude(s)
+    declared = {"type": "computer_20251124", "name": "computer", "display_width_px": DISPLAY[0],
+                "display_height_px": DISPLAY[1]}
+    before, actions = _anthropic_loop(client, declared, fresh_ids=True)
+    after, same = _anthropic_loop(client, declared, fresh_ids=False)
+    assert same == actions and [a["action"] for a in actions] == [a for a, _ in LOOP]
+    total = lambda u: u.input_tokens + u.cache_read_input_tokens  # noqa: E731
+    cached = [u.cache_read_input_tokens for u in after]
+    print("cache_read_input_tokens per turn: replayed from pixels", [u.cache_read_input_tokens for u in before],
+          "of", [total(u) for u in before], "; from the kept answers", cached, "of", [total(u) for u in after])
+    for t in range(1, len(LOOP)):  # the whole previous prompt and its answer came from the cache
+        assert cached[t] >= total(after[t - 1]) + after[t - 1].output_tokens - 1 > cached[t - 1], t
+    for t in range(1, len(LOOP)):  # from pixels: the previous answer is not the one generated
+        assert before[t].cache_read_input_tokens < total(before[t - 1]) + before[t - 1].output_tokens - 1, t
+    assert s.metrics()["computer_answers_replayed"] >= sum(range(len(LOOP)))
+
+
+class _Builder:
+    """What computer.prepare needs of the prompt builder; render keeps the messages it is given."""
+
+    def __init__(self):
+        from mlx_qwen3vl.server.fetch import MediaPolicy
+        from mlx_qwen3vl.server.limits import Limits
+        self.policy, self.limits, self.rendered = MediaPolicy(), Limits(), []
+
+    def render(self, req, messages, images, videos):
+        self.rendered.append(messages)
+        return "prepared"
+
+
+@pytest.mark.parametrize("display, rounded", [((1366, 768), 233), ((800, 600), 401), ((360, 640), 961)])
+def test_replayed_calls_the_server_issued_are_the_model_s_own_words(display, rounded):
+    """Each [v, v] (v = 0..1000) clicked on the display: the call the server issued, replayed under
+    its id, is rendered as the answer it came from (0 differ); replayed under another id (or with
+    another action) it is written back from the pixels, and `rounded` of the 1001 differ."""
+    from mlx_qwen3vl.server import computer
+    from mlx_qwen3vl.server.computer_answers import ComputerAnswers
+    from mlx_qwen3vl.server.conversation import Call, Part, Turn
+    from mlx_qwen3vl.server.protocol import ChatRequest, sampling_params
+
+    tool = find_computer_tool([{"type": "computer_20251124", "name": "computer", "display_width_px": display[0],
+                                "display_height_px": display[1]}])
+    answers, builder = ComputerAnswers(), _Builder()
+    req = ChatRequest(messages=[], sampling=sampling_params({}))
+    tiny = data_url(png(np.zeros((4, 4, 3), np.uint8)))  # its size does not matter: the display is declared
+    first = [Turn("user", [Part("text", "Click it"), Part("image", tiny, "a")])]
+    _, request = computer.prepare(builder, req, first, tool, "qwen", answers)
+    differ = {"issued": 0, "other id": 0, "other action": 0}
+    for v in range(1001):
+        answer = CALL(action="left_click", coordinate=[v, v])
+        call = request.turn(answer).calls[0]
+        request.issued(answer, [Call(f"toolu_{v}", call["name"], action=call)])
+        moved = {**call, "input": {**call["input"], "coordinate": [call["input"]["coordinate"][0] + 1, 0]}}
+        cases = {"issued": (f"toolu_{v}", call), "other id": (f"toolu_x{v}", call)}
+        if v % 50 == 0:  # 21 values: the same id with another action is never the kept answer
+            cases["other action"] = (f"toolu_{v}", moved)
+        for case, (cid, action) in cases.items():
+            turns = first + [Turn("assistant", [], [Call(cid, "computer", action=action, param="b")]),
+                             Turn("tool", [Part("image", tiny, "c")], call_id=cid)]
+            computer.prepare(builder, req, turns, tool, "qwen", answers)
+            differ[case] += builder.rendered[-1][2]["content"] != answer
+    assert differ == {"issued": 0, "other id": rounded, "other action": 21}
+    assert answers.hits == 1001 and len(answers) == 1001
+
+
+def test_the_kept_answers_are_bounded():
+    from mlx_qwen3vl.server.computer_answers import ComputerAnswers
+
+    kept = ComputerAnswers(max_entries=3, max_bytes=2000)
+    for i in range(5):
+        assert kept.put([f"t{i}"], "k", "x" * 100)
+    assert len(kept) == 3 and kept.get(["t0"], "k") is None and kept.get(["t4"], "k") == "x" * 100
+    assert kept.get(["t4"], "other") is None and kept.get(["t4", "t5"], "k") is None  # same ids, same actions only
+    assert kept.put(["t2"], "k", "y" * 100) and kept.put(["t9"], "k", "z" * 1200)  # t2 used last: t3, t4 go
+    assert [kept.get([t], "k") is not None for t in ("t2", "t3", "t4", "t9")] == [True, False, False, True]
+    assert not kept.put(["big"], "k", "w" * 2000) and kept.bytes <= 2000  # alone over the bytes: not kept
+    assert not ComputerAnswers(max_entries=0).put(["t"], "k", "x")  # --computer-answers 0: off
+
+
+def test_a_replayed_key_without_keys_is_a_400_in_anthropic_s_shape(scripted):
+    s, _ = scripted
+    body = {"model": "m", "max_tokens": 8, "tools": [{"type": "computer_20250124", "name": "computer",
+                                                      "display_width_px": 800, "display_height_px": 600}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Press it"}, b64_block(SHOTS[0])]},
+                         {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "computer",
+                                                            "input": {"action": "key", "text": ""}}]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                       "content": [b64_block(SHOTS[1])]}]}]}
+    status, err = s.request("POST", "/v1/messages", body)
+    assert status == 400 and err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    assert err["error"]["message"] == ("messages[1].content[0].input.text must name the keys to press, such as "
+                                       "'ctrl+c'"), err
+    assert s.request("GET", "/health")[0] == 200 and "Traceback" not in "".join(s.log)
+
+
 def test_responses_computer_use_loop_end_to_end(scripted):
     """The batched `computer` tool declares no display: actions are in the screenshot's pixels.
     Each step continues the stored response with the computer_call_output's new screenshot."""
@@ -495,6 +629,18 @@ def test_responses_computer_use_loop_end_to_end(scripted):
         {"type": "type", "text": "display"}]
     # the stored answer is replayed as generated: the prompt's whole history comes from the cache
     assert r2.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens + r.usage.output_tokens - 1
+    # the same conversation sent whole (no previous_response_id): the computer_call this server issued is
+    # rendered from its answer too, and the prompt is the same one
+    first = [{"role": "user", "content": [{"type": "input_text", "text": task},
+                                          {"type": "input_image", "image_url": data_url(SHOTS[0])}]}]
+    r3 = client.responses.create(model="m", tools=[{"type": "computer"}], store=False, input=[
+        *first, *(o.model_dump(exclude_none=True) for o in r.output),
+        {"type": "computer_call_output", "call_id": r.output[1].call_id,
+         "output": {"type": "computer_screenshot", "image_url": data_url(SHOTS[1], subtype=False)}},
+        {"role": "user", "content": "Step 1 done."}])
+    assert [a.model_dump(exclude_none=True) for a in r3.output[-1].actions] == want.calls
+    assert r3.usage.input_tokens == r2.usage.input_tokens
+    assert r3.usage.input_tokens_details.cached_tokens == r2.usage.input_tokens - 1
 
     # computer_use_preview declares a display: one computer_call per action, in its pixels; streamed.
     preview = {"type": "computer_use_preview", "display_width": DISPLAY[0], "display_height": DISPLAY[1],
@@ -507,6 +653,45 @@ def test_responses_computer_use_loop_end_to_end(scripted):
     assert types[0] == "response.created" and types[-1] == "response.completed"
     # a Qwen drag from an unknown start is mouse-down, move, up: OpenAI's tools have no mouse-down, so it is text
     assert [o.type for o in final.output] == ["message"] and final.output[0].content[0].text == SCRIPT["@drag"]
+
+
+def _jpeg_block(data: bytes) -> dict:
+    return {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg",
+                                        "data": base64.b64encode(data).decode()}}
+
+
+@pytest.mark.parametrize("orientation, upright", [(6, (360, 640)), (8, (360, 640)), (3, (640, 360)),
+                                                  (5, (360, 640)), (7, (360, 640))])
+def test_rotated_screenshots_map_in_the_pixels_the_model_saw(scripted, orientation, upright):
+    """A JPEG stored 640x360 with an EXIF orientation: the model sees it upright, so a tool without
+    a display size (Anthropic's toolset, OpenAI's computer) maps its [437, 812] in the upright size:
+    floor(437 * 360 / 1000), floor(812 * 640 / 1000) = [157, 519] when turned a quarter (the stored
+    size gives [279, 292]), [279, 292] when turned half."""
+    s, _ = scripted
+    want = {(360, 640): [157, 519], (640, 360): [279, 292]}[upright]
+    shot = exif_image(640, 360, orientation)
+    m = claude(s).messages.create(model="m", max_tokens=256, tools=[{"type": "computer_toolset_20260801"}],
+                                  messages=[{"role": "user", "content": [{"type": "text", "text": "Tap it @exif"},
+                                                                         _jpeg_block(shot)]}])
+    assert [(b.name, b.input) for b in m.content if b.type == "tool_use"] == [("left_click", {"coordinate": want})]
+    r = oai(s).responses.create(model="m", tools=[{"type": "computer"}], input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "Tap it @exif"}, {"type": "input_image", "image_url": data_url(shot)}]}])
+    assert [a.model_dump(exclude_none=True) for a in r.output[-1].actions] == [
+        {"type": "click", "button": "left", "x": want[0], "y": want[1]}]
+
+
+@pytest.mark.parametrize("display, want", [((800, 600), [349, 487]), ((360, 640), [157, 519]),
+                                           ((683, 384), [298, 311])])
+def test_declared_displays_small_and_retina(scripted, display, want):
+    """A declared display is what [437, 812] maps to, whatever the screenshot's own pixels: displays
+    under 1000 px, and a Retina one declared at half the screenshot's pixels (683x384 points for a
+    1366x768 screenshot, here stored 768x1366 and turned upright by its EXIF tag)."""
+    s, _ = scripted
+    tool = {"type": "computer_20251124", "name": "computer", "display_width_px": display[0],
+            "display_height_px": display[1]}
+    m = claude(s).messages.create(model="m", max_tokens=256, tools=[tool], extra_body={"max_pixels": 65536}, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Tap it @exif"}, _jpeg_block(exif_image(768, 1366, 6))]}])
+    assert m.content[-1].input == {"action": "left_click", "coordinate": want}
 
 
 def test_the_example_loop_runs_against_the_server(scripted):

@@ -57,7 +57,7 @@ MODELS = {
 PATHS = {"shot.png": "examples/screenshot.png", "~/Screenshots": "shots",
          "~/.cache/mlx_qwen3vl/prefixes": "prefixes"}
 MODEL_FLAGS = ("--model", "--hf-path")
-INPUT_FLAGS = ("--image", "--data", "--allowed-image-dir", "--video")  # must exist (after PATHS)
+INPUT_FLAGS = ("--image", "--data", "--allowed-local-media-path", "--allowed-image-dir", "--video")  # must exist (after PATHS)
 OUTPUT_FLAGS = ("--annotate", "--json", "--report", "--output", "--mlx-path", "--out")  # must exist after a run
 # Appended to every run of a program, to keep the answers and screenshots small (the last value
 # of a flag wins, so the command's own flags are still read and checked).
@@ -68,6 +68,7 @@ SMALL = {
     "mlx_qwen3vl.bench": ["--quick", "--prompt-tokens", "32", "--decode-tokens", "2", "--agent-turns", "1",
                           "--max-pixels", "65536"],
     "examples/agent_loop.py": ["--max-tokens", "8", "--max-pixels", "65536"],
+    "mlx_qwen3vl.agent": ["--max-tokens", "8", "--max-pixels", "65536", "--max-steps", "1"],
 }
 SERVERS = ("mlx_qwen3vl.server",)  # run until asked to stop; `mlx_qwen3vl.mcp --transport http` too
 STDIN = {"--chat": "Click it.\n"}  # a flag → what the command reads from stdin (then end of input)
@@ -87,6 +88,13 @@ SKIP = {
     "mlx.distributed_config --backend ring --over thunderbolt --hosts mac1,mac2 --auto-setup --output hosts.json":
         "needs ssh to other Macs and a Thunderbolt bridge",
     "bash benchmarks/gpu_run.sh": "needs an NVIDIA GPU and the package index",
+    'python -m mlx_qwen3vl.agent run --env browser --url https://example.com --task "Open the More information link" '
+    "--model path/to/UI-Venus-1.5 --viewport 1280x800 --device-scale 2 --out example-run":
+        "opens a page on the internet (tests/test_agent_browser.py drives the browser environment on a local page "
+        "at devicePixelRatio 1 and 2)",
+    'python -m mlx_qwen3vl.agent run --env desktop --task "Open System Settings and turn on Dark Mode" '
+    "--model path/to/UI-Venus-1.5": "acts on the screen of the machine it runs on (tests/test_agent_desktop.py "
+                                    "runs the desktop environment under Xvfb)",
 }
 # Parsed by the program's own argument parser, not run, with the reason.
 PARSE = {
@@ -254,7 +262,8 @@ def plan(c):
                 if w == flag and not args[i + 1].startswith("-"):
                     assert args[i + 1] in PATHS.values() or (ROOT / args[i + 1]).exists(), \
                         f"{c.where}: {flag} {args[i + 1]!r} names no file of the repository"
-        p.outputs += [args[i + 1] for i, w in enumerate(args[:-1]) if w in OUTPUT_FLAGS]
+        p.outputs += [args[i + 1] for i, w in enumerate(args[:-1])
+                      if w in OUTPUT_FLAGS and not args[i + 1].startswith("-")]  # a bare --json is a switch
         p.stdin = next((text for flag, text in STDIN.items() if flag in args), p.stdin)
         head = [sys.executable, "-m", name] if words[0].startswith("python") and words[1] == "-m" else \
             [sys.executable, name] if words[0].startswith("python") else [name]

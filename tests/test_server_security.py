@@ -27,6 +27,7 @@ pytest.importorskip("uvicorn")
 CAP = 1_000_000  # --max-request-pixels of the module's server
 FRAMES = 100  # its --max-video-frames
 ALLOWED_ORIGIN = "http://allowed.test"
+REQUEST_BYTES = 16 << 20  # its --max-request-media-bytes
 LONG = dict(temperature=1.0, seed=104, max_tokens=1000)  # a sampled answer that runs all 1000 tokens (test_server)
 
 
@@ -175,6 +176,20 @@ def tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("security")
 
 
+def race_folders(tmp):
+    """(allowed, outside) for the swap races: allowed/shot.png is 32x32, outside/secret.png 96x96
+    (a read outside would show in the prompt's token count)."""
+    allowed, outside = tmp / "race-allowed", tmp / "race-outside"
+    if not allowed.exists():
+        (allowed / "d").mkdir(parents=True)
+        outside.mkdir()
+        for folder in (allowed, allowed / "d"):
+            (folder / "shot.png").write_bytes(png_bytes(array=np.zeros((32, 32, 3), np.uint8)))
+        for name in ("secret.png", "shot.png"):
+            (outside / name).write_bytes(png_bytes(array=np.zeros((96, 96, 3), np.uint8)))
+    return allowed, outside
+
+
 @pytest.fixture(scope="module")
 def server(tmp):
     """No API key (Host / Origin checks on), http media only from ::1 (so 127.0.0.1 is a
@@ -183,6 +198,7 @@ def server(tmp):
                "--max-video-frames", str(FRAMES), "--grammar-timeout", "0.1", "--max-connections", "8",
                "--header-timeout", "1", "--body-timeout", "1", "--keep-alive-timeout", "1",
                "--cors-allow-origin", ALLOWED_ORIGIN, "--allowed-local-media-path", str(MEDIA),
+               "--allowed-local-media-path", str(race_folders(tmp)[0]), "--max-request-media-bytes", str(REQUEST_BYTES),
                env={"TMPDIR": str(tmp)})
     yield s
     s.stop()
@@ -531,3 +547,103 @@ def test_ground_disconnect_frees_the_slot(server):
         if m["running"] == 0 and m.get("cancelled", 0) > before:
             break
     assert m["running"] == 0 and m.get("cancelled", 0) > before
+
+
+# ------------------------------------------------------------------------------ #36: one media budget, race-free files
+
+
+def test_a_requests_urls_stop_at_its_total_and_memory_stays_flat(server):
+    """24 URLs of 4 MiB in one request (96 MiB): fetched only up to --max-request-media-bytes, the
+    rest never asked for, a 413 naming the flag, and the peak RSS bounded by the total."""
+    size = 4 << 20
+
+    def big(handler, stop):
+        send(handler, bytes(size))
+
+    helper = Helper("::1", {f"/big/{i}": big for i in range(24)})
+    before = peak_rss(server.proc.pid) if sys.platform.startswith("linux") else None
+    try:
+        error = refused(server, chat(*[image_part(f"{helper.base}/big/{i}") for i in range(24)]), status=413,
+                        says="--max-request-media-bytes")
+    finally:
+        helper.close()
+    assert error["code"] == "media_too_large" and error["param"] == "messages[0].content[4].image_url.url", error
+    assert len(helper.hits) == REQUEST_BYTES // size + 1  # the 5th is refused from its Content-Length
+    if before is not None:
+        assert peak_rss(server.proc.pid) - before < 2 * REQUEST_BYTES + (32 << 20)
+
+
+def _count(server, url):
+    body = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": url}}, {"type": "text", "text": "x"}]}]}
+    status, out = server.request("POST", "/v1/messages/count_tokens", body, key=None)
+    return status, out
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo", "dir"])
+def test_files_swapped_during_requests_are_never_read_outside_nor_block(server, tmp, kind):
+    """Another process swaps a link, a FIFO or a directory in and out while 300 requests name the
+    file: every answer is the inside file's token count or a 400, never a 500, never a hang (the
+    client's timeout) and never the outside file's count."""
+    from test_media_access import SWAPPER
+
+    allowed, outside = race_folders(tmp)
+    target, other = (allowed / "d", outside) if kind == "dir" else (allowed / "shot.png", outside / "secret.png")
+    name = allowed / "d" / "shot.png" if kind == "dir" else target
+    status, inside = _count(server, name.as_uri())
+    status2, secret = _count(server, (outside / "secret.png").as_uri())
+    assert status == 200 and status2 == 400, (inside, secret)
+    swapper = subprocess.Popen([sys.executable, "-c", SWAPPER, kind, str(target), str(other),
+                                str(allowed / ".spare"), str(allowed / ".spare2"), "100000"])
+    seen = {}
+    try:
+        for _ in range(300):
+            status, out = _count(server, name.as_uri())
+            key = (status, out["input_tokens"] if status == 200 else out["error"]["type"])
+            seen[key] = seen.get(key, 0) + 1
+    finally:
+        swapper.kill()
+        swapper.wait()
+        if kind == "dir" and not target.is_dir():  # leave the folder as it was for the next race
+            target.unlink(missing_ok=True)
+            (allowed / ".spare2").rename(target)
+        if kind != "dir":
+            (allowed / ".spare").unlink(missing_ok=True)
+            target.unlink(missing_ok=True)
+            target.write_bytes(png_bytes(array=np.zeros((32, 32, 3), np.uint8)))
+    print(kind, seen)
+    assert set(seen) <= {(200, inside["input_tokens"]), (400, "invalid_request_error")}, seen
+    assert (200, inside["input_tokens"]) in seen
+
+
+# ------------------------------------------------------------------------------ #36: 500s that were bad input
+
+
+def test_schemas_with_no_value_and_bad_videos_are_400s_of_one_line(server, tmp):
+    """A json_schema whose $ref only refers to itself was a 500 carrying llguidance's parser
+    state; an undecodable video named the server's temp file. Both are 400s of one line now, and
+    the log has no traceback."""
+    logged = len(server.log)
+    for schema in ({"$ref": "#"}, {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                   "$ref": "#/$defs/a"}):
+        error = refused(server, chat(response_format={"type": "json_schema", "json_schema": {"name": "s",
+                                                                                             "schema": schema}}),
+                        param="response_format", says="admits no value")
+        assert error["code"] == "invalid_schema" and "\n" not in error["message"] and "state" not in error["message"]
+    for data in (b"\x00\x00\x00\x18ftypmp42" + b"junk" * 100, b"\x1a\x45\xdf\xa3" + b"x" * 50, b"not a video"):
+        error = refused(server, chat(video_part(data_url(data, "video/mp4"))), param="messages")
+        assert str(tmp) not in error["message"] and "mlx_qwen3vl_video_" not in error["message"], error
+        assert "video 1" in error["message"]
+    assert not [line for line in server.log[logged:] if "Traceback" in line], server.log[logged:]
+
+
+def test_an_unexpected_exception_is_a_500_without_its_text_and_one_log_line(capsys):
+    from conftest import asgi_status
+    from mlx_qwen3vl.server.app import OneLineErrors
+
+    async def broken(scope, receive, send):
+        raise TypeError(f"'NoneType' object is not subscriptable in {MEDIA}")
+
+    assert asgi_status(OneLineErrors(broken), "POST", "/v1/chat/completions", {}) == 500
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "TypeError at test_server_security.py:" in lines[0], lines

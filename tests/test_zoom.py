@@ -434,3 +434,21 @@ def test_eval_zoom_end_to_end_on_the_example_data(scripted, tmp_path, capsys):
     assert set(zoom["side_by_side"]) == {"all", "positive", "negative", "by_type", "by_platform"}
     assert zoom["one_pass"]["samples"] == zoom["two_pass"]["samples"] == 8
     assert zoom["seconds_per_sample"]["extra"] > 0
+
+
+@pytest.mark.parametrize("orientation", [6, 8, 3, 5, 7])
+def test_ground_with_reads_rotated_screenshots_upright(orientation):
+    """The library's grounding on a JPEG stored 640x360 with an EXIF orientation: sizes, points and
+    the zoom window are the upright image's. By hand on 360x640, [100, 200] is pixel (36, 128) and
+    the half window around it is 180x320 at (0, 0); on 640x360 (turned half), (64, 72) and 320x180
+    at (0, 0)."""
+    from conftest import exif_image
+
+    data = exif_image(640, 360, orientation)
+    turned = orientation != 3
+    hit = ground_with(lambda messages: "[100, 200]", data, "it", format="venus", zoom=True)
+    assert (hit.width, hit.height) == ((360, 640) if turned else (640, 360))
+    assert hit.passes[0].point == ((36, 128) if turned else (64, 72))
+    assert hit.window == ((0, 0, 179, 319) if turned else (0, 0, 319, 179)) and hit.used_pass == 2
+    # pass 2's [100, 200] of the crop, carried into the whole image: 100/1000 of 180 = 18, 200/1000 of 320 = 64
+    assert hit.point == ((18, 64) if turned else (32, 36))

@@ -5,7 +5,8 @@ answers (`draw`), two-stage grounding's window (`zoom`), and the runtime on top 
 also `python -m mlx_qwen3vl.ground`) and the evaluation (`eval_grounding`) live here too, and so
 do the computer-use tools of the Anthropic and OpenAI protocols (`computer_tools`: declarations,
 the neutral action, each protocol's vocabulary) and their rendering with the trained prompts and
-mapping of answers (`computer_use`).
+mapping of answers (`computer_use`). The runner that acts in environments (`envs`, `runner`,
+`trajectory`, `evaluation`; `python -m mlx_qwen3vl.agent`) is imported by name, not from here.
 
     from mlx_qwen3vl import load
     from mlx_qwen3vl.agent import ground, parse_action

@@ -385,6 +385,8 @@ def _from_anthropic(name, p, where) -> Optional[ComputerAction]:
         return ComputerAction("type", text=_string(p.get("text"), f"{where}.input.text"))
     if name == "key":
         keys = parse_keys(_string(p.get("text"), f"{where}.input.text"))
+        if keys is None:
+            raise InputError(f"{where}.input.text must name the keys to press, such as 'ctrl+c'")
         return ComputerAction("key", keys=keys)
     if name == "wait":
         return ComputerAction("wait", seconds=_number(p.get("duration"), f"{where}.input.duration", WAIT_SECONDS))

@@ -32,7 +32,6 @@ so a tool without triple click (OpenAI) gets a double click.
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -40,7 +39,7 @@ from ..errors import InputError
 from ..media import load_image
 from .computer_tools import (CLICK_ACTIONS, DIRECTIONS, WAIT_SECONDS, ComputerAction, ComputerTool, check_display,
                              parse_keys)
-from .parse import SCALE, VENUS_ACTIONS, Action, parse_action, to_relative, without_reasoning
+from .parse import SCALE, VENUS_ACTIONS, parse_action, read_answer, reasoning_of, to_relative, without_reasoning
 from .prompts import (COMPUTER_USE_ACTIONS, VENUS_HISTORY_LENGTH, VENUS_NAVIGATION_SAMPLING, Step,
                       computer_use_system_prompt, navigation_messages)
 
@@ -265,29 +264,6 @@ class ComputerTurn:
                 "reason": self.reason, "answer": self.answer}
 
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
-_THINK = re.compile(r"<think>(.*?)(?:</think>|$)", re.S)
-_VENUS_CALL = re.compile(r"<action>|^\s*(?:" + "|".join(VENUS_ACTIONS.values()) + r")\s*\(", re.M | re.I)
-
-
-def reasoning_of(answer: str) -> Optional[str]:
-    """The answer's reasoning: its <think> blocks, or what precedes a lone </think> (a template that
-    opens the tag in the prompt); None without any."""
-    blocks = [m.strip() for m in _THINK.findall(answer)]
-    if not blocks and "</think>" in answer:
-        blocks = [answer.split("</think>", 1)[0].strip()]
-    text = "\n\n".join(b for b in blocks if b)
-    return text or None
-
-
-def _venus_text(body: str, action: Action) -> str:
-    if "<action>" in body:
-        body = re.sub(r"<action>.*?(?:</action>|$)", " ", body, flags=re.S)
-    else:
-        body = body.replace(action.action_text, " ", 1)
-    return re.sub(r"</?conclusion>", " ", body).strip()
-
-
 def _join(*parts) -> str:
     out = []
     for p in parts:
@@ -300,37 +276,28 @@ def _join(*parts) -> str:
 def map_answer(answer: str, display, *, tool: Optional[ComputerTool] = None, cursor=None) -> ComputerTurn:
     """A model answer → ComputerTurn with its actions in pixels of `display` (width, height).
 
-    Qwen tool calls (each `<tool_call>` of the answer, in order) go through QWEN_ACTIONS, a
-    UI-Venus action through VENUS_TABLE; other text is a message. With `tool`, every action must
+    The answer is read by parse.read_answer, the parser grounding shares: Qwen tool calls (each
+    `<tool_call>` of the answer, in order) go through QWEN_ACTIONS, a UI-Venus action (a box
+    argument as its centre) through VENUS_TABLE, and an answer in a grounding shape ([x, y], a box,
+    bbox_2d / point_2d JSON, <point> / <bbox>) is a click at its point; other text (a refusal
+    included) is a message. With `tool`, every action must
     be one the tool offers (else the turn is "unmapped") and `calls` holds their protocol form.
     `cursor`: the pointer's last known position (the previous action's), which a Qwen drag starts
     from and an OpenAI scroll without a position acts at."""
     if not isinstance(answer, str):
         raise InputError("the answer must be a string")
     width, height = check_display(display)
-    reasoning = reasoning_of(answer)
+    read = read_answer(answer, width, height)
+    if read.status == "unreadable":
+        return ComputerTurn(answer, "unmapped", read.text, read.reasoning, reason=read.problem)
+    if read.status == "text":
+        return ComputerTurn(answer, "message", read.text, read.reasoning)
+    parsed, text, reasoning = read.actions, read.text, read.reasoning
+    table, label = (QWEN_ACTIONS, "computer_use action") if parsed[0].tool else (VENUS_TABLE, "UI-Venus action")
     body = without_reasoning(answer).strip()
 
     def unmapped(reason):
         return ComputerTurn(answer, "unmapped", body, reasoning, reason=reason)
-
-    blocks = [m for m in _TOOL_CALL.finditer(body)]
-    if blocks:
-        text = _TOOL_CALL.sub(" ", body).strip()
-        parsed = []
-        for m in blocks:
-            a = parse_action(m.group(0), width, height)
-            if a is None or a.tool != "computer_use":
-                return unmapped("a tool call that is not a readable computer_use call")
-            parsed.append(a)
-        table, label = QWEN_ACTIONS, "computer_use action"
-    else:
-        a = parse_action(body, width, height)
-        if a is None and _VENUS_CALL.search(body):
-            return unmapped("an unreadable UI-Venus action (a coordinate outside 0-1000, or bad arguments)")
-        if a is None or a.tool is not None:
-            return ComputerTurn(answer, "message", body, reasoning)
-        parsed, text, table, label = [a], _venus_text(body, a), VENUS_TABLE, "UI-Venus action"
 
     turn = ComputerTurn(answer, "message", text, reasoning)
     position = tuple(cursor) if cursor is not None else None

@@ -1,14 +1,17 @@
-"""Pictures of answers: the point and box drawn on the screenshot (and two-stage grounding's
-zoom window), and a visible mark when there is no point."""
+"""Pictures of answers: the point, box and drag path drawn on the screenshot (and two-stage
+grounding's zoom window), and a visible mark when there is no point."""
 
+import math
 from typing import Optional
 
 WINDOW_COLOUR = (0, 120, 255)
+DRAG_COLOUR = (255, 140, 0)
 
 
-def annotate(image, point=None, box=None, path=None, note=None, window=None):
+def annotate(image, point=None, box=None, path=None, note=None, window=None, drag=None):
     """Draw `window` (two-stage grounding's crop, a blue outline: x1, y1, x2, y2 inclusive), `box`
-    (green outline) and `point` (ringed dot with a crosshair) on a copy of the image (RGB array or
+    (green outline), `drag` (a drag's end point: an orange line from `point` to it, ending in an
+    arrowhead) and `point` (ringed dot with a crosshair) on a copy of the image (RGB array or
     PIL image), and `note` (e.g. "no point found") as a red banner across the top, so a picture of
     an answer without a point never passes for the plain screenshot. Returns the PIL image, also
     written to `path` as PNG when given."""
@@ -22,6 +25,8 @@ def annotate(image, point=None, box=None, path=None, note=None, window=None):
         draw.rectangle(window, outline=WINDOW_COLOUR, width=line)
     if box:
         draw.rectangle(box, outline=(0, 200, 0), width=line)
+    if drag and point:
+        draw_arrow(draw, point, drag, line)
     if point:
         x, y = point
         r = max(6, round(min(im.size) / 40))
@@ -51,6 +56,20 @@ def annotate(image, point=None, box=None, path=None, note=None, window=None):
     if path is not None:
         im.save(path, format="PNG")
     return im
+
+
+def draw_arrow(draw, start, end, width, colour=DRAG_COLOUR):
+    """A line from `start` to `end` with an arrowhead at `end` (a drag's path)."""
+    (x1, y1), (x2, y2) = start, end
+    draw.line([(x1, y1), (x2, y2)], fill=colour, width=width)
+    length = math.hypot(x2 - x1, y2 - y1)
+    if length == 0:
+        return
+    ux, uy = (x2 - x1) / length, (y2 - y1) / length
+    size = max(6, 4 * width)
+    left = (x2 - size * ux + size / 2 * uy, y2 - size * uy - size / 2 * ux)
+    right = (x2 - size * ux - size / 2 * uy, y2 - size * uy + size / 2 * ux)
+    draw.polygon([(x2, y2), left, right], fill=colour)
 
 
 def missing_point_note(status: str) -> Optional[str]:

@@ -12,6 +12,10 @@ computed exactly (no float rounding). A box's centre is taken in relative coordi
 mapped by the same rule. Values outside 0-1000 are a malformed answer, except the UI-Venus refusal
 `[-1,-1]`.
 
+A whole agent answer (tool calls, a UI-Venus action, or a grounding answer, which is where to
+click) is read by `read_answer`: computer use maps what it reads, so every shape grounding reads
+means the same there.
+
 An answer about a crop of the screenshot (two-stage grounding's second pass) is read with the
 crop's `Window`: its coordinates, relative to the crop, are carried into coordinates relative to
 the whole screenshot, exactly (`from_window`), and only then mapped by the same rule, once.
@@ -108,14 +112,6 @@ def _in_range(*vals) -> bool:
     return all(v is not None and 0 <= v <= SCALE for v in vals)
 
 
-def _pair(value, width, height) -> Optional[Tuple[int, int]]:
-    """(x, y) relative → pixels; None unless two numbers within 0-1000."""
-    if not isinstance(value, (list, tuple)) or len(value) != 2:
-        return None
-    x, y = (_number(v) for v in value)
-    if not _in_range(x, y):
-        return None
-    return to_pixel(x, width), to_pixel(y, height)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,6 +155,16 @@ REFUSAL = [-1, -1]
 def _tag(text, tag):
     m = _TAG[tag].search(text)
     return m.group(1).strip() if m else None
+
+
+def reasoning_of(answer: str) -> Optional[str]:
+    """The answer's reasoning: its <think> blocks, or what precedes a lone </think> (a template that
+    opens the tag in the prompt); None without any."""
+    blocks = [m.strip() for m in _TAG["think"].findall(answer)]
+    if not blocks and "</think>" in answer:
+        blocks = [answer.split("</think>", 1)[0].strip()]
+    text = "\n\n".join(b for b in blocks if b)
+    return text or None
 
 
 def without_reasoning(text: str) -> str:
@@ -269,6 +275,16 @@ def parse_grounding(text: str, width: int, height: int, window: Optional[Window]
     return _ground_numbers(nums, frame, answer)
 
 
+def _point_arg(value, width: int, height: int, boxes: bool = True) -> Optional[Tuple[int, int]]:
+    """An action's coordinate argument → pixels, read as a grounding answer's numbers are: (x, y),
+    or (with `boxes`) a box (x1, y1, x2, y2) as its centre; None for anything else (a refusal, a
+    value outside 0-1000)."""
+    if not isinstance(value, (list, tuple)) or len(value) not in ((2, 4) if boxes else (2,)):
+        return None
+    g = _ground_numbers([_number(v) for v in value], _Frame(width, height), "")
+    return g.point if g.status == "ok" else None
+
+
 def parse_point(text: str, width: int, height: int) -> Optional[Tuple[int, int]]:
     """The point an answer names, in pixels of the original `width` x `height` image; None for a
     refusal (`[-1,-1]`) or an answer without usable 0-1000 coordinates. See parse_grounding."""
@@ -362,7 +378,8 @@ def parse_action(text: str, width: int, height: int) -> Optional[Action]:
     coordinate argument is not two numbers in 0-1000 (a malformed answer, never a guessed one).
 
     Understood: UI-Venus `<think>..</think><action>Name(key=value, ...)</action><conclusion>..`
-    answers (the bare call too), for Click, DoubleClick, LongPress, Hover, Drag, Scroll (start/end
+    answers (the bare call too; a point argument may be a box (x1, y1, x2, y2): its centre, as
+    parse_grounding reads it), for Click, DoubleClick, LongPress, Hover, Drag, Scroll (start/end
     or direction), Swipe, Type, Hotkey, Launch, Wait, Finished, CallUser, Answer, PressBack /
     Home / Enter / Recent and the rest of VENUS_ACTIONS; and Qwen3-VL `<tool_call>` JSON for
     `computer_use` / `mobile_use` (coordinate, coordinate2 mapped). Nothing is ever evaluated."""
@@ -380,8 +397,8 @@ def parse_action(text: str, width: int, height: int) -> Optional[Action]:
             return None
         mapped = {}
         for key, value in args.items():
-            if key in _TOOL_POINT_ARGS:
-                value = _pair(value, width, height)
+            if key in _TOOL_POINT_ARGS:  # Qwen's coordinate is a point, as the grounding parser reads it
+                value = _point_arg(value, width, height, boxes=False)
                 if value is None:
                     return None
             mapped[key] = value
@@ -403,9 +420,67 @@ def parse_action(text: str, width: int, height: int) -> Optional[Action]:
         if key in _VENUS_POINT_ARGS:
             if value in ((), [], "", None):  # UI-Venus writes Scroll(start=(), end=()) for "none"
                 continue
-            value = _pair(value, width, height)
+            value = _point_arg(value, width, height)  # a point, or a box (UI-Venus answers both): its centre
             if value is None:
                 return None
         mapped[key] = value
     return Action(name, mapped, think=think, conclusion=conclusion, action_text=action_text)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# A whole agent answer
+# ---------------------------------------------------------------------------------------------
+_VENUS_CALL = re.compile(r"<action>|^\s*(?:" + "|".join(VENUS_ACTIONS.values()) + r")\s*\(", re.M | re.I)
+_ACTION_BLOCK = re.compile(r"<action>.*?(?:</action>|$)", re.S)
+_CONCLUSION_TAG = re.compile(r"</?conclusion>")
+
+
+@dataclass
+class AgentAnswer:
+    """An agent's whole answer, read by the parsers above (what computer use maps).
+
+    status: "actions" (`actions`: every `<tool_call>` in order, or the one UI-Venus action, or,
+    for an answer in any grounding shape, a `Click` at its point), "unreadable" (it writes a tool
+    call or a UI-Venus action that cannot be read: `problem` says which) or "text" (no action:
+    prose, a refusal). text: what is left for the user (the answer less its reasoning and
+    actions). reasoning: its <think> text (None without)."""
+
+    status: str
+    actions: list = field(default_factory=list)
+    text: str = ""
+    reasoning: Optional[str] = None
+    problem: Optional[str] = None
+
+
+def read_answer(text: str, width: int, height: int) -> AgentAnswer:
+    """An agent answer → AgentAnswer with coordinates in pixels of a `width` x `height` image.
+
+    Qwen `<tool_call>` blocks (each must be a readable `computer_use` call), else a UI-Venus action
+    (parse_action), else any answer parse_grounding reads as a point ([x, y], a box, bbox_2d /
+    point_2d JSON, <point> / <bbox> tags), which is where to click: one parser for every shape. A
+    call of an action neither family has (`Explode(box=(1, 2))`) is text, never a click."""
+    if not isinstance(text, str):
+        raise InputError("the answer must be a string")
+    reasoning = reasoning_of(text)
+    body = without_reasoning(text).strip()
+    blocks = list(_TOOL_CALL.finditer(body))
+    if blocks:
+        actions = [parse_action(m.group(0), width, height) for m in blocks]
+        if any(a is None or a.tool != "computer_use" for a in actions):
+            return AgentAnswer("unreadable", text=body, reasoning=reasoning,
+                               problem="a tool call that is not a readable computer_use call")
+        return AgentAnswer("actions", actions, _TOOL_CALL.sub(" ", body).strip(), reasoning)
+    a = parse_action(body, width, height)
+    if a is not None and a.tool is None:
+        rest = _ACTION_BLOCK.sub(" ", body) if "<action>" in body else body.replace(a.action_text, " ", 1)
+        return AgentAnswer("actions", [a], _CONCLUSION_TAG.sub(" ", rest).strip(), reasoning)
+    if _VENUS_CALL.search(body):
+        return AgentAnswer("unreadable", text=body, reasoning=reasoning,
+                           problem="an unreadable UI-Venus action (a coordinate outside 0-1000, or bad arguments)")
+    if any(_CALL.match(line) for line in body.splitlines()):  # a call of an action neither family has
+        return AgentAnswer("text", text=body, reasoning=reasoning)
+    g = parse_grounding(body, width, height)
+    if g.status == "ok":
+        return AgentAnswer("actions", [Action("Click", {"box": g.point}, action_text=body)], "", reasoning)
+    return AgentAnswer("text", text=body, reasoning=reasoning)

@@ -12,7 +12,8 @@ KEY_ENV = "MLX_QWEN3VL_API_KEY"  # the HTTP server's
 def build_parser():
     from ..agent import GROUNDING_FORMATS
     from ..agent.computer_use import AGENT_FORMATS
-    from .tools import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_REQUEST_PIXELS
+    from .tools import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_REQUEST_PIXELS, DEFAULT_MAX_SESSIONS,
+                        DEFAULT_MAX_SESSIONS_PER_CLIENT, DEFAULT_SESSION_IDLE_TIMEOUT_S)
 
     p = Parser(prog="python -m mlx_qwen3vl.mcp",
                description="MCP server (stdio or streamable HTTP) with the tools ground, next_action and ask on a "
@@ -26,12 +27,20 @@ def build_parser():
                    help=f"http: require 'Authorization: Bearer KEY' (default: ${KEY_ENV} if set, else no key: then "
                         "only requests naming this machine as Host, and no cross-origin ones, are served)")
     p.add_argument("--max-body-bytes", type=int, default=64 << 20, help="http: request size limit in bytes")
+    p.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
+                   help="http: MCP sessions open at once, in all (503 for a new one past it)")
+    p.add_argument("--max-sessions-per-client", type=int, default=DEFAULT_MAX_SESSIONS_PER_CLIENT,
+                   help="http: MCP sessions one client address may hold (503 to that address past it)")
+    p.add_argument("--session-idle-timeout", type=float, default=DEFAULT_SESSION_IDLE_TIMEOUT_S,
+                   help="http: seconds without a request after which a session is closed")
     p.add_argument("--agent-format", choices=AGENT_FORMATS, default="qwen",
                    help="next_action's trained prompt: Qwen3-VL computer use or UI-Venus navigation")
     p.add_argument("--ground-format", choices=GROUNDING_FORMATS, default=None,
                    help="ground's trained prompt (default: venus with --agent-format venus, else qwen)")
-    p.add_argument("--allowed-image-dir", action="append", default=[], metavar="DIR",
-                   help="accept screenshots as paths of files under DIR (repeatable; none by default)")
+    p.add_argument("--allowed-local-media-path", "--allowed-image-dir", dest="allowed_dirs", action="append",
+                   default=[], metavar="DIR",
+                   help="accept screenshots as paths (or file:// URLs) of files under DIR (repeatable; none by "
+                        "default); --allowed-image-dir is the older spelling, still accepted")
     p.add_argument("--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES, help="size cap of one screenshot")
     p.add_argument("--max-request-pixels", type=int, default=DEFAULT_MAX_REQUEST_PIXELS,
                    help="pixels one screenshot may have, as stored and as resized for the model")
@@ -61,14 +70,17 @@ def main(argv=None):
     if problem:
         return _fail(problem)
     for flag, value in (("--max-body-bytes", args.max_body_bytes), ("--max-image-bytes", args.max_image_bytes),
-                        ("--max-request-pixels", args.max_request_pixels), ("--max-queue", args.max_queue)):
+                        ("--max-request-pixels", args.max_request_pixels), ("--max-queue", args.max_queue),
+                        ("--max-sessions", args.max_sessions),
+                        ("--max-sessions-per-client", args.max_sessions_per_client),
+                        ("--session-idle-timeout", args.session_idle_timeout)):
         if value < 1:
             return _fail(f"{flag} must be at least 1")
     if not 1 <= args.port <= 65535:
         return _fail(f"--port must be from 1 to 65535; got {args.port}")
-    for d in args.allowed_image_dir:
+    for d in args.allowed_dirs:
         if not os.path.isdir(d):
-            return _fail(f"--allowed-image-dir {d!r} is not a directory")
+            return _fail(f"--allowed-local-media-path {d!r} is not a directory")
     if args.max_pixels is not None and args.max_pixels > args.max_request_pixels:
         return _fail(f"--max-pixels {args.max_pixels} is over --max-request-pixels {args.max_request_pixels}")
     try:
@@ -87,7 +99,7 @@ def main(argv=None):
         cli.check_max_tokens(args.max_tokens)
         cli.check_media_flags(path, args.min_pixels, args.max_pixels)
         settings = Settings(agent_format=args.agent_format, ground_format=args.ground_format,
-                            allowed_dirs=args.allowed_image_dir, max_request_pixels=args.max_request_pixels,
+                            allowed_dirs=args.allowed_dirs, max_request_pixels=args.max_request_pixels,
                             max_image_bytes=args.max_image_bytes, min_pixels=args.min_pixels,
                             max_pixels=args.max_pixels, max_tokens=args.max_tokens)
         worker = model_thread()
@@ -100,7 +112,9 @@ def main(argv=None):
                 return 0
             from ..server.connections import serve
 
-            app = http_app(server, api_key=api_key, bound_host=args.host, max_body_bytes=args.max_body_bytes)
+            app = http_app(server, api_key=api_key, bound_host=args.host, max_body_bytes=args.max_body_bytes,
+                           max_sessions=args.max_sessions, max_sessions_per_client=args.max_sessions_per_client,
+                           session_idle_timeout_s=args.session_idle_timeout)
 
             def stopped(sig, frame):  # a signal before uvicorn's own handlers are in place: a clean stop too
                 raise SystemExit(0)

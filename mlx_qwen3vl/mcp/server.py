@@ -2,13 +2,15 @@
 the hand-written declarations, tools/call checks and runs a tool on the one model thread, and every
 failure is a tool error of one line. Transports: stdio, and streamable HTTP behind the HTTP
 server's rules (a Bearer key when one is set; without one, only this machine's Host names and no
-foreign Origin), its body limit and its connection guards."""
+foreign Origin), its body limit and its connection guards, with sessions capped: in all, per
+client address, and closed after an idle timeout (SessionCaps)."""
 
 import asyncio
 import hmac
 import json
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import mcp_types as types
@@ -19,7 +21,8 @@ from starlette.responses import JSONResponse
 from .. import __version__
 from ..errors import Qwen3VLError
 from ..server.app import LocalOnly
-from .tools import TOOL_DECLARATIONS, TOOLS, Settings
+from .tools import (DEFAULT_MAX_SESSIONS, DEFAULT_MAX_SESSIONS_PER_CLIENT, DEFAULT_SESSION_IDLE_TIMEOUT_S,
+                    TOOL_DECLARATIONS, TOOLS, Settings)
 
 DEFAULT_MAX_QUEUE = 16  # tool calls waiting for the model; more are refused at once
 
@@ -107,13 +110,77 @@ class BearerKey:
         await self.app(scope, receive, send)
 
 
-def http_app(server: Server, *, api_key=None, bound_host=None, max_body_bytes: int = 64 << 20, path: str = "/mcp"):
+class SessionCaps:
+    """Streamable-HTTP sessions per client address: a request that would open another session
+    (POST without Mcp-Session-Id) while the client already holds `per_client` (open or being
+    opened) gets 503, so a flood from one address is refused to that address while the SDK's
+    overall cap (`max_sessions`, which no single client can fill) still admits everyone else.
+    A session counts until the SDK forgets it (DELETE, its idle timeout, a failed opening)."""
+
+    def __init__(self, app, manager, *, per_client: int, idle_timeout_s: float):
+        self.app, self.manager, self.per_client, self.idle_timeout_s = app, manager, per_client, idle_timeout_s
+        self.sessions = {}  # session id → [client, last request's time]
+        self.opening = {}  # client → sessions being opened now
+
+    def _alive(self, sid, now) -> bool:
+        live = getattr(self.manager, "_server_instances", None)  # the SDK's own table, where it has one
+        if live is not None:
+            return sid in live
+        return now - self.sessions[sid][1] < self.idle_timeout_s
+
+    def held(self, client) -> int:
+        now = time.monotonic()
+        for sid in [sid for sid in self.sessions if not self._alive(sid, now)]:
+            del self.sessions[sid]
+        return sum(1 for c, _ in self.sessions.values() if c == client) + self.opening.get(client, 0)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        sid = dict(scope["headers"]).get(b"mcp-session-id")
+        if sid is not None:
+            entry = self.sessions.get(sid.decode("latin-1"))
+            if entry is not None:
+                entry[1] = time.monotonic()
+            return await self.app(scope, receive, send)
+        if scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        client = (scope.get("client") or ("?", 0))[0]
+        if self.held(client) >= self.per_client:
+            message = (f"this client already holds {self.per_client} MCP sessions (--max-sessions-per-client); "
+                       "reuse one, end one (DELETE), or wait for one to idle out")
+            body = {"jsonrpc": "2.0", "id": None, "error": {"code": -32000, "message": message}}
+            return await JSONResponse(body, status_code=503, headers={"Retry-After": "10"})(scope, receive, send)
+        self.opening[client] = self.opening.get(client, 0) + 1
+
+        async def sent(message):
+            if message["type"] == "http.response.start" and message["status"] < 400:
+                for name, value in message.get("headers", []):
+                    if name.lower() == b"mcp-session-id":
+                        self.sessions[value.decode("latin-1")] = [client, time.monotonic()]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sent)
+        finally:
+            self.opening[client] -= 1
+            if not self.opening[client]:
+                del self.opening[client]
+
+
+def http_app(server: Server, *, api_key=None, bound_host=None, max_body_bytes: int = 64 << 20, path: str = "/mcp",
+             max_sessions: int = DEFAULT_MAX_SESSIONS, max_sessions_per_client: int = DEFAULT_MAX_SESSIONS_PER_CLIENT,
+             session_idle_timeout_s: float = DEFAULT_SESSION_IDLE_TIMEOUT_S):
     """The streamable-HTTP ASGI app at `path`: the key rule (or, with no key, the local-only Host and
-    Origin rule), then the SDK's transport with its body limit (413 past it)."""
+    Origin rule), then the session caps, then the SDK's transport with its body limit (413 past
+    it), its overall session cap and idle timeout."""
     app = server.streamable_http_app(
-        streamable_http_path=path, max_request_body_size=max_body_bytes,
+        streamable_http_path=path, max_request_body_size=max_body_bytes, max_sessions=max_sessions,
+        session_idle_timeout=session_idle_timeout_s,
         # Host / Origin are checked by the guard below, by the HTTP server's rule
         transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False))
+    manager = getattr(server, "session_manager", None)
+    app = SessionCaps(app, manager, per_client=max_sessions_per_client, idle_timeout_s=session_idle_timeout_s)
     return BearerKey(app, api_key) if api_key else LocalOnly(app, bound_host=bound_host)
 
 

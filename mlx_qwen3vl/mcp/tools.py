@@ -4,23 +4,18 @@ and `ask`. No MCP SDK here: server.py puts these behind the protocol.
 
 A screenshot arrives as MCP image content ({"type": "image", "data": <base64>, "mimeType": ...};
 the type is told from the bytes, never from mimeType), a data: URL, or a path (or file:// URL) of a
-file under an allowed folder (none unless the operator names one). Paths are resolved (links
-followed) and must land on a regular file under an allowed folder; the file is opened without
-following a link, checked to be a regular file on the open descriptor and read only up to the byte
-budget. Its header then gives the size (PNG, JPEG, WebP, GIF, BMP, TIFF only), which must be within
-the pixel budget before anything is decoded.
+file under an allowed folder (none unless the operator names one), read by media_access (the HTTP
+server's reader: every component opened from the folder's descriptor without following a link, a
+regular file checked on the descriptor, read only up to the byte budget). Its header then gives the
+size (PNG, JPEG, WebP, GIF, BMP, TIFF only), which must be within the pixel budget before anything
+is decoded.
 """
 
-import base64
-import binascii
-import os
-import stat
-import urllib.parse
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import List, Optional
 
-from .. import media
+from .. import media, media_access
 from ..errors import InputError
 from ..generate import generate
 from ..processor import image_budget
@@ -32,6 +27,10 @@ from ..agent.computer_use import AGENT_FORMATS, AGENT_SAMPLING, ComputerStep, co
 DEFAULT_MAX_REQUEST_PIXELS = 32 << 20  # as the HTTP server's --max-request-pixels
 DEFAULT_MAX_IMAGE_BYTES = 32 << 20
 MAX_TEXT_CHARS = 8192
+# HTTP sessions (the SDK's own defaults keep 10,000 for 30 minutes; a desktop client holds one).
+DEFAULT_MAX_SESSIONS = 32
+DEFAULT_MAX_SESSIONS_PER_CLIENT = 4
+DEFAULT_SESSION_IDLE_TIMEOUT_S = 300.0
 MAX_HISTORY = 32
 
 
@@ -55,7 +54,7 @@ class Settings:
             self.ground_format = "venus" if self.agent_format == "venus" else "qwen"
         if self.ground_format not in GROUNDING_FORMATS:
             raise InputError(f"unknown grounding format {self.ground_format!r}; use {', '.join(GROUNDING_FORMATS)}")
-        self.allowed_dirs = [os.path.realpath(d) for d in self.allowed_dirs]
+        self.allowed_dirs = media_access.allowed_folders(self.allowed_dirs)
 
     def pixel_options(self) -> dict:
         return {k: v for k, v in (("min_pixels", self.min_pixels), ("max_pixels", self.max_pixels)) if v is not None}
@@ -118,48 +117,16 @@ def _history(args) -> List[str]:
 # ---------------------------------------------------------------------------------------------
 # Screenshots
 # ---------------------------------------------------------------------------------------------
+ALLOW_FLAG = "--allowed-local-media-path"  # the HTTP server's spelling (--allowed-image-dir still works)
+
+
 def _base64(text, what, limit) -> bytes:
-    if len(text) > (limit + 2) // 3 * 4 + 4096:  # the budget, and room for line breaks
-        raise InputError(f"{what} is over the server's limit of {limit} bytes (--max-image-bytes); send a smaller "
-                         "image")
-    try:
-        data = base64.b64decode("".join(text.split()), validate=True)
-    except (binascii.Error, ValueError):
-        raise InputError(f"{what} is not valid base64") from None
-    if not data:
-        raise InputError(f"{what} is empty")
-    return data
-
-
-def _under(real, folders) -> bool:
-    return any(real == d or real.startswith(d.rstrip(os.sep) + os.sep) for d in folders)
+    return media_access.decode_base64(text, what, max_bytes=limit, flag="--max-image-bytes")
 
 
 def _read_path(path, settings: Settings) -> bytes:
-    if not settings.allowed_dirs:
-        raise InputError("screenshot paths are off on this server (start it with --allowed-image-dir DIR); send the "
-                         "screenshot as image content instead")
-    if path.startswith("file://"):
-        path = urllib.parse.unquote(urllib.parse.urlparse(path).path)
-    real = os.path.realpath(path)
-    if not _under(real, settings.allowed_dirs):
-        raise InputError("screenshot paths must name a file under the server's --allowed-image-dir folders")
-    try:  # the resolved path has no link left: refuse one put there since
-        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
-    except FileNotFoundError:
-        raise InputError("the screenshot path does not exist") from None
-    except OSError as e:
-        raise InputError(f"the screenshot path could not be opened ({media.reason(e)})") from None
-    st = os.fstat(fd)  # on what was opened: it cannot be swapped between a check and the read
-    problem = None if stat.S_ISREG(st.st_mode) else "the screenshot path is not a regular file"
-    if problem is None and st.st_size > settings.max_image_bytes:
-        problem = (f"the screenshot file is {st.st_size} bytes, over the server's limit of {settings.max_image_bytes} "
-                   "(--max-image-bytes)")
-    if problem:
-        os.close(fd)
-        raise InputError(problem)
-    with os.fdopen(fd, "rb") as f:
-        return f.read(settings.max_image_bytes + 1)
+    return media_access.read_allowed(path, settings.allowed_dirs, "the screenshot path", flag=ALLOW_FLAG,
+                                     max_bytes=settings.max_image_bytes, bytes_flag="--max-image-bytes")
 
 
 def read_screenshot(value, settings: Settings, processor=None, pixels=None):
@@ -173,10 +140,8 @@ def read_screenshot(value, settings: Settings, processor=None, pixels=None):
                              "\"data\": <base64>, \"mimeType\": ...}")
         data = _base64(value["data"], "the screenshot", settings.max_image_bytes)
     elif isinstance(value, str) and value.startswith("data:"):
-        header, comma, payload = value.partition(",")
-        if not comma or not header.endswith(";base64"):
-            raise InputError("a screenshot data: URL must be data:image/...;base64,<data>")
-        data = _base64(payload, "the screenshot", settings.max_image_bytes)
+        data = media_access.decode_data_url(value, "the screenshot", max_bytes=settings.max_image_bytes,
+                                            flag="--max-image-bytes", base64_only=True)
     elif isinstance(value, str) and value:
         data = _read_path(value, settings)
     else:
@@ -293,7 +258,7 @@ TOOLS = {"ground": ground_tool, "next_action": next_action_tool, "ask": ask_tool
 _SCREENSHOT = {
     "description": "The screenshot: MCP image content {\"type\": \"image\", \"data\": <base64>, \"mimeType\": ...}, "
                    "a data:image/...;base64 URL, or the path of a PNG / JPEG / WebP / GIF / BMP / TIFF file under a "
-                   "folder the server allows (--allowed-image-dir; none by default).",
+                   "folder the server allows (--allowed-local-media-path; none by default).",
     "anyOf": [{"type": "string"},
               {"type": "object", "properties": {"type": {"const": "image"}, "data": {"type": "string"},
                                                 "mimeType": {"type": "string"}}, "required": ["data"]}],

@@ -18,15 +18,18 @@
     messages.py  Anthropic's Messages API
     conversation.py  both protocols' conversations in one form, rendered as chat messages
     computer.py  computer-use tools: the trained prompt, answers → the tool's actions
+    computer_answers.py  the answers behind the computer-use calls issued, for replays (bounded)
     answer.py    an answer split into reasoning, text and tool calls while it streams
 """
 
 
 def build_server(model, processor, *, model_id="model", api_key=None, max_body_bytes=64 << 20, cors_origins=None,
                  media_policy=None, limits=None, grammar_timeout_s=None, bound_host=None, ui=True, agent_format="qwen",
-                 responses_store=256, responses_store_bytes=256 << 20, **engine_kwargs):
+                 responses_store=256, responses_store_bytes=256 << 20, computer_answers=1024,
+                 computer_answers_bytes=16 << 20, agent_history=None, **engine_kwargs):
     """(model, processor) → (Starlette app, engine); the engine's model thread is already running."""
     from .app import create_app
+    from .computer_answers import ComputerAnswers
     from .engine import Engine
     from .fetch import MediaPolicy
     from .grammar import GrammarFactory
@@ -41,5 +44,7 @@ def build_server(model, processor, *, model_id="model", api_key=None, max_body_b
     builder = PromptBuilder(engine, media_policy or MediaPolicy(), grammars, limits)
     app = create_app(engine, builder, model_id=model_id, api_key=api_key, max_body_bytes=max_body_bytes,
                      cors_origins=cors_origins, bound_host=bound_host, ui=ui, agent_format=agent_format,
-                     response_store=ResponseStore(responses_store, responses_store_bytes))
+                     response_store=ResponseStore(responses_store, responses_store_bytes),
+                     computer_answers=ComputerAnswers(computer_answers, computer_answers_bytes),
+                     agent_history=agent_history)
     return app, engine

@@ -39,6 +39,7 @@ def build_parser():
     from .limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                          DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_REQUEST_PIXELS,
                          DEFAULT_MAX_VIDEO_FRAMES)
+    from ..media_access import DEFAULT_MAX_REQUEST_MEDIA_BYTES, DEFAULT_REQUEST_MEDIA_TIMEOUT_S
 
     p = argparse.ArgumentParser(prog="python -m mlx_qwen3vl.server", formatter_class=_Help,
                                 description="Qwen3-VL behind OpenAI chat completions and Responses, and Anthropic Messages.")
@@ -64,11 +65,17 @@ def build_parser():
     p.add_argument("--max-media-bytes", type=_positive(int), default=64 << 20, help="size cap of one fetched URL")
     p.add_argument("--max-media-fetches", type=_positive(int), default=8,
                    help="http(s) fetches in flight at once; a request needing another gets 503")
+    p.add_argument("--max-request-media-bytes", type=_positive(int), default=DEFAULT_MAX_REQUEST_MEDIA_BYTES,
+                   help="bytes all of one request's media may come to together (fetched, read and data URLs); "
+                        "reading stops at the first byte over (413)")
+    p.add_argument("--request-media-timeout", type=_positive(float), default=DEFAULT_REQUEST_MEDIA_TIMEOUT_S,
+                   help="seconds all of one request's media may take together (every fetch and read)")
     p.add_argument("--max-request-pixels", type=_positive(int), default=DEFAULT_MAX_REQUEST_PIXELS,
                    help="pixels one request may bring: each image as stored, and all images as resized plus "
                         "sampled video frames as decoded; a request's min_pixels / max_pixels may not exceed it")
     p.add_argument("--max-video-frames", type=_positive(int), default=DEFAULT_MAX_VIDEO_FRAMES,
-                   help="frames one video may hold (from its headers, before decoding)")
+                   help="frames one video may hold, and all of a request's videos together (from their headers, "
+                        "before decoding)")
     p.add_argument("--grammar-timeout", type=_positive(float), default=DEFAULT_GRAMMAR_TIMEOUT_S,
                    help="seconds a json_schema or forced tool call may take to compile")
     p.add_argument("--max-connections", type=_positive(int), default=DEFAULT_MAX_CONNECTIONS,
@@ -90,6 +97,15 @@ def build_parser():
                    help="recent /v1/responses answers kept for previous_response_id (0: none)")
     p.add_argument("--responses-store-mb", type=_positive(float), default=256.0,
                    help="memory those kept responses' conversations may take (least recently used out first)")
+    p.add_argument("--agent-history", type=int, default=None, metavar="N",
+                   help="earlier steps a computer-use prompt replays (default: the format's own, 4 for qwen with "
+                        "their screenshots, 5 for venus); with more, a long loop's prompts keep extending the last "
+                        "one, so the prefix cache serves each turn's history")
+    p.add_argument("--computer-answers", type=int, default=1024, metavar="N",
+                   help="computer-use answers kept by the ids of the calls they became, so a replayed call is "
+                        "shown to the model as it wrote it (0: none)")
+    p.add_argument("--computer-answers-mb", type=_positive(float), default=16.0,
+                   help="memory those kept answers may take (least recently used out first)")
     p.add_argument("--prefix-cache-gb", type=float, default=2.0, help="memory for cached KV prefixes")
     p.add_argument("--vision-cache-gb", type=float, default=0.5, help="memory for cached vision features")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="most prompt tokens per decoder chunk")
@@ -171,6 +187,8 @@ def main(argv=None):
         return 2
     for flag, value, ok in (("--prefill-budget", args.prefill_budget, args.prefill_budget >= 0),
                             ("--responses-store", args.responses_store, args.responses_store >= 0),
+                            ("--computer-answers", args.computer_answers, args.computer_answers >= 0),
+                            ("--agent-history", args.agent_history, args.agent_history is None or args.agent_history >= 0),
                             ("--max-request-seconds", args.max_request_seconds, args.max_request_seconds >= 0),
                             ("--kv-cache-gb", args.kv_cache_gb, args.kv_cache_gb is None or args.kv_cache_gb > 0)):
         if not ok:
@@ -235,7 +253,9 @@ def main(argv=None):
         return 2
     policy = MediaPolicy(allow_http=not args.no_http_media, http_timeout_s=args.media_timeout,
                          max_media_bytes=args.max_media_bytes, allowed_local_paths=args.allowed_local_media_path,
-                         allowed_hosts=args.allow_media_host, max_fetches=args.max_media_fetches)
+                         allowed_hosts=args.allow_media_host, max_fetches=args.max_media_fetches,
+                         max_request_media_bytes=args.max_request_media_bytes,
+                         request_media_timeout_s=args.request_media_timeout)
     limits = Limits(max_request_pixels=args.max_request_pixels, max_video_frames=args.max_video_frames)
     try:
         app, engine = build_server(
@@ -243,7 +263,8 @@ def main(argv=None):
             max_body_bytes=args.max_body_bytes, cors_origins=args.cors_allow_origin, media_policy=policy,
             limits=limits, grammar_timeout_s=args.grammar_timeout, bound_host=args.host, ui=not args.no_ui,
             agent_format=args.agent_format, responses_store=args.responses_store,
-            responses_store_bytes=int(args.responses_store_mb * (1 << 20)), **engine_kwargs)
+            responses_store_bytes=int(args.responses_store_mb * (1 << 20)), computer_answers=args.computer_answers, agent_history=args.agent_history,
+            computer_answers_bytes=int(args.computer_answers_mb * (1 << 20)), **engine_kwargs)
     except Qwen3VLError as e:  # e.g. a --prefix-cache-dir of another user, a KV group size the model cannot take
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -4,7 +4,10 @@ error bodies, SSE, and ending running requests when the server stops."""
 import asyncio
 import contextlib
 import json
+import os
+import sys
 import time
+import traceback
 from typing import Optional
 
 from starlette.applications import Starlette
@@ -88,9 +91,10 @@ def _sse(obj) -> str:
 
 def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None, max_body_bytes: int = 64 << 20,
                cors_origins=None, bound_host=None, ui: bool = True, agent_format: str = "qwen",
-               response_store=None) -> Starlette:
+               response_store=None, computer_answers=None, agent_history=None) -> Starlette:
     service = Service(engine, builder, model_id=model_id, api_key=api_key, max_body_bytes=max_body_bytes,
-                      agent_format=agent_format)
+                      agent_format=agent_format, computer_answers=computer_answers,
+                      agent_history=agent_history)
     store = response_store if response_store is not None else ResponseStore()
     running = service.running  # handles of the requests being answered (ended with an error when the server stops)
     stopping = []
@@ -116,7 +120,7 @@ def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None,
 
     async def metrics(request):
         check_auth(request)
-        return JSONResponse({**engine.stats(), **store.stats()})
+        return JSONResponse({**engine.stats(), **store.stats(), **service.computer_answers.stats()})
 
     async def chat_completions(request: Request):
         check_auth(request)
@@ -238,7 +242,7 @@ def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None,
     async def internal_error(request, exc: Exception):
         return _error_response(_as_error(exc), request.url.path)
 
-    middleware = []
+    middleware = [Middleware(OneLineErrors)]
     if api_key is None:
         middleware.append(Middleware(LocalOnly, bound_host=bound_host, cors_origins=cors_origins))
     if cors_origins:
@@ -260,9 +264,47 @@ def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None,
 
 
 def _as_error(e) -> APIError:
+    """An exception as the API's error; an unexpected one is a 500 naming only its type (its text
+    may hold server paths), told to the log in one line."""
     if isinstance(e, APIError):
         return e
-    return APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
+    log_internal(e)
+    return APIError(500, f"internal error ({type(e).__name__}); the server's log has a line about it",
+                    code="internal_error")
+
+
+def log_internal(e: BaseException, what: str = ""):
+    """One line in the log for an unexpected exception: its type, message and where it was raised."""
+    frames = traceback.extract_tb(e.__traceback__) if e.__traceback__ else []
+    where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+    text = " ".join(str(e).split())[:300]
+    print(f"[mlx_qwen3vl] {what}internal error {type(e).__name__}{where}: {text}", file=sys.stderr, flush=True)
+
+
+class OneLineErrors:
+    """Inside Starlette's last-resort handler: an unexpected exception becomes the 500 of _as_error
+    and one log line, and is not raised on (Starlette would re-raise it for uvicorn to print its
+    whole traceback)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def sending(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as e:  # noqa: BLE001 — answered and logged here
+            error = _as_error(e)
+            if not started:
+                await _error_response(error, scope.get("path", ""))(scope, receive, send)
 
 
 def _lifespan(engine):

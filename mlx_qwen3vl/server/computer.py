@@ -11,13 +11,16 @@ current screenshot is the conversation's last image. Only the steps the prompt r
 (their screenshots resolved under the media policy), and every image is held to the budgets
 before anything is decoded.
 
+A replayed step whose calls are the ones this server issued for an answer (same ids, same actions
+on the same display) is rendered from that answer as the model wrote it (computer_answers.py).
+
 Coordinates: where the tool declares a display, actions are in its pixels (the screenshot is taken
 to show the whole display, whatever its own size); where it declares none, in the pixels of the
 screenshot the step acted on.
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Hashable, List, Optional, Sequence, Tuple
 
 from .. import media
 from ..agent.computer_tools import ComputerTool, find_computer_tool
@@ -26,7 +29,8 @@ from ..agent.computer_use import (AGENT_SAMPLING, QWEN_HISTORY_LENGTH, ComputerS
 from ..agent.prompts import VENUS_HISTORY_LENGTH
 from ..errors import InputError
 from ..processor import extract_media
-from .conversation import Turn, leading_system
+from .computer_answers import ComputerAnswers
+from .conversation import Call, Turn, leading_system
 from .fetch import resolve_image
 from .limits import check_pixel_options
 from .protocol import APIError, ChatRequest
@@ -59,9 +63,28 @@ class ComputerRequest:
     tool: ComputerTool
     display: Tuple[int, int]
     cursor: Optional[Tuple[int, int]] = None
+    answers: Optional[ComputerAnswers] = None
 
     def turn(self, answer: str) -> ComputerTurn:
         return map_answer(answer, self.display, tool=self.tool, cursor=self.cursor)
+
+    def issued(self, answer: str, calls: Sequence[Call]):
+        """The calls the response carries for `answer` (their ids and protocol actions): kept, so
+        that a replay of exactly these calls is rendered from the answer."""
+        if self.answers is not None and calls:
+            self.answers.put([c.id for c in calls], _issued_key(self.tool, self.display, calls), answer)
+
+
+def _issued_key(tool: ComputerTool, display, calls: Sequence[Call]) -> Hashable:
+    """What a replay must repeat to be the same action: each call read back by the tool (so a
+    client's re-serialised action dict still matches), the tool and the display."""
+    def read(action):
+        batch = action if isinstance(action, list) else [action]
+        try:
+            return tuple(tool.parse_call(a) for a in batch)
+        except InputError:
+            return None
+    return (tool.type, tuple(display), tuple(read(c.action) for c in calls))
 
 
 @dataclass
@@ -71,8 +94,8 @@ class _Step:
     result: List[str]
 
 
-def _read(part, builder, cap) -> Tuple[bytes, Tuple[int, int]]:
-    data = resolve_image(part.value, builder.policy, part.param)
+def _read(part, builder, cap, budget) -> Tuple[bytes, Tuple[int, int]]:
+    data = resolve_image(part.value, builder.policy, part.param, budget)
     try:
         w, h = media.image_size(data, part.param)
     except InputError as e:
@@ -98,9 +121,12 @@ def _actions(tool, step: _Step):
     return out
 
 
-def prepare(builder, req: ChatRequest, turns: List[Turn], tool: ComputerTool, agent_format: str):
+def prepare(builder, req: ChatRequest, turns: List[Turn], tool: ComputerTool, agent_format: str,
+            answers: Optional[ComputerAnswers] = None, history_length: Optional[int] = None):
     """→ (Prepared, ComputerRequest). `req` carries the sampling, limits and pixel options; its
-    messages are not read."""
+    messages are not read. `answers`: the answers behind the calls this server issued.
+    `history_length`: earlier steps replayed (default: the format's, QWEN_HISTORY_LENGTH or
+    VENUS_HISTORY_LENGTH)."""
     check_pixel_options(req, builder.limits)
     system, rest = leading_system(turns)
     task, steps, shot = [], [], None
@@ -122,28 +148,34 @@ def prepare(builder, req: ChatRequest, turns: List[Turn], tool: ComputerTool, ag
         raise APIError(400, "a computer-use request needs its task as text in the first user message",
                        param="messages", code="missing_task")
     cap = builder.limits.max_request_pixels
-    current, size = _read(shot, builder, cap)
+    budget = builder.policy.budget(cap, builder.limits.max_video_frames)  # all of this request's screenshots
+    current, size = _read(shot, builder, cap, budget)
     display = tool.display_size(size)
-    keep = QWEN_HISTORY_LENGTH if agent_format == "qwen" else VENUS_HISTORY_LENGTH
+    keep = history_length if history_length is not None else (
+        QWEN_HISTORY_LENGTH if agent_format == "qwen" else VENUS_HISTORY_LENGTH)
     replayed, cursor, seen = [], None, {}
     for step in steps[-keep:] if keep > 0 else []:
         data, step_display = None, display
         if step.shot is not None and (agent_format == "qwen" or tool.display is None):
             if id(step.shot) not in seen:
-                seen[id(step.shot)] = _read(step.shot, builder, cap) if step.shot is not shot else (current, size)
+                seen[id(step.shot)] = (_read(step.shot, builder, cap, budget) if step.shot is not shot
+                                       else (current, size))
             data, step_size = seen[id(step.shot)]
             step_display = tool.display_size(step_size)
         actions = _actions(tool, step)
         cursor = cursor_after(actions, cursor) if step_display == display else None
+        answer = step.turn.answer
+        if answer is None and answers is not None and step.turn.calls:
+            answer = answers.get([c.id for c in step.turn.calls], _issued_key(tool, step_display, step.turn.calls))
         replayed.append(ComputerStep(
-            screenshot=data if agent_format == "qwen" else None, answer=step.turn.answer, actions=actions,
+            screenshot=data if agent_format == "qwen" else None, answer=answer, actions=actions,
             text=step.turn.text("\n").strip() or None, reasoning=step.turn.reasoning, display=step_display,
             result="\n".join(step.result) or None))
     try:
         messages = computer_messages("\n".join(task), current, replayed, format=agent_format, display=display,
-                                     system=system)
+                                     system=system, history_length=keep)
     except InputError as e:
         raise APIError(400, str(e), param="messages", code="invalid_input") from None
     images, _ = extract_media(messages)
     prepared = builder.render(req, messages, images, [])
-    return prepared, ComputerRequest(tool, display, cursor)
+    return prepared, ComputerRequest(tool, display, cursor, answers)

@@ -11,9 +11,12 @@ policy (no loopback, private, link-local, multicast or reserved address, in any 
 --allow-media-host opens it), the connection is made to the checked address (a second DNS answer
 cannot move it), redirects are followed here and checked the same way, and one deadline covers the
 whole fetch (DNS, connect, TLS, every byte), enforced by closing the socket when it passes.
+
+All of one request's media share one budget (media_access.MediaBudget: total bytes, pixels,
+frames and one deadline for the request): pass the request's `policy.budget()` to each call.
+Local files and data URLs are read by media_access (race-free opens, one decoder).
 """
 
-import binascii
 import concurrent.futures
 import http.client
 import ipaddress
@@ -26,11 +29,15 @@ import threading
 import time
 import urllib.parse
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
+from .. import media_access
+from ..media_access import MediaBudget, MediaError
 from .protocol import APIError
 
 MAX_REDIRECTS = 5
+VIDEO_PREFIX = "mlx_qwen3vl_video_"  # the temp files videos are written to
+_TEMP_PATH = re.compile(r"'?" + re.escape(tempfile.gettempdir().rstrip(os.sep) + os.sep + VIDEO_PREFIX) + r"[\w.-]*'?")
 REDIRECTS = (301, 302, 303, 307, 308)
 
 
@@ -42,9 +49,11 @@ class MediaPolicy:
     allowed_local_paths: List[str] = field(default_factory=list)  # resolved directories
     allowed_hosts: List[str] = field(default_factory=list)  # host names, addresses or CIDRs opened to http media
     max_fetches: int = 8  # http(s) fetches in flight at once; more are answered 503
+    max_request_media_bytes: int = media_access.DEFAULT_MAX_REQUEST_MEDIA_BYTES  # all of a request's media
+    request_media_timeout_s: float = media_access.DEFAULT_REQUEST_MEDIA_TIMEOUT_S  # all of a request's media
 
     def __post_init__(self):
-        self.allowed_local_paths = [os.path.realpath(p) for p in self.allowed_local_paths]
+        self.allowed_local_paths = media_access.allowed_folders(self.allowed_local_paths)
         self.host_names, self.networks = set(), []
         for entry in self.allowed_hosts:
             try:
@@ -52,6 +61,12 @@ class MediaPolicy:
             except ValueError:
                 self.host_names.add(entry.lower().rstrip("."))
         self._fetches = threading.BoundedSemaphore(max(1, self.max_fetches))
+
+    def budget(self, max_pixels: int = media_access.DEFAULT_MAX_REQUEST_PIXELS,
+               max_frames: int = media_access.DEFAULT_MAX_REQUEST_FRAMES) -> MediaBudget:
+        """A new request's media budget (its deadline starts now)."""
+        return MediaBudget(max_bytes=self.max_request_media_bytes, timeout_s=self.request_media_timeout_s,
+                           max_pixels=max_pixels, max_frames=max_frames)
 
     def address_allowed(self, host: str, address: str) -> bool:
         """Whether http media may be fetched from `address` (what `host` resolved to)."""
@@ -105,19 +120,24 @@ def _bad(message, param):
     return APIError(400, message, param=param, code="invalid_media")
 
 
-def decode_data_url(url: str, param: str) -> bytes:
-    comma = url.find(",")
-    if comma < 0:
-        raise _bad(f"{param} is a data URL without a ',' before its payload; send data:image/png;base64,<data>", param)
-    if not url[:comma].endswith(";base64"):
-        raise _bad(f"{param} is a data URL that is not base64; send data:image/...;base64,<data>", param)
-    try:  # binascii reads the ASCII text itself (base64.b64decode would first copy it to bytes)
-        data = binascii.a2b_base64(url[comma + 1:])
-    except (binascii.Error, ValueError) as e:
-        raise _bad(f"{param} has invalid base64 data ({e}); encode the file with base64", param) from None
-    if not data:
-        raise _bad(f"{param} is an empty data URL; send the image's bytes", param)
-    return data
+def hide_temp_paths(message: str) -> str:
+    """A message without the server's temp file names (an uploaded video is named by its label)."""
+    return _TEMP_PATH.sub("(uploaded)", message)
+
+
+def api_error(e: MediaError) -> APIError:
+    """A media_access refusal as the API's error."""
+    return APIError(e.status, str(e), param=e.param, code=e.code, headers=e.headers or None,
+                    type="request_too_large" if e.status == 413 else None)
+
+
+def decode_data_url(url: str, param: str, policy: Optional[MediaPolicy] = None,
+                    budget: Optional[MediaBudget] = None) -> bytes:
+    try:
+        return media_access.decode_data_url(url, param, max_bytes=policy.max_media_bytes if policy else None,
+                                            budget=budget, base64_only=True)
+    except MediaError as e:
+        raise api_error(e) from None
 
 
 # ------------------------------------------------------------------------------ http(s)
@@ -128,9 +148,9 @@ _resolver = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="mlx_qwe
 class _Fetch:
     """One URL's fetch: its deadline, and the socket the deadline closes."""
 
-    def __init__(self, policy: MediaPolicy, param: str):
-        self.policy, self.param = policy, param
-        self.deadline = time.monotonic() + policy.http_timeout_s
+    def __init__(self, policy: MediaPolicy, param: str, budget: MediaBudget):
+        self.policy, self.param, self.budget = policy, param, budget
+        self.deadline = min(time.monotonic() + policy.http_timeout_s, budget.deadline)
         self.sock = None  # a duplicate of the connection's socket: still valid once TLS wraps the original
         self.expired = False
         self.lock = threading.Lock()
@@ -142,6 +162,8 @@ class _Fetch:
         return left
 
     def timeout(self):
+        if self.budget.deadline <= self.deadline:
+            return api_error(self.budget.timeout(self.param))
         return _bad(f"{self.param} was not fetched within {self.policy.http_timeout_s:g} s (the server's "
                     "--media-timeout for a whole fetch); send the image as a data URL", self.param)
 
@@ -225,11 +247,16 @@ class _Fetch:
     def body(self, r) -> bytes:
         cap = self.policy.max_media_bytes
         length = r.getheader("Content-Length")
-        if length and length.isdigit() and int(length) > cap:
-            raise self.too_large()
+        if length and length.isdigit():
+            if int(length) > cap:
+                raise self.too_large()
+            self.take(int(length))  # the request's total, before a byte of the body is read
+            counted = int(length)
+        else:
+            counted = 0
         chunks, n = [], 0
         while True:
-            chunk = r.read(64 << 10)
+            chunk = r.read(1 << 20)
             if self.expired:  # the deadline's shutdown ends a read as if the body had ended
                 raise self.timeout()
             if not chunk:
@@ -237,7 +264,16 @@ class _Fetch:
             n += len(chunk)
             if n > cap:
                 raise self.too_large()
+            if n > counted:
+                self.take(n - counted)
+                counted = n
             chunks.append(chunk)
+
+    def take(self, n):
+        try:
+            self.budget.take_bytes(n, self.param)
+        except MediaError as e:
+            raise api_error(e) from None
 
     def too_large(self):
         return APIError(413, f"{self.param} is larger than the server's media limit of {self.policy.max_media_bytes} "
@@ -248,14 +284,22 @@ def _reason(e):
     return " ".join(str(getattr(e, "reason", None) or e).split())[:200] or type(e).__name__
 
 
-def fetch_http(url: str, policy: MediaPolicy, param: str) -> bytes:
+def fetch_http(url: str, policy: MediaPolicy, param: str, budget: Optional[MediaBudget] = None) -> bytes:
+    """The body of an http(s) URL, under the policy and the request's budget (one of its own when
+    none is given)."""
+    budget = budget or policy.budget()
     if not policy.allow_http:
         raise _bad(f"{param}: this server does not fetch http(s) URLs; send the image as a data URL", param)
     if not policy._fetches.acquire(blocking=False):
         raise APIError(503, f"{param}: the server is fetching {policy.max_fetches} URLs already; retry shortly or "
                        "send a data URL", param=param, code="fetches_busy", headers={"Retry-After": "1"})
-    fetch = _Fetch(policy, param)
-    timer = threading.Timer(policy.http_timeout_s, fetch.expire)
+    try:
+        fetch = _Fetch(policy, param, budget)
+        budget.left(param)
+    except MediaError as e:
+        policy._fetches.release()
+        raise api_error(e) from None
+    timer = threading.Timer(max(0.0, fetch.deadline - time.monotonic()), fetch.expire)
     timer.daemon = True
     timer.start()
     try:
@@ -263,7 +307,7 @@ def fetch_http(url: str, policy: MediaPolicy, param: str) -> bytes:
     except APIError:
         raise
     except (OSError, http.client.HTTPException, ValueError) as e:
-        if fetch.expired:
+        if fetch.expired or isinstance(e, TimeoutError) or time.monotonic() >= fetch.deadline:
             raise fetch.timeout() from None
         raise _bad(f"{param} could not be fetched ({_reason(e)}); check the URL or send a data URL", param) from None
     finally:
@@ -274,41 +318,34 @@ def fetch_http(url: str, policy: MediaPolicy, param: str) -> bytes:
 # ------------------------------------------------------------------------------ local files
 
 
-def local_path(url: str, policy: MediaPolicy, param: str) -> str:
-    path = urllib.parse.unquote(urllib.parse.urlparse(url).path) if url.startswith("file://") else url
-    real = os.path.realpath(path)
-    if not any(real == d or real.startswith(d + os.sep) for d in policy.allowed_local_paths):
-        raise _bad(f"{param}: local files are only served from --allowed-local-media-path directories", param)
-    if not os.path.isfile(real):
-        raise _bad(f"{param}: {path!r} is not an existing file", param)
-    return real
+def read_local(url: str, policy: MediaPolicy, param: str, budget: Optional[MediaBudget] = None) -> bytes:
+    """A file (a path or file:// URL) under --allowed-local-media-path, opened race-free."""
+    try:
+        return media_access.read_allowed(url, policy.allowed_local_paths, param, max_bytes=policy.max_media_bytes,
+                                         budget=budget)
+    except MediaError as e:
+        raise api_error(e) from None
 
 
-def resolve_image(url, policy: MediaPolicy, param: str):
-    """→ the image's bytes (the processor decodes them exactly as it decodes a file)."""
+def resolve_image(url, policy: MediaPolicy, param: str, budget: Optional[MediaBudget] = None) -> bytes:
+    """→ the image's bytes (the processor decodes them exactly as it decodes a file), counted in
+    the request's `budget` (a fresh one when none is given)."""
     if not isinstance(url, str) or not url:
         raise _bad(f"{param} must be a non-empty string URL", param)
+    budget = budget or policy.budget()
     if url.startswith("data:"):
-        return decode_data_url(url, param)
+        return decode_data_url(url, param, policy, budget)
     if url.startswith(("http://", "https://")):
-        return fetch_http(url, policy, param)
-    path = local_path(url, policy, param)
-    with open(path, "rb") as f:
-        return f.read(policy.max_media_bytes + 1)
+        return fetch_http(url, policy, param, budget)
+    return read_local(url, policy, param, budget)
 
 
-def resolve_video(url, policy: MediaPolicy, param: str, temp_files: list):
-    """→ a local video file path (PyAV reads files); fetched or inlined videos go to a temp file
-    that the caller deletes (listed in temp_files)."""
-    if not isinstance(url, str) or not url:
-        raise _bad(f"{param} must be a non-empty string URL", param)
-    if url.startswith("data:"):
-        data = decode_data_url(url, param)
-    elif url.startswith(("http://", "https://")):
-        data = fetch_http(url, policy, param)
-    else:
-        return local_path(url, policy, param)
-    fd, path = tempfile.mkstemp(prefix="mlx_qwen3vl_video_")
+def resolve_video(url, policy: MediaPolicy, param: str, temp_files: list, budget: Optional[MediaBudget] = None):
+    """→ a local video file path (PyAV reads files): every video, local ones included (read
+    race-free from the allowed folder), is written to a temp file that the caller deletes (listed
+    in temp_files), so what PyAV opens is what was checked."""
+    data = resolve_image(url, policy, param, budget)
+    fd, path = tempfile.mkstemp(prefix=VIDEO_PREFIX)
     temp_files.append(path)
     with os.fdopen(fd, "wb") as f:
         f.write(data)

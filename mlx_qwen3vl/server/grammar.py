@@ -46,7 +46,13 @@ class GrammarFactory:
 
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar)
         if matcher.is_error():
-            raise APIError(400, f"'{param}' could not be compiled: {matcher.get_error()}", param=param,
+            raise APIError(400, f"'{param}' could not be compiled: {first_line(matcher.get_error())}", param=param,
+                           code="invalid_schema")
+        probe = matcher.deep_copy()  # a grammar with no value at all (a $ref to itself) fails at its first mask
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise APIError(400, f"'{param}' admits no value at all (a schema whose $ref only refers to itself, or "
+                           "contradicting constraints); send a schema some JSON value satisfies", param=param,
                            code="invalid_schema")
         return GrammarProcessor(matcher, self.vocab_size)
 
@@ -78,7 +84,7 @@ class GrammarFactory:
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
         except (ValueError, TypeError) as e:
-            raise APIError(400, f"'{param}' is not a usable JSON schema: {e}", param=param,
+            raise APIError(400, f"'{param}' is not a usable JSON schema: {first_line(str(e))}", param=param,
                            code="invalid_schema") from None
         return self._processor(grammar, param)
 
@@ -102,6 +108,11 @@ class GrammarFactory:
         return self._processor(llguidance.LLMatcher.grammar_from_lark(lark), "tool_choice")
 
 
+def first_line(error: str) -> str:
+    """llguidance's error without the parser state it appends (lines of internal counters)."""
+    return (error or "").split("\n<state>", 1)[0].strip().split("\n", 1)[0][:300] or "no allowed token"
+
+
 class GrammarProcessor:
     """(tokens, logits) → logits with every token the grammar forbids at -inf. `tokens` is the
     whole sequence so far (prompt + answer), as mlx-lm passes it; the first call marks where the
@@ -116,7 +127,7 @@ class GrammarProcessor:
         if self.seen is not None and n > self.seen:
             for t in np.asarray(tokens[self.seen:]).tolist():
                 if not self.matcher.consume_token(int(t)):
-                    raise APIError(500, f"constrained decoding failed: {self.matcher.get_error()}",
+                    raise APIError(500, f"constrained decoding failed: {first_line(self.matcher.get_error())}",
                                    code="grammar_error")
         self.seen = n
         bits = np.frombuffer(self.matcher.compute_bitmask(), np.uint8)

@@ -10,6 +10,7 @@ from .. import media
 from .. import video as vid
 from ..errors import InputError
 from ..processor import image_budget
+from .fetch import hide_temp_paths
 from .protocol import APIError
 
 # Every limit's default, here (no server dependency needed to read them: --help shows them).
@@ -45,7 +46,7 @@ def check_media(images, videos, req, processor, limits: Limits):
     """Refuse the request before decoding if its media would exceed the budget: each image's own
     pixels (as stored) and the pixels of all images (as resized for the model) and video frames
     (as decoded: the kept frames are held at once) together at most --max-request-pixels, each
-    video at most --max-video-frames frames. `images`: encoded bytes (or decoded RGB arrays);
+    video, and all of them together, at most --max-video-frames frames. `images`: encoded bytes (or decoded RGB arrays);
     `videos`: file paths."""
     cap, total = limits.max_request_pixels, 0
     cfg = processor.image_config
@@ -68,15 +69,20 @@ def check_media(images, videos, req, processor, limits: Limits):
             raise _over("messages", f"the request's images come to more than {cap} pixels as the model sees them "
                         "(--max-request-pixels); send fewer or smaller images, or a smaller max_pixels")
     vcfg = processor.video_config
+    frames = 0
     for i, path in enumerate(videos, 1):
         label = f"video {i}"
         try:
             info = vid.probe_video(path, label, max_frames=limits.max_video_frames)
         except InputError as e:
-            raise APIError(400, str(e), param="messages", code="invalid_input") from None
+            raise APIError(400, hide_temp_paths(str(e)), param="messages", code="invalid_input") from None
         if info.frames > limits.max_video_frames:
             raise _over("messages", f"{label} has more than {limits.max_video_frames} frames (--max-video-frames); "
                         "send a shorter clip")
+        frames += info.frames
+        if frames > limits.max_video_frames:
+            raise _over("messages", f"the request's videos have more than {limits.max_video_frames} frames together "
+                        "(--max-video-frames); send shorter clips")
         if not info.width or not info.height:
             raise APIError(400, f"{label} does not state its frame size; re-encode it as MP4",
                            param="messages", code="invalid_input")

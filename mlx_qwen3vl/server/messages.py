@@ -380,11 +380,14 @@ class Writer:
                 events += self._block({"type": "thinking", "thinking": turn.reasoning, "signature": ""})
             if turn.text or not turn.calls:
                 events += self._block({"type": "text", "text": turn.text})
+            issued = []
             for call in turn.calls:
                 block = {"type": "tool_use", "id": _id("toolu"), "name": call["name"], "input": call["input"]}
                 if "toolset_name" in call:
                     block["toolset_name"] = call["toolset_name"]
                 events += self._block(block)
+                issued.append(Call(block["id"], call["name"], action=call))
+            self.computer.issued(answer, issued)
             calls = bool(turn.calls)
         else:
             events = [e for kind, value in self.parts.finish() for e in self._segment(kind, value)]
@@ -423,7 +426,8 @@ def routes(service) -> list:
 
     async def prepare(turns, chat, tool):
         if tool is not None:
-            return await service.prepare(computer.prepare, service.builder, chat, turns, tool, service.agent_format)
+            return await service.prepare(computer.prepare, service.builder, chat, turns, tool, service.agent_format,
+                                         service.computer_answers, service.agent_history)
         chat.messages, chat.media_params = chat_messages(turns)
         return await service.prepare(service.builder.build, chat), None
 

@@ -4,14 +4,16 @@ sampling limits and any grammar. Runs on the HTTP side's thread pool, never on t
 
 import os
 import threading
+import traceback
 
 import numpy as np
 
 from ..engine import fit_to_context
 from ..errors import ContextLengthError, Qwen3VLError
+from ..media_access import release_memory
 from ..spans import media_keys
 from .prepared import Prepared
-from .fetch import resolve_image, resolve_video
+from .fetch import hide_temp_paths, resolve_image, resolve_video
 from .limits import Limits, check_media, check_pixel_options
 from .protocol import APIError, ChatRequest
 
@@ -22,9 +24,11 @@ def _text_of(content):
     return "".join(p["text"] for p in content if p.get("type") == "text")
 
 
-def convert_messages(messages, policy, temp_files, names=None):
+def convert_messages(messages, policy, temp_files, names=None, budget=None):
     """OpenAI messages → (template messages with media placeholders, images, videos), in order.
-    `names`: {(i, j): param} naming a part as the client wrote it (another protocol's field)."""
+    `names`: {(i, j): param} naming a part as the client wrote it (another protocol's field);
+    `budget`: the request's media budget (all its media together)."""
+    budget = budget or policy.budget()
     out, images, videos = [], [], []
     names = names or {}
     for i, m in enumerate(messages):
@@ -42,10 +46,10 @@ def convert_messages(messages, policy, temp_files, names=None):
                 ref = part[kind]
                 url = ref["url"] if isinstance(ref, dict) else ref
                 if kind == "image_url":
-                    images.append(resolve_image(url, policy, param))
+                    images.append(resolve_image(url, policy, param, budget))
                     parts.append({"type": "image"})
                 else:
-                    videos.append(resolve_video(url, policy, param, temp_files))
+                    videos.append(resolve_video(url, policy, param, temp_files, budget))
                     parts.append({"type": "video"})
             msg["content"] = parts
         else:
@@ -68,9 +72,18 @@ class PromptBuilder:
     def build(self, req: ChatRequest) -> Prepared:
         temp_files = []
         check_pixel_options(req, self.limits)
+        budget = self.policy.budget(self.limits.max_request_pixels, self.limits.max_video_frames)
         try:
-            messages, images, videos = convert_messages(req.messages, self.policy, temp_files, req.media_params)
+            messages, images, videos = convert_messages(req.messages, self.policy, temp_files, req.media_params,
+                                                        budget)
             return self.render(req, messages, images, videos)
+        except APIError as e:
+            # The media read so far live in the traceback's frames until the error is answered:
+            # drop them now, and give their pages back to the system when they were large.
+            traceback.clear_frames(e.__traceback__)
+            if budget.bytes > (8 << 20):
+                release_memory()
+            raise
         finally:
             for path in temp_files:
                 os.unlink(path)
@@ -90,7 +103,7 @@ class PromptBuilder:
                 inputs = self.processor(text=text, images=list(images) or None, videos=list(videos) or None,
                                         min_pixels=req.min_pixels, max_pixels=req.max_pixels)
             except Qwen3VLError as e:
-                raise APIError(400, str(e), param="messages", code="invalid_input") from None
+                raise APIError(400, hide_temp_paths(str(e)), param="messages", code="invalid_input") from None
             except (TypeError, ValueError) as e:  # the template rejected the conversation
                 raise APIError(400, f"the chat template could not render these messages: {e}",
                                param="messages", code="invalid_input") from None

@@ -473,6 +473,7 @@ class Writer:
             item.update({"actions": batch} if tool.batched else {"action": batch[0]})
             events += self._whole_item(item)
             calls.append(Call(call_id, "computer", action=batch if tool.batched else batch[0]))
+        self.computer.issued(answer, calls)
         self.turn = Turn("assistant", [Part("text", turn.text)], calls, turn.reasoning, answer=answer)
         return events
 
@@ -496,7 +497,7 @@ def routes(service, store: ResponseStore) -> list:
     async def prepare(req: ResponsesRequest):
         if req.tool is not None:
             return await service.prepare(computer.prepare, service.builder, req.chat, req.turns, req.tool,
-                                         service.agent_format)
+                                         service.agent_format, service.computer_answers, service.agent_history)
         req.chat.messages, req.chat.media_params = chat_messages(req.turns)
         return await service.prepare(service.builder.build, req.chat), None
 

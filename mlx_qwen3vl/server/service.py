@@ -14,6 +14,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from ..engine import eos_token_ids
 from . import protocol as P
+from .computer_answers import ComputerAnswers
 from .protocol import APIError
 
 
@@ -65,10 +66,13 @@ class Service:
     becomes true once the server stops (new requests are refused)."""
 
     def __init__(self, engine, builder, *, model_id: str, api_key: Optional[str], max_body_bytes: int,
-                 agent_format: str = "qwen"):
+                 agent_format: str = "qwen", computer_answers=None, agent_history=None):
         self.engine, self.builder, self.model_id = engine, builder, model_id
+        # the answers behind the computer-use calls this server issued (computer_answers.py)
+        self.computer_answers = computer_answers if computer_answers is not None else ComputerAnswers()
         self.api_key, self.max_body_bytes = api_key, max_body_bytes
         self.agent_format = agent_format  # the computer-use prompt: --agent-format
+        self.agent_history = agent_history  # the earlier steps it replays: --agent-history (None: the format's)
         self.running = set()
         self.stopping = False
 
