@@ -345,6 +345,17 @@ def test_bad_drafters_and_arguments_get_one_line(processor, on_cpu):
     out = type("PastVocabulary", (), {"propose": lambda self, ids, k: [10**6] * k})()
     with pytest.raises(InputError, match="outside the vocabulary"):
         M.generate(model, processor, messages=messages, max_tokens=5, drafter=out)
+    # A drafter that fails fails its own request only; the batch's other row answers as plain.
+    boom = type("Boom", (), {"propose": lambda self, ids, k: 1 / 0})()
+    want = M.generate(model, processor, messages=messages, max_tokens=8, ignore_eos=True)
+    engine = Engine(model, processor, max_batch=2)
+    inputs = encode_prompt(processor, messages=messages)
+    bad = engine.add(Request(inputs, M.SamplingParams(max_tokens=8, ignore_eos=True), drafter=boom))
+    good = engine.add(Request(inputs, M.SamplingParams(max_tokens=8, ignore_eos=True), drafter=PromptLookup(2)))
+    events = list(engine.run())
+    assert [type(e.error) for e in events if isinstance(e, Failed)] == [ZeroDivisionError]
+    assert all(e.id == bad for e in events if isinstance(e, Failed))
+    assert [e.token for e in events if isinstance(e, Token) and e.id == good] == want.token_ids
     from mlx_qwen3vl.__main__ import main
 
     assert main(["--model", str(FIXTURES / "tiny-a"), "--draft-model", "x"]) == 2

@@ -478,7 +478,22 @@ class Engine:
             rows = list(batch.rows)
             if not rows:
                 return
-            drafts = [self._drafts(batch, i, r) for i, r in enumerate(rows)]
+            drafts, bad = {}, {}
+            for i, r in enumerate(rows):
+                try:
+                    drafts[i] = self._drafts(batch, i, r)
+                except Exception as e:  # noqa: BLE001 — a drafter's failure is its own request's
+                    bad[i] = e
+            if bad:  # those requests fail; the rest of the batch goes on
+                batch.remove(list(bad))
+                for i, e in bad.items():
+                    self._deadlines.pop(rows[i].id, None)
+                    self.metrics["errors"] += 1
+                    events.append(Failed(rows[i].id, e))
+                rows = [r for i, r in enumerate(rows) if i not in bad]
+                if not rows:
+                    return
+            drafts = [d for _, d in sorted(drafts.items())]
             if not any(drafts):
                 y, lp = batch.decode()
                 mx.eval(y, lp)
