@@ -1,7 +1,7 @@
 """Speculative decoding's ceiling and costs on the 2B-shaped checkpoint (the 2b preset's random
 weights, cut to --layers decoder layers like decode_gap.py; --layers 28 is the whole 2B).
 
-1. Decode speed, greedy, EOS ignored, one ~256-token text prompt: plain decode against the oracle
+1. Decode speed, greedy, EOS ignored, one ~960-token text prompt: plain decode against the oracle
    drafter (the plain run's own continuation, so every draft is kept: the mechanism's ceiling) at
    k = 2, 4, 8. Runs alternate variant by variant, --rounds times; best of the rounds each. The
    prompt's cache is reused between runs (PromptCache), so each run times its decode only.
