@@ -49,12 +49,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # this checkout's mlx_qwen3vl, which harness/ builds on
 
-from harness.engine_mlx_vlm import worker_mlx_vlm  # noqa: E402
-from harness.engine_ours import worker_ours  # noqa: E402
-from harness.engine_transformers import worker_transformers  # noqa: E402
+from harness.worker_mlx_vlm import worker_mlx_vlm  # noqa: E402
+from harness.worker_ours import worker_ours  # noqa: E402
+from harness.worker_transformers import worker_transformers  # noqa: E402
 from harness.measure import log, machine_info  # noqa: E402
-from harness.presets import MODELS, PRESETS, ROOT, build_preset, memory_available_gb, preset_gb  # noqa: E402
-from harness.report import analyze, available, print_tables, run_worker  # noqa: E402
+from harness.preset_folders import MODELS, PRESETS, ROOT, build_preset, memory_available_gb, preset_gb  # noqa: E402
+from harness.analysis import analyze, available, print_tables, run_worker  # noqa: E402
 from harness.workloads import ALL_WORKLOADS, WARMUP, prepare_inputs  # noqa: E402
 
 WORKERS = {"ours": worker_ours, "mlx-vlm": worker_mlx_vlm, "transformers": worker_transformers}

@@ -12,7 +12,7 @@ one process on this machine, talking over 127.0.0.1. Each worker reports, per ra
 
   load_s, load_peak_gb    loading time; MLX's peak allocation and the process's peak RSS after load
   weights_gb              bytes of the parameters this rank holds
-  bytes_read_gb           tensor bytes this rank read from the safetensors files (slices.read_stats;
+  bytes_read_gb           tensor bytes this rank read from the safetensors files (sharded_load.read_stats;
                           one process reads them all: the files' tensor bytes)
   ttft_s, vision_s        ready inputs → first token; the vision tower alone (timed apart)
   decode_tps              greedy decode, EOS ignored, (N - 1) / (time of token N - time of token 1)
@@ -58,7 +58,7 @@ def _rss_peak_gb():
 
 
 def _file_tensor_bytes(path):
-    from mlx_qwen3vl.slices import open_views
+    from mlx_qwen3vl.sharded_load import open_views
     from mlx_qwen3vl.weights import weight_files
 
     files, _ = weight_files(Path(path))
@@ -214,13 +214,13 @@ def worker(spec_path):
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlx_qwen3vl import distributed, slices
+    from mlx_qwen3vl import distributed, sharded_load
     from mlx_qwen3vl.generate import encode_prompt, generate_tokens
     from harness.workloads import WARMUP
 
     group = mx.distributed.init()
     rank = group.rank()
-    slices.reset_read_stats()
+    sharded_load.reset_read_stats()
     tic = time.perf_counter()
     if group.size() > 1:
         model, processor = distributed.load_sharded(spec["model"], group, vision=spec["vision"],
@@ -231,11 +231,10 @@ def worker(spec_path):
     out = dict(config=spec["config"], rank=rank, load_s=load_s, load_peak_mlx_gb=mx.get_peak_memory() / 1e9,
                load_peak_rss_gb=_rss_peak_gb(),
                weights_gb=sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9,
-               bytes_read_gb=(slices.read_stats()["bytes"] if group.size() > 1
+               bytes_read_gb=(sharded_load.read_stats()["bytes"] if group.size() > 1
                               else _file_tensor_bytes(spec["model"])) / 1e9,
                file_tensor_gb=_file_tensor_bytes(spec["model"]) / 1e9,
                backend=getattr(model, "backend", None) and model.backend.name, blas=blas.describe(), results={})
-    sampler = lambda logprobs: mx.argmax(logprobs, axis=-1)
     for name in [] if spec.get("load_only") else [WARMUP] + spec["workloads"]:
         messages, kw = _messages(name, processor)
         inputs = encode_prompt(processor, messages=messages, **kw)
@@ -250,7 +249,7 @@ def worker(spec_path):
             mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))
         times = []
         tic = time.perf_counter()
-        for y in generate_tokens(model, inputs, model.make_cache(), sampler=sampler, max_tokens=n_tokens):
+        for y in generate_tokens(model, processor, inputs, max_tokens=n_tokens):
             y.item()
             times.append(time.perf_counter())
         if name == WARMUP:
@@ -371,7 +370,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.worker:
         return worker(args.worker)
-    from harness.presets import build_preset
+    from harness.preset_folders import build_preset
 
     model = Path(args.model) if args.model else build_preset(args.preset)
     report = dict(argv=sys.argv[1:] if argv is None else list(argv), model=str(model),

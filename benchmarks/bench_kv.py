@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from harness.measure import machine_info  # noqa: E402
-from harness.presets import ROOT, build_preset  # noqa: E402
+from harness.preset_folders import ROOT, build_preset  # noqa: E402
 from harness.workloads import screenshot  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
@@ -57,10 +57,6 @@ KINDS = {"none": None, "8": 8, "4": 4}
 
 def log(*a):
     print("[bench_kv]", *a, file=sys.stderr, flush=True)
-
-
-def greedy(logprobs):
-    return mx.argmax(logprobs, axis=-1)
 
 
 def text_of(processor, n):
@@ -94,7 +90,7 @@ def part_decode(model, processor, args):
         cache = model.make_cache()
         times = []
         tic = time.perf_counter()
-        for y, _ in generate_step(model, inputs, cache, sampler=greedy, max_tokens=args.decode_tokens, kv=kv):
+        for y, _ in generate_step(model, processor, inputs, cache=cache, max_tokens=args.decode_tokens, kv=kv):
             mx.eval(y)
             times.append(time.perf_counter())
         positions = cache[0].size()

@@ -42,7 +42,7 @@ def stop(procs):
 
 def main(argv=None):
     from harness.measure import dump, machine_info
-    from harness.presets import PRESETS, build_preset
+    from harness.preset_folders import PRESETS, build_preset
     from profile_cpu import decode_step_at
 
     from mlx_qwen3vl.cpu import threads

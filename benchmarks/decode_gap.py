@@ -25,7 +25,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from harness.measure import machine_info  # noqa: E402
-from harness.presets import MODELS, build_preset  # noqa: E402
+from harness.preset_folders import MODELS, build_preset  # noqa: E402
 from mlx_qwen3vl.bench import engine_mlx_vlm as vlm  # noqa: E402
 from mlx_qwen3vl.generate import encode_prompt  # noqa: E402
 

@@ -51,7 +51,7 @@ def build(models=False):
     from mlx_vlm.models.qwen3_vl.config import TextConfig as VlmTextConfig, VisionConfig as VlmVisionConfig
     from mlx_lm.models.cache import KVCache
 
-    from harness.presets import preset_config
+    from harness.preset_folders import preset_config
     from mlx_qwen3vl import language, vision
     from mlx_qwen3vl.config import ModelConfig
 

@@ -83,7 +83,7 @@ def decode_step_at(model, ctx):
 
 def main(argv=None):
     from harness.measure import decode_bytes_per_token, dump, machine_info
-    from harness.presets import PRESETS, build_preset
+    from harness.preset_folders import PRESETS, build_preset
     from mlx_qwen3vl import blas as _blas
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -61,7 +61,8 @@ def fitting_max_pixels(model, processor, task, steps, keep_images, max_tokens):
                                                  add_generation_prompt=False))
     per_turn = max(count(task), count(NEXT_STEP)) + count(OMITTED["text"]) + max_tokens + 16  # + template tokens
     room = model.config.text_config.max_position_embeddings - 1 - system - steps * per_turn
-    per_image = room // max(1, min(keep_images, steps))
+    # Each kept screenshot costs its image tokens and the two that mark it.
+    per_image = room // max(1, min(keep_images, steps)) - 2
     if per_image < 1:
         raise InputError(f"{steps} steps do not fit the model's context of "
                          f"{model.config.text_config.max_position_embeddings} tokens (the system prompt takes "
@@ -78,15 +79,14 @@ def run(model, processor, task, screenshots, keep_images=2, max_tokens=256, on_s
     for n, shot in enumerate(screenshots):
         width, height = image_size(shot)  # as the model sees it (EXIF orientation applied)
         text = task if n == 0 else NEXT_STEP
+        keep_last_images(session.messages, keep_images - 1)  # with this turn's, keep_images screenshots are sent
         try:
             answer = session.send(text, images=[shot])
         except ContextLengthError as e:
             raise InputError(f"step {n + 1}: the conversation is {e.prompt_tokens} tokens, past the model's context "
-                             f"of {e.context}; lower --max-pixels (now {max_pixels or 'the checkpoint default'}), "
-                             f"--keep-images (now {keep_images}) or --max-tokens (now {max_tokens}), or pass fewer "
-                             "--screenshots") from None
+                             f"of {e.context}; lower --max-pixels (now {max_pixels or 'the checkpoint default'}) or "
+                             f"--keep-images (now {keep_images}), or pass fewer --screenshots") from None
         action = parse_action(answer, width, height)
-        keep_last_images(session.messages, keep_images)
         step = {"step": n, "screenshot": str(shot), "answer": answer,
                 "action": action.to_dict() if action else None,
                 "cached_tokens": session.last.cached_tokens if session.last else 0}

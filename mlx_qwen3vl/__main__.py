@@ -5,25 +5,36 @@ the answer on stdout and only the statistics lines on stderr.
 """
 
 import argparse
+import signal
 import sys
 from dataclasses import fields
 
+from . import load
+from .backend import backend_of
+from .chat_session import ChatSession
 from .cli import FLAGS, Parser, check_media_flags, run
+from .distributed import quiet_other_ranks
+from .errors import InputError, Qwen3VLError
+from .generate import stream_generate
+from .hub import resolve_model_path
+from .kv_settings import KVSettings, resolve
+from .media import load_image
+from .prompt_cache import PromptCache
+from .sampling import SamplingParams, check_sampling
 
-DEFAULT_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 DEFAULT_PROMPT = "Describe this image."
 
 
 def _sampling_fields():
-    from .sampling import SamplingParams
-
     return [f for f in fields(SamplingParams) if f.metadata.get("flag")]
 
 
 def build_parser():
     p = Parser(prog="python -m mlx_qwen3vl", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                 description="Generate text from images/videos and a prompt with Qwen3-VL.")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="local checkpoint folder or Hugging Face repo id")
+    # Required, as in mlx-lm / mlx-vlm's usage line: a silent multi-GB download of a default model
+    # surprised a user who had only forgotten the flag.
+    p.add_argument("--model", required=True, help="local checkpoint folder or Hugging Face repo id")
     p.add_argument("--prompt", default=None,
                    help=f"the user's text; none = {DEFAULT_PROMPT!r}, or with --chat no first turn (the prompt, "
                         "with --image / --video, is the chat's first turn)")
@@ -79,7 +90,7 @@ def build_parser():
 def _print_stats(last, out=None, kv=None):
     if last is None:
         return
-    print(f"\nPrompt: {last.prompt_tokens} tokens ({last.cached_tokens} cached), {last.prompt_tps:.1f} tokens/s"
+    print(f"Prompt: {last.prompt_tokens} tokens ({last.cached_tokens} cached), {last.prompt_tps:.1f} tokens/s"
           f"\nGeneration: {last.generation_tokens} tokens, {last.generation_tps:.2f} tokens/s"
           f"\nPeak memory: {last.peak_memory:.2f} GB", file=out or sys.stderr)  # stderr as it is now
     if last.draft_proposed:
@@ -92,23 +103,16 @@ def _print_stats(last, out=None, kv=None):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    from .distributed import quiet_other_ranks
-
     quiet_other_ranks()  # under mlx.launch only rank 0 prints
     return run(lambda: _main(args))
 
 
 def _main(args):
-    from .errors import InputError
-    from .sampling import SamplingParams, check_sampling
-
     flags = {f.name: f.metadata["flag"] for f in _sampling_fields()}
     values = {name: getattr(args, name) for name in flags}
     check_sampling(values, name=flags.get)
     if args.prefill_step_size < 1:
         raise InputError(f"--prefill-step-size = {args.prefill_step_size} is not allowed; use an integer >= 1")
-    from .kv_settings import KVSettings
-
     kv_flags = {"kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size", "quantized_kv_start": "--quantized-kv-start"}
     kv_args = {name: getattr(args, name) for name in kv_flags}
     KVSettings.build(**kv_args, name=kv_flags.get)
@@ -122,17 +126,9 @@ def _main(args):
 
         threads.configure(args.blas_threads, "--blas-threads")
 
-    from . import load
-    from .backend import backend_of
-    from .hub import resolve_model_path
-    from .generate import stream_generate
-    from .chat_session import ChatSession
-
     path = resolve_model_path(args.model, flag="--model")
     check_media_flags(path, args.min_pixels, args.max_pixels, args.fps, args.source_fps)
     model, processor = load(path, dtype=args.dtype, parallel=args.parallel)
-    from .kv_settings import resolve
-
     kv = resolve(model, KVSettings.build(**kv_args))
     if args.verbose:
         print(f"[mlx_qwen3vl] model: {args.model}; backend: {backend_of(model).describe()}; KV cache: "
@@ -164,25 +160,58 @@ CHAT_HELP = """Commands (anything else is sent to the model):
 Ctrl-D quits."""
 
 
+class _stop_on_interrupt:
+    """While active, the first SIGINT sets `requested` and the second raises KeyboardInterrupt."""
+
+    def __enter__(self):
+        self.requested = False
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self._previous)
+
+
 def _chat(session, args):
     """The interactive loop. The `>> ` prompt, commands' replies and errors go to stderr, so stdout
     holds the answers alone; commands never reach the model."""
-    from .errors import Qwen3VLError
-    from .media import load_image
 
     images, videos = list(args.image), list(args.video)
 
     def send(text):
+        """One turn. Ctrl-C stops its answer (as in ollama's chat): the turn is left out of the
+        history, the earlier turns and their cache stay. The first Ctrl-C asks the loop to stop at
+        the next token; a second one, during a long prefill, interrupts at once, and the cache (its
+        state then unknown) is rebuilt from the history on the next turn."""
         nonlocal images, videos
-        try:
-            for piece in session.stream(text, images=images, videos=videos):
-                print(piece.text, end="", flush=True)
-        except Qwen3VLError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return
-        finally:
-            images, videos = [], []
+        answer = session.stream(text, images=images, videos=videos)
+        stopped = True
+        with _stop_on_interrupt() as stop:
+            try:
+                for piece in answer:
+                    print(piece.text, end="", flush=True)
+                    if stop.requested:
+                        break
+                else:
+                    stopped = False
+            except Qwen3VLError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return
+            except KeyboardInterrupt:
+                session.prompt_cache = PromptCache(session.model.make_cache())
+            finally:
+                answer.close()  # an unfinished turn leaves the conversation as it was
+                images, videos = [], []
         print(flush=True)
+        if stopped:
+            print("[stopped: this message and its answer are left out of the chat; the earlier turns stay]",
+                  file=sys.stderr)
+            return
         _print_stats(session.last, kv=args.kv)
 
     print("Chat with the model; /image PATH attaches an image to the next message, /help lists the commands, "
@@ -193,9 +222,14 @@ def _chat(session, args):
         print(">> ", end="", file=sys.stderr, flush=True)
         try:
             line = input().strip()
+            if not sys.stdin.isatty():  # end the prompt's line, as a terminal's echo of the typed line does
+                print(file=sys.stderr)
         except EOFError:
             print(file=sys.stderr)
             return 0
+        except KeyboardInterrupt:  # at the prompt, as in Python's own: a new line, Ctrl-D quits
+            print("\n(Ctrl-D quits)", file=sys.stderr)
+            continue
         command, _, rest = line.partition(" ")
         if line.startswith("//"):
             line = line[1:]

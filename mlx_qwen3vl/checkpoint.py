@@ -2,7 +2,7 @@
 
 `read_weights` reads every tensor of a folder, each from the shard the index places it in: lazily
 loaded MLX arrays, or `TensorView`s (views=True) that read only the bytes a caller asks for (the
-sharded loads of slices.py). weights.py turns the names and layouts into this package's modules.
+sharded loads of sharded_load.py). weights.py turns the names and layouts into this package's modules.
 """
 
 import json
@@ -224,7 +224,7 @@ def _load_file(f: Path) -> dict:
 
 
 def read_weights(path: Path, with_files: bool = False, views: bool = False):
-    """All tensors of a folder (lazily loaded; views=True: slices.TensorView's, read by parts
+    """All tensors of a folder (lazily loaded; views=True: sharded_load.TensorView's, read by parts
     later); with_files=True also returns name → file name.
 
     With an index each name is read from the shard the index places it in (a stray copy in another

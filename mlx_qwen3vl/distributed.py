@@ -56,6 +56,7 @@ from mlx.nn.layers.distributed import shard_inplace, shard_linear
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .backend import MLXBackend
+from . import errors
 from .errors import ConfigError, Qwen3VLError, WeightsError
 
 VISION_MODES = ("replicate", "heads")
@@ -430,7 +431,10 @@ class RankZeroProcessor:
 
 
 def _error_payload(e) -> bytes:
-    kind = type(e).__name__ if isinstance(e, Qwen3VLError) else "RuntimeError"
+    # the nearest class the other ranks can raise: errors.py's (a module's own subclass, such as
+    # media_access.MediaError, is not importable by name there)
+    kind = next((c.__name__ for c in type(e).__mro__
+                 if issubclass(c, Qwen3VLError) and getattr(errors, c.__name__, None) is c), "RuntimeError")
     return b"E" + json.dumps({"kind": kind, "message": str(e)}).encode()
 
 
@@ -442,8 +446,6 @@ def _arrays_payload(out) -> bytes:
 
 
 def _from_payload(data: bytes):
-    from . import errors
-
     if data[:1] == b"E":
         info = json.loads(data[1:])
         cls = getattr(errors, info["kind"], None)

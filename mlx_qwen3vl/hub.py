@@ -1,10 +1,12 @@
 """Model folders from a local path or the Hugging Face hub."""
 
+import json
 import os
 import re
 from pathlib import Path
 
-import json
+from huggingface_hub import get_hf_file_metadata, hf_hub_url, snapshot_download
+from huggingface_hub.errors import HfHubHTTPError
 
 from .errors import ConfigError, ModelNotFoundError
 
@@ -31,17 +33,44 @@ def resolve_model_path(path_or_hub_id, flag: str = "--model") -> Path:
         raise ModelNotFoundError(f"{flag} {name} is a file; pass the checkpoint's folder")
     if not HUB_ID.match(name):
         raise ModelNotFoundError(f"{flag} {name!r} is neither a local folder nor a Hugging Face repo id (owner/name)")
-    from huggingface_hub import snapshot_download
-
     try:
-        return Path(snapshot_download(name, allow_patterns=HUB_FILES))
-    except Exception as e:  # offline, unknown repo, gated repo, network error: all the same to a user
-        offline = os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0")
-        reason = "HF_HUB_OFFLINE is set" if offline else f"hub unreachable or no such repo: {type(e).__name__}"
+        return Path(hub_fetch(name, lambda **kw: snapshot_download(name, allow_patterns=HUB_FILES, **kw)))
+    except HubUnavailable as e:
         raise ModelNotFoundError(
-            f"could not fetch {name!r} from the Hugging Face hub ({reason}) and no such local folder exists: "
+            f"could not fetch {name!r} from the Hugging Face hub ({e}) and no such local folder exists: "
             f"check the id and your connection, or pass {flag} /path/to/a/downloaded/checkpoint"
         ) from None
+
+
+class HubUnavailable(Exception):
+    """Why the hub could not give a repo's files (offline, unreachable, no such repo, gated)."""
+
+
+def hub_fetch(repo_id, download):
+    """download() (a huggingface_hub call taking local_files_only=), failing fast when offline.
+
+    huggingface_hub retries a connection that fails five times, with back-off (~25 s and a dozen
+    warning lines); one HEAD of the repo's config.json, without retries, says first whether the hub
+    answers. When it does not, the local cache serves, as with HF_HUB_OFFLINE=1."""
+    if os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0"):
+        try:
+            return download()
+        except Exception:  # noqa: BLE001 - not in the cache
+            raise HubUnavailable("HF_HUB_OFFLINE is set") from None
+    try:
+        get_hf_file_metadata(hf_hub_url(repo_id, "config.json"), timeout=10)
+    except HfHubHTTPError as e:  # the hub answered: no such repo, gated, or no config.json
+        status = e.response.status_code if e.response is not None else "?"
+        raise HubUnavailable(f"no such repo, or it needs a login (HTTP {status})") from None
+    except Exception as e:  # noqa: BLE001 - no answer: offline, DNS, refused, timed out
+        try:
+            return download(local_files_only=True)
+        except Exception:  # noqa: BLE001
+            raise HubUnavailable(f"hub unreachable: {type(e).__name__}, and not in the local cache") from None
+    try:
+        return download()
+    except Exception as e:  # noqa: BLE001 - it went away meanwhile, or a file of the repo is missing
+        raise HubUnavailable(f"the download failed: {type(e).__name__}") from None
 
 
 def check_tokenizer_files(path: Path):

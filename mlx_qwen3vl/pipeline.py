@@ -138,7 +138,7 @@ class FeatureCounter(nn.Module):
         return zeros, [zeros for _ in c.deepstack_visual_indexes]
 
     # The tower's item-by-item interface (vision.VisionModel.start / run / finish): the same items
-    # are planned here (vision.plan_vision), and none does any work.
+    # are made here (vision.vision_items), and none does any work.
     def start(self, pixel_values, grid_thw):
         return self(pixel_values, grid_thw)
 

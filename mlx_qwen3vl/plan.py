@@ -35,14 +35,28 @@ import os
 import sys
 from pathlib import Path
 
+import mlx.core as mx
+from huggingface_hub import hf_hub_download
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from .architectures import HUB_IDS, PRESETS, QWEN3VL_PREPROCESSOR, preset_config
 from .cli import Parser, run
+from .config import ModelConfig
+from .convert import quant_spec, quantize_layers
 from .errors import ConfigError, InputError, ModelNotFoundError
+from .hub import HUB_ID, HubUnavailable, hub_fetch
+from .memory import memory_limits
+from .model import Qwen3VLForConditionalGeneration
+from .moe import weight_counts
+from .processor import ImageConfig, image_budget, read_media_configs
+from .video import smart_resize
 
 SCHEMA = 1
 KV_TOKENS = 1024
 FLOAT_ROWS = (("bfloat16", 2), ("float32", 4))  # (name, bytes per weight)
 QUANT_BITS = (8, 6, 4, 3)
-GROUP_SIZE = 64  # convert.py's default (mlx-lm's)
+GROUP_SIZE = 64  # the converter's default (mlx-lm's)
 KV_BITS = (8, 4)
 KV_GROUP_SIZE = 64  # mlx-lm's default --kv-group-size
 PREFILL_CHUNK = 2048  # the token loop's default prefill_step_size
@@ -62,8 +76,6 @@ def size_label(n):
 # ---------------------------------------------------------------------------------------------
 def read_config(model=None, preset=None, flag="--model"):
     """(config dict, label, folder or None). A hub id downloads config.json and nothing else."""
-    from .bench.presets import HUB_IDS, preset_config
-
     if preset is not None:
         return preset_config(preset), f"preset {preset} ({HUB_IDS.get(preset, 'test architecture')})", None
     path = Path(str(model)).expanduser()
@@ -74,19 +86,14 @@ def read_config(model=None, preset=None, flag="--model"):
     elif path.is_file():
         folder, file = (path.parent if path.name == "config.json" else None), path
     else:
-        from .hub import HUB_ID
-
         if not HUB_ID.match(str(model)):
             raise ModelNotFoundError(f"{flag} {model!r} is neither a local folder, a config.json nor a Hugging Face "
                                      "repo id (owner/name)")
-        from huggingface_hub import hf_hub_download
-
         try:
-            file, folder = Path(hf_hub_download(str(model), "config.json")), None
-        except Exception as e:  # offline, unknown or gated repo: the same to a user
-            offline = os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0")
-            why = "HF_HUB_OFFLINE is set" if offline else f"hub unreachable or no such repo: {type(e).__name__}"
-            raise ModelNotFoundError(f"could not fetch config.json of {model!r} from the Hugging Face hub ({why}); "
+            file = Path(hub_fetch(str(model), lambda **kw: hf_hub_download(str(model), "config.json", **kw)))
+            folder = None
+        except HubUnavailable as e:
+            raise ModelNotFoundError(f"could not fetch config.json of {model!r} from the Hugging Face hub ({e}); "
                                      f"pass {flag} a local folder or config.json, or --preset") from None
     try:
         raw = json.loads(file.read_text())
@@ -102,8 +109,6 @@ def read_config(model=None, preset=None, flag="--model"):
 # ---------------------------------------------------------------------------------------------
 def lazy_model(config, dtype=None):
     """The model of `config` with unevaluated parameters (no memory is allocated)."""
-    from .model import Qwen3VLForConditionalGeneration
-
     model = Qwen3VLForConditionalGeneration(config)
     if dtype is not None:
         model.set_dtype(dtype)
@@ -113,9 +118,6 @@ def lazy_model(config, dtype=None):
 def parameter_counts(config) -> dict:
     """total, vision, language (embedding and LM head included) and `active`: the language model's
     weights one token runs through (all of them in a dense model; k of E experts in an MoE one)."""
-    from mlx.utils import tree_flatten
-
-    from .moe import weight_counts
 
     model = lazy_model(config)
     params = tree_flatten(model.parameters())
@@ -128,10 +130,6 @@ def parameter_counts(config) -> dict:
 
 def weight_rows(config) -> list:
     """Weight bytes as each format stores them, the quantized ones as mlx_qwen3vl.convert makes them."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    from .convert import quant_spec, quantize_layers
 
     n = parameter_counts(config)["total"]
     rows = [dict(name=name, bits=8 * size, bytes=n * size, bits_per_weight=8.0 * size, dtype=name,
@@ -152,9 +150,6 @@ def weight_rows(config) -> list:
 
 def kv_rows(config, tokens=KV_TOKENS) -> list:
     """KV cache bytes of `tokens` tokens, from mlx-lm's cache classes fed lazy zeros (nothing computed)."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache
-
     t = config.text_config
     layers = t.num_hidden_layers
 
@@ -181,9 +176,6 @@ def kv_rows(config, tokens=KV_TOKENS) -> list:
 
 def image_config_for(folder):
     """The checkpoint's image preprocessing (its pixel budget), else the published Qwen3-VL one."""
-    from .bench.presets import QWEN3VL_PREPROCESSOR
-    from .processor import ImageConfig, read_media_configs
-
     if folder is not None and ((folder / "preprocessor_config.json").is_file()
                                or (folder / "processor_config.json").is_file()):
         return read_media_configs(folder)[0], "the checkpoint's preprocessor config"
@@ -197,9 +189,6 @@ def vision_plan(config, image_config, size, max_pixels=None, dtype_bytes=2) -> d
     and the DeepStack features kept for the decoder. The full attention-score matrix is given
     apart: Apple GPUs run a fused kernel that never holds it, and this engine's CPU path computes
     it in chunks of 128 MB."""
-    from .processor import image_budget
-    from .video import smart_resize
-
     vc = config.vision_config
     w, h = size
     lo, hi = image_budget(image_config, None, max_pixels, names={"max_pixels": "--max-pixels"})
@@ -223,8 +212,6 @@ CPU_PATH_SCORES = 2 * 128 * 10**6  # cpu/kernels.py: query chunks of 2**25 float
 def attention_working_bytes(scores_bytes, device=None) -> int:
     """What the vision tower's attention holds beyond its activations on this device: nothing on
     an Apple GPU (a fused kernel), the CPU path's chunks on a CPU, the whole matrix elsewhere."""
-    import mlx.core as mx
-
     if device is None:
         device = ("metal" if mx.metal.is_available() else "gpu") if mx.default_device().type == mx.DeviceType.gpu else "cpu"
     return 0 if device == "metal" else min(scores_bytes, CPU_PATH_SCORES) if device == "cpu" else scores_bytes
@@ -270,10 +257,8 @@ def verdict(need, budget):
 
 def make_plan(raw, label="model", folder=None, *, screenshot=DEFAULT_SCREENSHOT, context=DEFAULT_CONTEXT,
               max_pixels=None, limits=None, device=None) -> dict:
-    """The whole plan as a JSON-ready dict (see the module docstring). `limits` (bench.machine.
+    """The whole plan as a JSON-ready dict (see the module docstring). `limits` (memory.
     memory_limits) and `device` ("metal", "gpu" or "cpu") default to this machine's."""
-    from .bench.machine import memory_limits
-    from .config import ModelConfig
 
     config = ModelConfig.from_dict(raw)
     image_config, pixels_from = image_config_for(folder)
@@ -380,8 +365,6 @@ def add_plan_arguments(p):
 
 
 def build_parser():
-    from .bench.presets import PRESETS
-
     p = Parser(prog="python -m mlx_qwen3vl.plan", description=__doc__.split("\n\n")[0],
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     src = p.add_mutually_exclusive_group()
@@ -391,14 +374,21 @@ def build_parser():
     add_plan_arguments(p)
     p.add_argument("--max-pixels", type=int, default=None, help="the largest image area the agent sends; "
                                                                 "none = the checkpoint's")
-    p.add_argument("--json", metavar="PATH", help="write the plan as JSON")
+    add_json_argument(p, "plan.json", "the plan")
     return p
 
 
+def add_json_argument(p, default, what):
+    """--json [PATH]: a file (`default` in the current folder when no PATH is given), or - for
+    stdout, where the JSON then goes alone (the table goes to stderr)."""
+    p.add_argument("--json", nargs="?", const=default, metavar="PATH",
+                   help=f"write {what} as JSON to PATH ({default} when none is given; - for stdout)")
+
+
 def check_json_path(value, flag="--json"):
-    """--json PATH as a Path, refused before any work when it cannot be written."""
-    if value is None:
-        return None
+    """--json PATH as a Path ("-": stdout), refused before any work when it cannot be written."""
+    if value is None or value == "-":
+        return value
     out = Path(value).expanduser()
     if out.is_dir() or not out.parent.is_dir():
         raise InputError(f"{flag} {value}: not a file path in an existing folder")
@@ -415,11 +405,21 @@ def run_plan(args) -> int:
     raw, label, folder = read_config(args.model, args.preset)
     plan = make_plan(raw, label, folder, screenshot=screenshot, context=args.context,
                      max_pixels=getattr(args, "max_pixels", None))
-    print(format_plan(plan))
-    if out is not None:
-        out.write_text(json.dumps(plan, indent=1))
-        print(f"wrote {out}", file=sys.stderr)
+    print(format_plan(plan), file=sys.stderr if out == "-" else sys.stdout)
+    write_json(out, plan)
     return 0
+
+
+def write_json(out, obj):
+    """Write obj to out (from check_json_path): a file (and say so on stderr), stdout, or nowhere."""
+    if out is None:
+        return
+    text = json.dumps(obj, indent=1, default=float)
+    if out == "-":
+        print(text)
+    else:
+        out.write_text(text)
+        print(f"wrote {out}", file=sys.stderr)
 
 
 def main(argv=None):

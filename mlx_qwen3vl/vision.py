@@ -216,7 +216,7 @@ class VisionModel(nn.Module):
         """pixel_values (N, C*2*16*16), grid_thw (num_images, 3) ->
         (merged (N/4, out_hidden), [DeepStack features (N/4, out_hidden)] in deepstack index order)."""
         run = self.start(pixel_values, grid_thw)
-        for item in plan_vision(self.config, grid_thw):
+        for item in vision_items(self.config, grid_thw):
             self.run(run, item)
         return self.finish(run)
 
@@ -285,11 +285,11 @@ class VisionItem:
     window: tuple = ()
 
 
-def plan_vision(config: VisionConfig, grid_thw, budget: Optional[float] = None) -> List[VisionItem]:
+def vision_items(config: VisionConfig, grid_thw, budget: Optional[float] = None) -> List[VisionItem]:
     """The vision tower's forward over images of `grid_thw` as work items, each costing at most
     `budget` FLOPs where a piece that small exists (one merged token's rows, one query of one
     window), every stage whole when `budget` is None. A pure function of the config and grids,
-    so every rank (and a pipeline stage without the tower) plans the same items."""
+    so every rank (and a pipeline stage without the tower) makes the same items."""
     grids = _as_grids(grid_thw)
     m2 = config.spatial_merge_size**2
     d, inter, out_dim = config.hidden_size, config.intermediate_size, config.out_hidden_size

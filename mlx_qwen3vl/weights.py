@@ -7,7 +7,7 @@ Three kinds of folder load, each recognised by its contents (weight names and co
 - a folder written by mlx-vlm (mlx-community's Qwen3-VL uploads): `vision_tower.*`,
   `language_model.model.*`, `language_model.lm_head.*`, the Conv3d kernel channels-last
   (E, T, P, P, C), and mlx-vlm's `quantization` section;
-- a folder written by this package's converter (`python convert.py`): mlx-vlm's layout (format 2,
+- a folder written by this package's converter (`python -m mlx_qwen3vl.convert`): mlx-vlm's layout (format 2,
   so mlx-vlm and LM Studio read it too) plus a `mlx_qwen3vl` marker in config.json; format-1
   folders (this package's module names, the patch kernel flattened to (E, C*T*P*P)) still load.
 
@@ -243,7 +243,7 @@ def resolve_tied_head(weights: dict, config: ModelConfig, where: str):
         return
     embed = {k.replace("language_model.embed_tokens.", "lm_head."): v for k, v in weights.items()
              if k.startswith("language_model.embed_tokens.")}
-    whole = lambda v: v.read() if hasattr(v, "read_raw") else v  # noqa: E731  (a slices.TensorView: read it)
+    whole = lambda v: v.read() if hasattr(v, "read_raw") else v  # noqa: E731  (a sharded_load.TensorView: read it)
     same = set(head) == set(embed) and all(
         head[k].shape == embed[k].shape and bool(mx.array_equal(whole(head[k]), whole(embed[k]))) for k in head)
     if same:
@@ -303,7 +303,8 @@ def apply_quantization(model: nn.Module, quantization: dict, weights: dict, layo
         raise ConfigError(f"{where}: quantization must be an object with group_size and bits, not {quantization!r}")
     if "quant_method" in quantization and "bits" not in quantization:
         raise ConfigError(f"{where}: weights quantized with {quantization['quant_method']!r} (a transformers "
-                          "quantization) are not supported: convert the unquantized checkpoint with convert.py -q")
+                          "quantization) are not supported: convert the unquantized checkpoint with "
+                          "python -m mlx_qwen3vl.convert -q")
     default = _quant_params({k: v for k, v in quantization.items() if k in ("group_size", "bits", "mode")}, where)
     overrides = {}
     for key, value in quantization.items():
@@ -314,7 +315,7 @@ def apply_quantization(model: nn.Module, quantization: dict, weights: dict, layo
     unsupported = [p for p in NEVER_QUANTIZED if f"{p}.scales" in weights or overrides.get(p)]
     if unsupported:
         raise WeightsError(f"{where}: {_short_list(unsupported)} is stored quantized, which this engine does not "
-                           "support (it is read as a float table): re-convert with convert.py")
+                           "support (it is read as a float table): re-convert with python -m mlx_qwen3vl.convert")
 
     def stored_quantized(path):  # scales, or a packed weight whose scales went missing
         weight = weights.get(f"{path}.weight")
@@ -397,7 +398,7 @@ def _as_dtype(dtype):
 def assemble(path: Path, dtype=None, views=False):
     """(config, module name → weight, dtype, layout) of a checkpoint folder: every rename, expert
     split and tied-head choice made, floating weights cast to `dtype` (lazily). views=True gives
-    slices.TensorView's (read by parts later) instead of lazily loaded arrays."""
+    sharded_load.TensorView's (read by parts later) instead of lazily loaded arrays."""
     config = ModelConfig.from_pretrained(path)
     dtype = _as_dtype(dtype) or default_dtype(config)
     raw, origin = read_weights(path, with_files=True, views=views)

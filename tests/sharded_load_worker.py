@@ -28,7 +28,7 @@ def main():
     p.add_argument("runs", nargs="+", help="FIXTURE:VISION")
     args = p.parse_args()
 
-    from mlx_qwen3vl import distributed, slices  # before mlx.core: it loads the optimized BLAS
+    from mlx_qwen3vl import distributed, sharded_load  # before mlx.core: it loads the optimized BLAS
 
     import mlx.core as mx
     import numpy as np
@@ -40,9 +40,9 @@ def main():
     out = {}
     for run in args.runs:
         name, vision = run.split(":")
-        slices.reset_read_stats()
+        sharded_load.reset_read_stats()
         new = distributed.sharded_load(FIXTURES / name, group, vision=vision)
-        stats = slices.read_stats()
+        stats = sharded_load.read_stats()
         old, _ = build_model(FIXTURES / name, lazy=True)
         distributed.shard(old, group, vision)
         mx.eval(old.parameters())

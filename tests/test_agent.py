@@ -16,8 +16,8 @@ import pytest
 from PIL import Image
 
 from mlx_qwen3vl import agent
-from mlx_qwen3vl.agent import eval_grounding
-from mlx_qwen3vl.agent import ground_cli
+from mlx_qwen3vl import eval_grounding
+from mlx_qwen3vl import ground as ground_cli
 from mlx_qwen3vl.agent import (Action, Step, computer_use_messages, computer_use_system_prompt, grounding_messages,
                                grounding_prompt, navigation_messages, navigation_prompt, parse_action,
                                parse_grounding, parse_point, to_pixel)
@@ -360,8 +360,9 @@ def test_ground_cli_takes_data_urls_without_subtype(tmp_path, capsys):
 @pytest.mark.parametrize("answer, status", [("[-1,-1]", "refused"), ("I cannot find it.", "malformed"),
                                             ("<think>at [500, 500]</think>", "malformed")])
 def test_ground_cli_answer_without_a_point_is_marked(tmp_path, capsys, answer, status):
-    """A picture of an answer without a point never passes for the plain screenshot: a red
-    banner across the top says no point was found (and why), a red frame runs round it."""
+    """A picture of an answer without a point never passes for the plain screenshot, and hides none
+    of it: a red frame round the whole screenshot, and a red band below it that says no point was
+    found (and why)."""
     shot = tmp_path / "shot.png"
     Image.new("RGB", (90, 260), (200, 200, 200)).save(shot)
     code, out, _ = _cli(ground_cli.main, ["--image", str(shot), "--instruction", "x", "--answer", answer,
@@ -370,11 +371,14 @@ def test_ground_cli_answer_without_a_point_is_marked(tmp_path, capsys, answer, s
     r = json.loads(out)
     assert (r["point"], r["box"], r["status"]) == (None, None, status)
     before, after = np.asarray(Image.open(shot)).astype(int), np.asarray(Image.open(tmp_path / "a.png")).astype(int)
-    assert after.shape == before.shape
-    banner = after[:12]
-    assert ((banner[..., 0] > 150) & (banner[..., 1] < 60)).mean() > 0.5  # mostly red
-    assert (banner.min(-1) > 180).any()  # with white text on it
-    assert (after[:, 0] != before[:, 0]).any(-1).all() and (after[200, 40] == before[200, 40]).all()
+    h, w = before.shape[:2]
+    line = (after.shape[1] - w) // 2
+    assert line >= 2 and after.shape[0] > h + 2 * line + 8
+    assert (after[line:line + h, line:line + w] == before).all()  # every pixel of the screenshot, as it was
+    red = lambda px: (px[..., 0] > 150) & (px[..., 1] < 60)  # noqa: E731
+    assert red(after[:line]).all() and red(after[:, :line]).all() and red(after[:, -line:]).all()  # the frame
+    band = after[h + 2 * line:]
+    assert red(band).mean() > 0.5 and (band.min(-1) > 180).any()  # mostly red, with white text on it
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -422,7 +426,8 @@ def test_ground_cli_with_the_tiny_model(tmp_path, capsys):
     assert r["image_size"] == [300, 200] and r["format"] == "venus"
     assert r["status"] in ("ok", "refused", "malformed")
     assert r["point"] == (list(parse_point(r["answer"], 300, 200) or []) or None)
-    assert r["timing"]["generation_tokens"] >= 1 and Image.open(tmp_path / "a.png").size == (300, 200)
+    drawn = Image.open(tmp_path / "a.png").size
+    assert r["timing"]["generation_tokens"] >= 1 and (drawn == (300, 200)) == (r["point"] is not None), drawn
 
 
 # ---------------------------------------------------------------------------------------------
@@ -692,6 +697,20 @@ def test_agent_loop_example_runs_as_the_readme_says(tmp_path):
     assert Image.open(ROOT / "examples" / "screenshot.png").size == (1280, 720)
 
 
+@pytest.mark.parametrize("max_tokens", [4, 16, 64])
+def test_agent_loop_example_s_own_budget_fits_any_max_tokens(tiny, max_tokens):
+    """Without --max-pixels the example picks the screenshots' budget: it fits the context for any
+    --max-tokens (a smaller one leaves more room for pixels; every answer here runs to max_tokens),
+    with the kept screenshots counted as they are sent."""
+    example = _example()
+    model, processor = tiny  # the example's default checkpoint
+    shots = [str(ROOT / "examples" / "screenshot.png")] * 3
+    budget = example.fitting_max_pixels(model, processor, "Open the settings", 3, 2, max_tokens)
+    steps, session = example.run(model, processor, "Open the settings", shots, 2, max_tokens, max_pixels=budget)
+    assert len(steps) == 3 and session.last.generation_tokens <= max_tokens
+    assert session.last.prompt_tokens + max_tokens <= model.config.text_config.max_position_embeddings
+
+
 def test_agent_loop_example_context_overflow_is_one_line(capsys):
     """A budget too large for the context fails at the step that overflows, in one line naming the
     knobs to turn."""
@@ -701,6 +720,7 @@ def test_agent_loop_example_context_overflow_is_one_line(capsys):
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: step 2: the conversation is ") and "context of 4096" in last
     assert "--max-pixels (now 1003520)" in last and "--keep-images (now 2)" in last
+    assert "--max-tokens" not in last  # a smaller answer limit would not have made room
 
 
 def test_action_to_dict_is_json_ready():
@@ -708,9 +728,9 @@ def test_action_to_dict_is_json_ready():
     assert json.loads(json.dumps(a.to_dict()))["args"] == {"start": [1, 2], "end": [3, 4]}
 
 
-def test_old_command_paths_still_run():
-    """The grounding commands moved into the agent package; `python -m mlx_qwen3vl.ground` and
-    `python -m mlx_qwen3vl.eval_grounding` (what the README and people's scripts say) still run them."""
+def test_the_grounding_commands_run_as_modules():
+    """`python -m mlx_qwen3vl.ground` and `python -m mlx_qwen3vl.eval_grounding` (what the README
+    and people's scripts say): the commands' one home each."""
     for module, prog in (("mlx_qwen3vl.ground", "ground"), ("mlx_qwen3vl.eval_grounding", "eval_grounding")):
         p = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=ROOT,
                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)

@@ -104,7 +104,7 @@ def test_both_entry_points_and_help_show_defaults():
     for module in ("mlx_qwen3vl", "mlx_qwen3vl.generate"):
         p = cli("--help", module=module)
         assert p.returncode == 0 and p.stderr == ""
-        for default in ("Qwen/Qwen3-VL-2B-Instruct", "Describe this image.", "default: 256", "default: 0.0",
+        for default in ("Describe this image.", "default: 256", "default: 0.0",
                         "default: 2048"):
             assert default in p.stdout, default
     p = cli("--model", TINY, "--prompt", "hi", "--max-tokens", "2", "--verbose")
@@ -167,7 +167,8 @@ def test_good_run_prints_only_statistics_on_stderr_without_torch():
             "runpy.run_module('mlx_qwen3vl', run_name='__main__')")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stderr
-    assert [line.split(":")[0] for line in p.stderr.splitlines() if line] == ["Prompt", "Generation", "Peak memory"]
+    # Exactly the three lines the README promises: no blank line before them on a terminal
+    assert [line.split(":")[0] for line in p.stderr.splitlines()] == ["Prompt", "Generation", "Peak memory"]
 
 
 def test_readme_synopsis_lists_every_flag_as_it_takes_values():
@@ -197,3 +198,91 @@ def test_errors_are_importable_from_the_package():
     assert {ConfigError, WeightsError, ModelNotFoundError} <= set(Qwen3VLError.__subclasses__())
     with pytest.raises(M.InputError):
         M.generate(load_fixture_model("tiny-b"), M.Processor.from_pretrained(FIXTURES / "tiny-b"), "hi", top_p=2.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# A newcomer's frictions (issue #40)
+# ---------------------------------------------------------------------------------------------
+def test_no_model_is_one_error_line_not_a_download(capsys):
+    """--model is required (as the usage line and mlx-lm / mlx-vlm say): never a silent download."""
+    p = in_process(capsys, "--prompt", "hi")
+    assert_one_error_line(p, "--model")
+    assert "required" in p.stderr
+    assert "usage" not in p.stderr
+
+
+class Terminal:
+    """A command on a pseudo-terminal (stdin, stdout and stderr), read as a user would see it."""
+
+    def __init__(self, *args):
+        import pty
+
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen([sys.executable, "-m", "mlx_qwen3vl", *args], stdin=slave, stdout=slave,
+                                     stderr=slave, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                                     close_fds=True)
+        os.close(slave)
+        self.text = ""
+
+    def until(self, needle, start=0, seconds=120):
+        """Read until `needle` appears after position `start`; its position."""
+        import select
+        import time
+
+        deadline = time.monotonic() + seconds
+        while needle not in self.text[start:]:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no {needle!r} within {seconds} s:\n{self.text[-3000:]}"
+            if select.select([self.master], [], [], left)[0]:
+                try:
+                    data = os.read(self.master, 65536)
+                except OSError:  # the process ended: its side of the terminal closed
+                    data = b""
+                assert data, f"the program ended before {needle!r}:\n{self.text[-3000:]}"
+                self.text += data.decode(errors="replace").replace("\r\n", "\n")
+        return self.text.index(needle, start)
+
+    def type(self, line):
+        os.write(self.master, line.encode())
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+        os.close(self.master)
+
+
+def test_ctrl_c_in_chat_stops_the_answer_and_keeps_the_history(tmp_path):
+    """Under a terminal: Ctrl-C while an answer streams stops that answer, the chat goes on, and
+    the next turn's prompt is the history without the stopped turn, its first turn from the cache."""
+    import signal
+
+    from scripted import write_scripted_checkpoint
+
+    long = " ".join(str(n) for n in range(1000, 1100))  # ~500 tokens: the stop lands inside it
+    folder = write_scripted_checkpoint(tmp_path / "scripted", {"@one": "First answer.", "@long": long,
+                                                                "@three": "Third answer."})
+    term = Terminal("--model", str(folder), "--chat", "--max-tokens", "600")
+    try:
+        at = term.until(">> ")
+        term.type("hi @one\n")
+        at = term.until(">> ", term.until("Peak memory", at))
+        term.type("count @long\n")
+        turn = at = term.until("1000 1001", at)
+        term.proc.send_signal(signal.SIGINT)
+        stopped = term.until("[stopped", at)
+        at = term.until(">> ", stopped)
+        assert "1099" not in term.text and "Prompt:" not in term.text[turn:at], term.text[-2000:]  # no statistics
+        term.type("and now @three\n")
+        at = term.until("Peak memory", term.until("Third answer.", at))
+        prompt = term.text[term.text.rindex("Prompt:", 0, at):at].split()
+        term.type("\x04")  # Ctrl-D at the start of a line: end of input
+        assert term.proc.wait(60) == 0, term.text[-2000:]
+    finally:
+        term.close()
+    processor = M.Processor.from_pretrained(folder)
+    history = [{"role": "user", "content": "hi @one"}, {"role": "assistant", "content": "First answer."},
+               {"role": "user", "content": "and now @three"}]
+    want = processor.apply_chat_template(history, tokenize=True)["input_ids"].shape[1]
+    assert int(prompt[1]) == want, prompt  # the stopped turn is not in the history
+    assert int(prompt[3].strip("(")) >= 10, prompt  # turn 1 came from the cache

@@ -1,4 +1,4 @@
-"""The converter (convert.py / mlx_qwen3vl.convert), quantization, and loading the three kinds of
+"""The converter (python -m mlx_qwen3vl.convert), quantization, and loading the three kinds of
 folder: hub, converted, and mlx-vlm's (mlx-community's) layout.
 
 A quantized model is checked in three links, each of which can fail: the converter stores exactly
@@ -51,8 +51,8 @@ def one_line(excinfo):
     return msg
 
 
-def run_cli(*args, env=None, module=False):
-    cmd = [sys.executable, "-m", "mlx_qwen3vl.convert"] if module else [sys.executable, str(ROOT / "convert.py")]
+def run_cli(*args, env=None):
+    cmd = [sys.executable, "-m", "mlx_qwen3vl.convert"]
     full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
     return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, env=full_env, cwd=ROOT,
                           timeout=300)
@@ -161,7 +161,7 @@ def test_float_conversion_gives_the_hub_logits_in_a_fresh_process(tmp_path):
     r = run_cli("--hf-path", FIXTURES / "tiny-a", "--mlx-path", a)
     assert r.returncode == 0, r.stderr
     assert "ready" in r.stderr and r.stdout == ""  # progress on stderr
-    r = run_cli("--hf-path", FIXTURES / "tiny-b", "--mlx-path", b, module=True)  # python -m mlx_qwen3vl.convert
+    r = run_cli("--hf-path", FIXTURES / "tiny-b", "--mlx-path", b)
     assert r.returncode == 0, r.stderr
 
     hub_a, hub_b = str(FIXTURES / "tiny-a"), str(FIXTURES / "tiny-b")
@@ -698,7 +698,7 @@ def test_killed_conversion_folder_is_not_a_checkpoint(tmp_path):
 def test_hub_id_is_downloaded_with_patterns(tmp_path, monkeypatch):
     import shutil
 
-    import huggingface_hub
+    from mlx_qwen3vl import hub
 
     seen = {}
 
@@ -708,9 +708,10 @@ def test_hub_id_is_downloaded_with_patterns(tmp_path, monkeypatch):
         shutil.copytree(FIXTURES / "tiny-b", snap, ignore=shutil.ignore_patterns("reference"))
         return str(snap)
 
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setattr(hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setattr(hub, "get_hf_file_metadata", lambda url, **kw: seen.update(probed=url))  # the hub answers
     out = convert("Qwen/Qwen3-VL-2B-Instruct", tmp_path / "out", log=QUIET)
-    assert seen["repo_id"] == "Qwen/Qwen3-VL-2B-Instruct"
+    assert seen["repo_id"] == "Qwen/Qwen3-VL-2B-Instruct" and seen["probed"].endswith("/config.json")
     patterns = seen["allow_patterns"]
     for name in ("model-00001-of-00002.safetensors", "model.safetensors.index.json", "config.json", "tokenizer.json",
                  "chat_template.jinja", "preprocessor_config.json", "video_preprocessor_config.json",

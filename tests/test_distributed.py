@@ -444,9 +444,9 @@ def test_sharded_load_reads_only_its_part(sharded_loads, run):
 def _load_with(surgery, name="tiny-a"):
     from mlx.utils import tree_flatten
 
-    from mlx_qwen3vl import slices
+    from mlx_qwen3vl import sharded_load
 
-    new = slices.load_kept(FIXTURES / name, None, surgery)
+    new = sharded_load.load_kept(FIXTURES / name, None, surgery)
     old, _ = M.weights.build_model(FIXTURES / name, lazy=True)
     surgery(old)
     return dict(tree_flatten(new.parameters())), dict(tree_flatten(old.parameters()))
@@ -475,7 +475,7 @@ def test_load_kept_follows_any_slicing_surgery():
 
 def test_load_kept_refuses_a_surgery_it_cannot_read_by_parts():
     """A transposed square weight is not a block of indices along each axis: one clear error."""
-    from mlx_qwen3vl import slices
+    from mlx_qwen3vl import sharded_load
     from mlx_qwen3vl.errors import WeightsError
 
     def surgery(model):
@@ -483,4 +483,4 @@ def test_load_kept_refuses_a_surgery_it_cannot_read_by_parts():
         attn.k_proj.weight = attn.k_proj.weight.T  # (64, 64)
 
     with pytest.raises(WeightsError, match="k_proj.weight: the model surgery rearranged"):
-        slices.load_kept(FIXTURES / "tiny-a", None, surgery)
+        sharded_load.load_kept(FIXTURES / "tiny-a", None, surgery)

@@ -15,7 +15,7 @@ from mlx_qwen3vl.engine.caches import PrefixCache
 from mlx_qwen3vl.errors import InputError
 from mlx_qwen3vl.generate import encode_prompt
 from mlx_qwen3vl.spans import media_keys, reusable_prefix
-from mlx_qwen3vl.vision import plan_vision
+from mlx_qwen3vl.vision import vision_items
 
 MEDIA = FIXTURES / "media"
 
@@ -142,8 +142,8 @@ def test_vision_split_below_blocks_equals_the_whole_tower(case, backend):
                       else ("image", "pixel_values", "image_grid_thw"))
     whole = model.visual(mx.array(inputs[px]), inputs[grid])
     vc = model.config.vision_config
-    budget = max(i.cost / i.window[1] for i in plan_vision(vc, inputs[grid]) if i.stage == "attend") / 4
-    items = plan_vision(vc, inputs[grid], budget)
+    budget = max(i.cost / i.window[1] for i in vision_items(vc, inputs[grid]) if i.stage == "attend") / 4
+    items = vision_items(vc, inputs[grid], budget)
     smallest = {"tap": vc.spatial_merge_size**2, "merge": vc.spatial_merge_size**2}
     assert all(i.cost <= budget or i.end - i.start <= smallest.get(i.stage, 1) for i in items)
     assert sum(i.stage == "attend" and i.end - i.start < i.window[2] for i in items) > 0  # queries split

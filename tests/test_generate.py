@@ -9,7 +9,6 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.sample_utils import make_sampler
 from PIL import Image
 
 import mlx_qwen3vl as M
@@ -47,8 +46,8 @@ def test_greedy_equals_transformers(checkpoint, case, backend):
     on the plain MLX graph and on the CPU path (as shipped, and for every size)."""
     model = load_fixture_model(checkpoint, backend=backend)
     inputs = case_inputs(case)
-    tokens = [np.array(y) for y in generate_tokens(model, inputs, model.make_cache(), sampler=make_sampler(0.0),
-                                                    max_tokens=16, prefill_step_size=7)]
+    processor = M.Processor.from_pretrained(FIXTURES / checkpoint)
+    tokens = [np.array(y) for y in generate_tokens(model, processor, inputs, max_tokens=16, prefill_step_size=7)]
     np.testing.assert_array_equal(np.stack(tokens, 1), reference(checkpoint, case)["greedy"])
 
 
@@ -175,7 +174,8 @@ def test_ignore_eos_generates_past_eos_per_request(loaded, monkeypatch):
         M.SamplingParams(ignore_eos="yes")
     from mlx_qwen3vl.__main__ import build_parser
 
-    assert build_parser().parse_args(["--ignore-eos"]).ignore_eos and not build_parser().parse_args([]).ignore_eos
+    parse = build_parser().parse_args
+    assert parse(["--model", "m", "--ignore-eos"]).ignore_eos and not parse(["--model", "m"]).ignore_eos
 
 
 @pytest.mark.parametrize("case", ["text", "image", "video"])
@@ -184,8 +184,8 @@ def test_vision_timing_hook(case):
     and changes no token."""
     model = load_fixture_model("tiny-a")
     times = []
-    tokens = [np.array(y) for y in generate_tokens(model, case_inputs(case), model.make_cache(),
-                                                    sampler=make_sampler(0.0), max_tokens=4,
+    processor = M.Processor.from_pretrained(FIXTURES / "tiny-a")
+    tokens = [np.array(y) for y in generate_tokens(model, processor, case_inputs(case), max_tokens=4,
                                                     on_vision_done=times.append)]
     np.testing.assert_array_equal(np.stack(tokens, 1), reference("tiny-a", case)["greedy"][:, :4])
     if case == "text":
@@ -500,3 +500,19 @@ def test_cli_chat_commands_first_turn_and_prompts(loaded):
     errors = [line for line in p.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "/image 'missing.png'" in errors[0]
     assert "/image PATH" in p.stderr.split("Commands", 1)[1]
+
+
+def test_stream_generate_counts_the_weights_once_per_model(loaded, monkeypatch):
+    """Each call runs an Engine of its own; the weights' bytes its KV budget subtracts are counted
+    once per model, not by walking every parameter per call (issue #40)."""
+    from mlx_qwen3vl.engine import core
+
+    model, processor = loaded["tiny-b"]
+    walks, real = [], core._leaves
+    monkeypatch.setattr(core, "_leaves", lambda tree, prefix="": (walks.append(1) if prefix == "" else None)
+                        or real(tree, prefix))
+    monkeypatch.setattr(core, "_WEIGHT_BYTES", {})
+    for _ in range(3):
+        M.generate(model, processor, "hi", max_tokens=1)
+    assert len(walks) == 1
+    assert core.weight_bytes(model) == sum(v.nbytes for _, v in real(model.parameters()))

@@ -15,10 +15,11 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_qwen3vl import Processor, plan
+from mlx_qwen3vl import memory
 from mlx_qwen3vl.bench import machine
 from mlx_qwen3vl.bench.__main__ import main as bench_main
 from mlx_qwen3vl.bench.inputs import screenshot_messages, text_messages
-from mlx_qwen3vl.bench.presets import HUB_IDS, PRESETS, preset_config
+from mlx_qwen3vl.architectures import HUB_IDS, PRESETS, preset_config
 from mlx_qwen3vl.bench.report import validate
 from mlx_qwen3vl.config import ModelConfig
 from mlx_qwen3vl.weights import load_model
@@ -165,7 +166,7 @@ def test_plan_fits_against_the_gpu_working_set_on_macos(monkeypatch):
     """On an Apple GPU mx.device_info() reports the recommended working set (not on Linux): stubbed."""
     info = {"device_name": "Apple M2", "memory_size": 8 * 2**30, "max_recommended_working_set_size": 4_000_000_000}
     monkeypatch.setattr(mx, "device_info", lambda *a: dict(info))
-    limits = machine.memory_limits()
+    limits = memory.memory_limits()
     assert limits["budget"] == limits["working_set"] == 4_000_000_000 and "working set" in limits["budget_name"]
     p = plan.make_plan(preset_config("2b"), "2b", limits=limits, device="metal")
     verdicts = {f["weights"]: f["verdict"] for f in p["fits"]}
@@ -176,7 +177,7 @@ def test_plan_fits_against_the_gpu_working_set_on_macos(monkeypatch):
                   else "does not fit")
         assert f["verdict"] == expect
     assert "iogpu.wired_limit_mb" in plan.format_plan(p)
-    linux = machine.memory_limits({"device_name": "AMD EPYC"})  # what Linux reports: names only
+    linux = memory.memory_limits({"device_name": "AMD EPYC"})  # what Linux reports: names only
     assert linux["working_set"] is None and linux["budget"] in (linux["available"], linux["total"])
 
 
@@ -201,12 +202,54 @@ def test_plan_command_line(tmp_path, capsys):
         assert len(err) == 1 and err[0].startswith("error:") and words in err[0], (argv, err)
 
 
+def test_json_without_a_path(tmp_path, monkeypatch, capsys):
+    """--json as the README words it, without a path: plan.json / bench.json in the current folder,
+    as --json plan.json would write; `--json -` puts the JSON alone on stdout."""
+    monkeypatch.chdir(tmp_path)
+    assert plan.main(["--preset", "2b", "--json"]) == 0
+    table = capsys.readouterr()
+    assert plan.main(["--preset", "2b", "--json", str(tmp_path / "named.json")]) == 0
+    capsys.readouterr()
+    def same(text):  # the plan, but for this machine's free memory of the moment (and so what fits)
+        d = json.loads(text)
+        d.pop("machine")
+        return [(k, v) for k, v in d.items() if k != "weights"] + [
+            [(k, v) for k, v in row.items() if "fit" not in k] for row in d["weights"]]
+
+    assert same((tmp_path / "plan.json").read_text()) == same((tmp_path / "named.json").read_text())
+    assert table.err.strip() == "wrote plan.json" and "2.13B" in table.out
+    assert plan.main(["--preset", "2b", "--json", "-"]) == 0
+    out = capsys.readouterr()
+    assert same(out.out) == same((tmp_path / "plan.json").read_text()) and "2.13B" in out.err
+    from mlx_qwen3vl.bench.__main__ import build_parser
+
+    assert build_parser().parse_args(["--model", "m", "--json"]).json == "bench.json"
+
+
 def test_plan_hub_id_offline_is_one_line():
     p = subprocess.run([sys.executable, "-m", "mlx_qwen3vl.plan", "--model", "mlx-qwen3vl-tests/no-such-model"],
                        capture_output=True, text=True, timeout=60, env={**ENV, "HF_HUB_OFFLINE": "1"})
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "could not fetch config.json" in lines[0] and "HF_HUB_OFFLINE" in lines[0]
+
+
+def test_plan_hub_id_with_the_hub_unreachable_fails_at_once(tmp_path):
+    """No network (the hub's address refuses connections: a closed port on this machine): one line,
+    status 2, within 2 s of the command starting its work, instead of huggingface_hub's five
+    retries with back-off (~25 s, a dozen warning lines). The interpreter's own start is not timed."""
+    from mlx_qwen3vl.distributed import free_ports
+
+    code = ("import sys, time; from mlx_qwen3vl import plan; t = time.monotonic(); "
+            "code = plan.main(['--model', 'mlx-qwen3vl-tests/no-such-model']); "
+            "print(f'took {time.monotonic() - t:.2f}'); sys.exit(code)")
+    env = {k: v for k, v in ENV.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_ENDPOINT=f"http://127.0.0.1:{free_ports()}", HF_HOME=str(tmp_path / "hf"))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "could not fetch config.json" in lines[0] and "hub unreachable" in lines[0], lines
+    assert float(p.stdout.split()[-1]) < 2.0, p.stdout
 
 
 def test_readme_table_is_the_planners():
@@ -337,7 +380,7 @@ def test_compare_with_mlx_vlm_runs_it_on_the_same_inputs(tmp_path, monkeypatch):
     random weights emit tokens mlx-vlm's detokenizer knows."""
     pytest.importorskip("mlx_vlm")
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    from harness.presets import build_preset
+    from harness.preset_folders import build_preset
 
     folder = build_preset("tiny", tmp_path / "models", log=lambda msg: None)
     out = tmp_path / "b.json"

@@ -4,6 +4,7 @@ server process on a scripted checkpoint for the module, each tool's answer equal
 allowed paths, with the path rule tried as an attack; budgets and bad arguments as one-line tool
 errors; and over streamable HTTP on 127.0.0.1, the key rule and the body limit."""
 
+import ast
 import base64
 import http.client
 import io
@@ -113,7 +114,7 @@ def test_ground_equals_the_library(client, local):
     for fmt in (None, "venus", "computer_use"):
         args = {"screenshot": content(data), "instruction": "the Apply button @find"}
         got = ok(client.call("ground", {**args, "format": fmt} if fmt else args))
-        want = ground(*local, data, "the Apply button @find", format=fmt or "qwen")
+        want = ground(*local, data, "the Apply button @find", format=fmt or "venus")  # the CLI's default
         assert (got["point"], got["box"], got["status"], got["answer"]) == (
             list(want.point), list(want.box), want.status, want.answer)
         assert got["screen_size"] == got["image_size"] == [200, 120]
@@ -132,13 +133,14 @@ def test_ground_zoom_equals_the_library(client, local):
     data = png(shot)
     want = ground(*local, data, "it @find", format="qwen", zoom=True)
     assert want.used_pass == 2
-    got = ok(client.call("ground", {"screenshot": content(data), "instruction": "it @find", "zoom": True}))
+    got = ok(client.call("ground", {"screenshot": content(data), "instruction": "it @find", "zoom": True,
+                                    "format": "qwen"}))
     assert (got["point"], got["box"], got["status"]) == (list(want.point), list(want.box), want.status)
     z = got["zoom"]
     assert (z["fraction"], z["window"], z["pass"]) == (0.5, list(want.window), 2)
     assert [p["answer"] for p in z["passes"]] == [p.answer for p in want.passes] == [BOX, BOX]
     got = ok(client.call("ground", {"screenshot": content(data), "instruction": "it @find", "zoom": 0.5,
-                                    "screen_width": 1366, "screen_height": 768}))
+                                    "format": "qwen", "screen_width": 1366, "screen_height": 768}))
     x1, y1, x2, y2 = want.window
 
     def on_screen(v, offset, extent, size, screen):  # crop-relative → whole-relative → screen pixel
@@ -236,7 +238,7 @@ def test_budgets_and_bad_arguments_are_one_line_errors(client, world):
         ("ground", {"screenshot": shot, "instruction": "x", "format": "ui-tars"}, "'format' must be one of"),
         ("ground", {"screenshot": shot, "instruction": ""}, "'instruction' must be a non-empty string"),
         ("ground", {"screenshot": shot, "instruction": "x", "screen_width": 100}, "give both or neither"),
-        ("ground", {"screenshot": shot, "instruction": "x", "tokenize": True}, "unknown argument 'tokenize'"),
+        ("ground", {"screenshot": shot, "instruction": "x", "tokenize": True}, "ground: unknown argument 'tokenize'"),
         ("ground", {"screenshot": {"type": "audio", "data": ""}, "instruction": "x"}, "MCP image content"),
         ("ground", {"screenshot": {"type": "image", "data": "@@@"}, "instruction": "x"}, "not valid base64"),
         ("ground", {"screenshot": "data:image/png,rawbytes", "instruction": "x"}, "base64"),
@@ -246,7 +248,8 @@ def test_budgets_and_bad_arguments_are_one_line_errors(client, world):
         ("teleport", {}, "unknown tool 'teleport'"),
     ]
     for name, args, says in cases:
-        assert says in error(client.call(name, args)), (name, args)
+        text = error(client.call(name, args))
+        assert says in text and not text.startswith(f"{name}: {name}:"), (name, args, text)  # named once
     # The server is still serving.
     assert ok(client.call("ask", {"screenshot": shot, "question": "@ask"}))["answer"] == "It says Apply."
 
@@ -401,3 +404,17 @@ def test_without_a_key_only_this_machine_s_names_and_origin():
     assert request(keyed, {"host": "evil.example", "authorization": f"Bearer {KEY}"}) == 204
     assert request(keyed, {"host": "127.0.0.1:8765"}) == 401
     assert reached == ["/mcp"] * 3
+
+
+def test_the_docs_client_example_runs(world):
+    """docs/protocols.md's MCP client, as written but for the checkpoint (the scripted one) and the
+    interpreter: it starts the server over stdio and prints ground's answer."""
+    page = (ROOT / "docs" / "protocols.md").read_text()
+    (code,) = [b for b in page.split("```python\n")[1:] if "mcp.Client" in b.split("```")[0]]
+    code = code.split("```")[0].replace('"path/to/UI-Venus-1.5"', repr(str(world["folder"])))
+    code = code.replace('command="python"', f"command={sys.executable!r}").replace("the search box", "it @find")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **ENV}, capture_output=True,
+                       text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    answer = ast.literal_eval(p.stdout.strip())  # the printed dict
+    assert answer["status"] == "ok" and answer["answer"] == BOX and answer["image_size"] == [1280, 720], answer

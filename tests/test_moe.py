@@ -10,7 +10,6 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
-from mlx_lm.sample_utils import make_sampler
 
 import mlx_qwen3vl as M
 from conftest import CASES, FIXTURES, case_inputs, load_fixture_model, reference, rel_err
@@ -198,8 +197,9 @@ def test_greedy_equals_transformers(moe, case, backend):
     """Token by token from the recorded inputs, with a prefill chunk of 7 (chunks split images), on
     the MLX graph and on the CPU path (as shipped, and for every size)."""
     model = load_fixture_model(moe, backend=backend)
-    tokens = [np.array(y) for y in generate_tokens(model, case_inputs(case), model.make_cache(),
-                                                    sampler=make_sampler(0.0), max_tokens=16, prefill_step_size=7)]
+    processor = M.Processor.from_pretrained(FIXTURES / moe)
+    tokens = [np.array(y) for y in generate_tokens(model, processor, case_inputs(case), max_tokens=16,
+                                                    prefill_step_size=7)]
     greedy = ref(case)["greedy"]
     got = np.stack(tokens, 1)[:, :greedy.shape[1]]
     np.testing.assert_array_equal(got, greedy)

@@ -6,7 +6,8 @@ selenium; skipped with the reason where either is missing): a screenshot uploade
 input, an instruction submitted, and the drawn point, box and zoom window read back from the DOM
 at the place the answer names on the displayed image (computed from the answer, the image's
 natural size and its displayed size); a refused and a malformed answer marked; the chat tab
-streaming its answer as text; a server with a key asking for it; a phone's width. One browser
+streaming its answer as text; a running request's spinner, elapsed time and Stop (Locate and Chat);
+a picked file that is not an image said at once; a server with a key asking for it; a phone's width. One browser
 session and two server processes for the module: the page against a server without a key (so
 its Host / Origin rule is what the page's calls meet) and one with a key."""
 
@@ -33,7 +34,9 @@ KEY = "playground-key"
 APPLY = "[523,412]"
 BOX = '{"bbox_2d": [422, 454, 578, 546]}'  # with zoom 0.5 on a centred target: pass 2 maps onto the button
 CHAT = "It is a <i>Settings</i> page. <img src=x onerror=alert(1)>"
-SCRIPT = {"@apply": APPLY, "@zoom": BOX, "@absent": "[-1,-1]", "@bad": "<b>nowhere</b> to be seen", "@chat": CHAT}
+# "Save button" is a trigger as "@zoom" would be: the screenshot the docs show (docs/playground.png,
+# from test_zoom_draws_the_window_the_box_and_the_point) reads as a user would type it.
+SCRIPT = {"@apply": APPLY, "Save button": BOX, "@absent": "[-1,-1]", "@bad": "<b>nowhere</b> to be seen", "@chat": CHAT}
 SIZE = (1280, 800)
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = "/usr/bin/chromedriver" if os.path.exists("/usr/bin/chromedriver") else shutil.which("chromedriver")
@@ -100,7 +103,7 @@ def post_ground(server, body, key=None):
 @pytest.mark.parametrize("instruction,fmt,zoom,pixels", [
     ("the Apply button @apply", "venus", None, {}),
     ("the Apply button @apply", "venus", True, {}),  # pass 2 answers the same text about the crop: another point
-    ("the Save button @zoom", "qwen", 0.5, {}),
+    ("the Save button", "qwen", 0.5, {}),
     ("the camera @absent", "venus", 0.3, {}),  # a refusal in pass 1 is the answer: no pass 2
     # computer_use's system prompt is ~2,800 tokens: a smaller screenshot keeps it in the 4,096 context
     ("the camera @bad", "computer_use", None, {"max_pixels": 200_000}),
@@ -282,11 +285,11 @@ def test_the_drawn_point_lands_where_the_answer_says(browser, servers, world):
 
 
 def test_zoom_draws_the_window_the_box_and_the_point(browser, servers, world):
-    status, want = post_ground(servers[0], {"image": data_url(world.data), "instruction": "the Save button @zoom",
+    status, want = post_ground(servers[0], {"image": data_url(world.data), "instruction": "the Save button",
                                             "format": "qwen", "zoom": 0.5})
     assert status == 200 and want["zoom"]["pass"] == 2
     open_page(browser, servers[0], world.shot)
-    locate(browser, "the Save button @zoom", fmt="qwen", zoom=True)
+    locate(browser, "the Save button", fmt="qwen", zoom=True)
     w = rect(browser, "zoom-window")
     assert close((w.left, w.top, w.width, w.height), box_on_screen(browser, want["zoom"]["window"]))
     b = rect(browser, "box")
@@ -393,3 +396,100 @@ def test_a_phone_s_width(browser, servers, world):
         browser.save_screenshot(str(world.base / "phone.png"))
     finally:
         browser.set_window_size(1280, 900)
+
+
+# The page's own fetch, holding its API calls until the test lets each go (window.__held[i]()), and
+# keeping their bodies: a request that takes as long as the test needs, on the real server.
+HOLD = """
+  window.__held = []; window.__bodies = [];
+  const real = window.fetch;
+  window.fetch = (url, init) => {
+    if (!/\\/v1\\/(ground|chat\\/completions)$/.test(String(url))) return real(url, init);
+    window.__bodies.push(JSON.parse(init.body));
+    return new Promise((resolve, reject) => {
+      init.signal.addEventListener("abort", () => reject(new DOMException("aborted", "AbortError")));
+      window.__held.push(() => real(url, init).then(resolve, reject));
+    });
+  };"""
+
+
+def progress_seconds(driver):
+    text = by_id(driver, "progress-text").text  # "Locating… 1.3 s"
+    return float(text.split("…")[1].split()[0])
+
+
+def held(driver):
+    return driver.execute_script("return window.__held.length;")
+
+
+def assert_progress_then_stop(driver, label, button):
+    wait(driver, lambda d: by_id(d, "progress").is_displayed())
+    assert by_id(driver, "progress-text").text.startswith(label + "…")
+    spinner = driver.find_element("css selector", "#progress .spinner")
+    assert spinner.is_displayed() and spinner.value_of_css_property("animation-name") == "spin"
+    assert not by_id(driver, button).is_enabled()
+    wait(driver, lambda d: progress_seconds(d) >= 0.3)  # the elapsed time goes on while it waits
+    by_id(driver, "stop").click()
+    wait(driver, lambda d: not by_id(d, "progress").is_displayed())
+    assert by_id(driver, "notice").text.startswith("Stopped after"), by_id(driver, "notice").text
+    assert not by_id(driver, "error").is_displayed() and by_id(driver, button).is_enabled()
+
+
+def test_a_running_locate_shows_a_spinner_the_time_and_stops(browser, servers, world):
+    open_page(browser, servers[0], world.shot)
+    browser.execute_script(HOLD)
+    by_id(browser, "instruction").send_keys("the Apply button @apply")
+    by_id(browser, "locate").click()
+    assert_progress_then_stop(browser, "Locating", "locate")
+    assert not by_id(browser, "ground-result").is_displayed() and not by_id(browser, "point").is_displayed()
+    by_id(browser, "locate").click()  # again, and this time it goes through to the server
+    wait(browser, lambda d: held(d) == 2)
+    assert by_id(browser, "progress").is_displayed() and not by_id(browser, "notice").is_displayed()
+    browser.execute_script("window.__held[1]();")
+    wait(browser, lambda d: by_id(d, "status").text)
+    assert not by_id(browser, "progress").is_displayed() and by_id(browser, "answer").text == APPLY
+    assert by_id(browser, "point").is_displayed()
+    assert browser.get_log("browser") == []
+
+
+def test_a_running_chat_answer_shows_progress_and_stops(browser, servers, world):
+    open_page(browser, servers[0], world.shot)
+    browser.execute_script(HOLD)
+    by_id(browser, "tab-chat").click()
+    by_id(browser, "question").send_keys("What is this? @chat")
+    by_id(browser, "send").click()
+    assert_progress_then_stop(browser, "Answering", "send")
+    replies = browser.find_elements("css selector", "#chat-log .msg.assistant")
+    assert [r.get_attribute("textContent") for r in replies] == ["[stopped]"]
+    assert "stopped" in replies[0].get_attribute("class")
+    by_id(browser, "question").send_keys("And now? @chat")
+    by_id(browser, "send").click()
+    wait(browser, lambda d: held(d) == 2)
+    browser.execute_script("window.__held[1]();")
+    wait(browser, lambda d: by_id(d, "chat-stats").text or by_id(d, "error").text)
+    assert not by_id(browser, "error").is_displayed(), by_id(browser, "error").text
+    sent = browser.execute_script("return window.__bodies[1].messages;")
+    # the stopped turn is not in the chat: the new question goes alone, with the screenshot
+    assert len(sent) == 1 and sent[0]["content"][-1] == {"type": "text", "text": "And now? @chat"}
+    assert sent[0]["content"][0]["type"] == "image_url"
+    replies = browser.find_elements("css selector", "#chat-log .msg.assistant")
+    assert [r.get_attribute("textContent") for r in replies] == ["[stopped]", CHAT]
+    assert browser.get_log("browser") == []
+
+
+@pytest.mark.parametrize("name,says", [("notes.png", "notes.png could not be read as an image"),
+                                       ("notes.txt", "notes.txt is not an image (text/plain)")])
+def test_a_file_that_is_not_an_image_is_said_at_once(browser, servers, world, name, says):
+    """Said when it is picked, not at Locate: a text file, named as one or as a PNG."""
+    open_page(browser, servers[0], world.shot)
+    bad = world.base / name
+    bad.write_text("not an image\n")
+    by_id(browser, "file").send_keys(str(bad))
+    wait(browser, lambda d: by_id(d, "error").is_displayed())
+    assert by_id(browser, "error").text.startswith(says), by_id(browser, "error").text
+    if name.endswith(".png"):  # the screenshot it replaced is gone: Locate asks for one
+        assert not by_id(browser, "stage").is_displayed()
+        by_id(browser, "instruction").send_keys("the Apply button @apply")
+        by_id(browser, "locate").click()
+        wait(browser, lambda d: "screenshot" in by_id(d, "error").text)
+    browser.get_log("browser")  # the broken image's load error, on purpose

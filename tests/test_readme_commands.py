@@ -75,7 +75,7 @@ STDIN = {"--chat": "Click it.\n"}  # a flag → what the command reads from stdi
 
 # Left out, with the reason (the command as its words, comments dropped).
 SKIP = {
-    "git clone <this repository> mlx_qwen3vl && cd mlx_qwen3vl": "needs the network and a repository address",
+    "git clone <this repository> mlx-qwen3vl && cd mlx-qwen3vl": "needs the network and a repository address",
     "python3 -m venv .venv && . .venv/bin/activate": "makes the environment the install goes into; .ci/run makes "
                                                      "one the same way",
     'pip install -e ".[test]" && python -m pytest -q': "is this suite; test_ci_runs_the_readme_test_command holds "
@@ -214,7 +214,7 @@ def substitute(words, port=None):
 
 
 @dataclass
-class Plan:
+class Run:
     """How one command runs: its shell line, whether it serves (and on which port), its stdin."""
     command: Command
     argv_segments: list
@@ -229,9 +229,9 @@ class Plan:
         return " && ".join(shlex.join(s) for s in self.argv_segments)
 
 
-def plan(c):
-    """The Plan of a command to run (substitutions, small sizes, ports)."""
-    p = Plan(c, [])
+def how_to_run(c):
+    """How a command runs (substitutions, small sizes, ports): its Run."""
+    p = Run(c, [])
     for seg in segments(c.words):
         env = [w for w in seg if re.match(r"^[A-Z_][A-Z0-9_]*=", w)]
         words = seg[len(env):]
@@ -286,10 +286,10 @@ def client_shell(p, server_port):
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory):
     """A folder to run the commands in: the repository's examples (copied: commands write there),
-    tests, benchmarks and convert.py (linked), the folders PATHS names, and its own HOME."""
+    tests and benchmarks (linked), the folders PATHS names, and its own HOME."""
     d = tmp_path_factory.mktemp("readme")
     shutil.copytree(ROOT / "examples", d / "examples")
-    for name in ("tests", "benchmarks", "convert.py"):
+    for name in ("tests", "benchmarks"):
         (d / name).symlink_to(ROOT / name)
     for name in ("shots", "prefixes", "home"):
         (d / name).mkdir()
@@ -390,7 +390,7 @@ def units():
         if classify(c)[0] != "run" or c.words[0] == "curl":
             continue
         try:
-            p = plan(c)
+            p = how_to_run(c)
         except AssertionError as e:  # reported by test_command_runs for this command
             out.append((str(e), [c], []))
             continue
@@ -427,7 +427,7 @@ def test_every_command_is_run_checked_or_left_out_with_a_reason():
         if kind == "run" and c.words[0] != "curl":
             name, _ = program(segments(c.words)[-1] if c.words[0] != "mlx.launch" else
                               c.words[c.words.index("--") + 1:])
-            assert name.startswith(("mlx_qwen3vl", "convert.py", "examples/")), \
+            assert name.startswith(("mlx_qwen3vl", "examples/")), \
                 f"{c.where}: nothing here knows how to run {name!r}: run it, PARSE it or SKIP it with a reason"
 
 
@@ -456,6 +456,85 @@ def test_install_commands_name_real_extras(command):
                     assert extra in extras, f"{command.where}: pyproject.toml has no extra {extra!r}"
 
 
+# What a snippet's `import X` installs as (where the two names differ).
+DISTRIBUTIONS = {"PIL": "pillow", "mlx_lm": "mlx-lm", "mlx_qwen3vl": "mlx-qwen3vl"}
+
+
+def test_python_snippets_import_only_what_their_page_installs():
+    """A page's ```python snippet imports the package, the standard library, the package's own
+    dependencies, or what a `pip install` line above it on the same page installs (a package by
+    name, or an extra that holds it): the server page's clients are not in the `server` extra."""
+    text = (ROOT / "pyproject.toml").read_text()
+    name = lambda req: re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower().replace("_", "-")  # noqa: E731
+    core = {name(r) for r in re.findall(r'"([^"]+)"', text.split("dependencies = [", 1)[1].split("]", 1)[0])}
+    section = text.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    extras = {m.group(1): {name(r) for r in re.findall(r'"([^"]+)"', m.group(2))}
+              for m in re.finditer(r"^([\w-]+)\s*=\s*\[(.*?)\]", section, re.M | re.S)}
+    for extra, reqs in extras.items():  # an extra naming another (test = mlx-qwen3vl[test-tools])
+        for inner in re.findall(r"mlx-qwen3vl\[([\w,-]+)\]", section.split(extra + " =", 1)[1].split("\n", 1)[0]):
+            reqs |= {r for e in inner.split(",") for r in extras.get(e, ())}
+    checked = 0
+    for page in PAGES:
+        installed, text = set(core) | {"mlx-qwen3vl"}, page.read_text()
+        for m in re.finditer(r"^```(bash|python)\n(.*?)^```", text, flags=re.S | re.M):
+            if m.group(1) == "bash":
+                for line in re.findall(r"pip install ([^#&\n]*)", m.group(2)):
+                    for word in line.split():
+                        extra = re.fullmatch(r"""["']?\.(?:\[([\w,-]+)\])?["']?""", word)
+                        if extra:
+                            installed |= {r for e in (extra.group(1) or "").split(",") if e for r in extras[e]}
+                        elif not word.startswith("-"):
+                            installed.add(name(word))
+                continue
+            for root in re.findall(r"^(?:from|import) ([A-Za-z_]\w*)", m.group(2), re.M):
+                if root in sys.stdlib_module_names:
+                    continue
+                dist = DISTRIBUTIONS.get(root, root.replace("_", "-")).lower()
+                line = text[:m.start()].count("\n") + 1
+                assert dist in installed, f"{page.name}:{line}: imports {root}, which no pip install above it installs"
+                checked += 1
+    assert checked >= 10
+
+
+def test_the_readme_s_snippet_runs_from_the_folder_above_the_clone(tmp_path):
+    """The clone's folder, named as README.md clones it, is not importable: from the folder above
+    it, `import mlx_qwen3vl` finds the installed package, not the clone's folder as a namespace
+    package ("cannot import name 'load' from 'mlx_qwen3vl' (unknown location)", as a clone named
+    mlx_qwen3vl did under an editable install, whose finder Python asks after the folders)."""
+    (clone,) = [c for c in all_commands() if c.words[:2] == ["git", "clone"]]
+    cut = clone.words.index("&&")
+    folder = clone.words[cut - 1]
+    assert clone.words[cut:] == ["&&", "cd", folder]
+    (tmp_path / folder).mkdir()
+    (tmp_path / folder / "mlx_qwen3vl").symlink_to(ROOT / "mlx_qwen3vl")
+    code = f"""
+import importlib.util, sys
+class Editable:  # what an editable install appends to sys.meta_path: the package's own folder
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "mlx_qwen3vl":
+            return importlib.util.spec_from_file_location(name, {str(ROOT / "mlx_qwen3vl" / "__init__.py")!r},
+                                                          submodule_search_locations=[{str(ROOT / "mlx_qwen3vl")!r}])
+sys.meta_path.append(Editable)
+from mlx_qwen3vl import load
+print(load.__module__)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("mlx_qwen3vl"), r.stderr[-2000:]
+
+
+def test_no_block_installs_both_linux_backends():
+    """A block is pasted whole: one that installs both .[cpu] and .[cuda] fetches the CUDA wheels
+    and replaces the CPU build's libmlx.so."""
+    for page in PAGES:
+        blocks = re.findall(r"^```bash\n(.*?)^```", page.read_text(), flags=re.S | re.M)
+        for block in blocks:
+            extras = set(re.findall(r"\.\[([\w,-]+)\]", block))
+            named = {e for group in extras for e in group.split(",")} & {"cpu", "cuda"}
+            assert len(named) <= 1, f"{page.name}: one block installs both backends:\n{block}"
+
+
 @pytest.mark.parametrize("command", [c for c in all_commands() if classify(c)[0] == "parse"], ids=lambda c: c.where)
 def test_long_running_commands_parse(command, scratch):
     (seg,) = segments(command.words)
@@ -473,7 +552,7 @@ def test_command_runs(unit, scratch):
     if "mlx.launch" in p.shell and shutil.which("mlx.launch") is None:
         pytest.skip("mlx.launch is not on PATH")
     if p.serve:
-        status, log, results = serve(p, scratch, [client_shell(plan(c), "PORT") for c in clients])
+        status, log, results = serve(p, scratch, [client_shell(how_to_run(c), "PORT") for c in clients])
         # Both servers promise status 0 on SIGTERM (docs/server.md, docs/protocols.md).
         assert status == 0, \
             f"{where}: {p.command.text}\nstopped with {status}:\n{log[-3000:]}"

@@ -604,3 +604,19 @@ def test_video_url_equals_generate(server, local, tmp_path):
         {"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
                                      {"type": "text", "text": "What happens?"}]}])
     assert r.usage.prompt_tokens == want.prompt_tokens and r.choices[0].message.content == want.text
+
+
+@pytest.mark.parametrize("module,extra", [("mlx_qwen3vl.server", []), ("mlx_qwen3vl.mcp", ["--transport", "http"])])
+def test_a_busy_port_is_one_error_line_before_serving(module, extra):
+    """The port is bound before the model loads: a taken one is one `error:` line and status 2, with
+    no "serving ..." line before it and none of uvicorn's."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", module, "--model", str(FIXTURES / CHECKPOINT), "--port", str(port),
+                            *extra], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                           text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.splitlines() == [f"error: --port {port}: 127.0.0.1:{port} is already in use (another server?); "
+                                     "stop it or choose another --port"], p.stderr

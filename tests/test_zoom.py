@@ -16,7 +16,9 @@ import pytest
 from PIL import Image
 
 from mlx_qwen3vl import agent
-from mlx_qwen3vl.agent import Window, eval_grounding, ground_cli, ground_with, parse_grounding, zoom_window
+from mlx_qwen3vl import eval_grounding
+from mlx_qwen3vl import ground as ground_cli
+from mlx_qwen3vl.agent import Window, ground_with, parse_grounding, zoom_window
 from mlx_qwen3vl.agent.draw import WINDOW_COLOUR
 from scripted import write_scripted_checkpoint
 

@@ -1,8 +1,9 @@
 """The benchmark harness behind benchmarks/bench.py.
 
-    presets      random-weight published architectures, written once as hub folders
+    preset_folders  random-weight published architectures (mlx_qwen3vl.architectures), as hub folders
     workloads    the inputs (screenshots, video, text, agent turns), preprocessed once
     measure      memory, bandwidth, CPU time, machine; the per-workload summary
-    engine_*     one worker per engine (ours, mlx-vlm, transformers), each in its own process
-    report       running the workers; rooflines, ratios, tables
+    worker_*     one worker per engine (ours, mlx-vlm, transformers), each in its own process;
+                 worker_mlx_vlm runs the installed benchmark's mlx-vlm runner (mlx_qwen3vl/bench)
+    analysis     running the workers; rooflines, ratios, tables
 """

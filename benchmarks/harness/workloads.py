@@ -10,7 +10,7 @@ import numpy as np
 
 from mlx_qwen3vl.bench.inputs import AGENT_ASKS, AGENT_SYSTEM, PROMPT, text_prompt  # noqa: F401  (the installed bench's)
 
-from .presets import ROOT
+from .preset_folders import ROOT
 
 SCREENSHOT_FILE = ROOT / "examples" / "screenshot.png"
 

@@ -1,12 +1,12 @@
 """GUI-agent toolkit: the prompts UI-Venus-1.5 and Qwen3-VL were trained with (`prompts`), parsers
 that turn their answers into points and actions on the user's screenshot (`parse`), pictures of
 answers (`draw`), two-stage grounding's window (`zoom`), and the runtime on top of generate:
-`ground()` (one pass, or two with zoom=) and `navigate()`. The grounding command line (`ground`,
-also `python -m mlx_qwen3vl.ground`) and the evaluation (`eval_grounding`) live here too, and so
-do the computer-use tools of the Anthropic and OpenAI protocols (`computer_tools`: declarations,
-the neutral action, each protocol's vocabulary) and their rendering with the trained prompts and
-mapping of answers (`computer_use`). The runner that acts in environments (`envs`, `runner`,
-`trajectory`, `evaluation`; `python -m mlx_qwen3vl.agent`) is imported by name, not from here.
+`ground()` (one pass, or two with zoom=) and `navigate()`; also the computer-use tools of the
+Anthropic and OpenAI protocols (`computer_tools`: declarations, the neutral action, each protocol's
+vocabulary) and their rendering with the trained prompts and mapping of answers (`computer_use`).
+The runner that acts in environments (`envs`, `runner`, `trajectory`, `evaluation`; `python -m
+mlx_qwen3vl.agent`) is imported by name, not from here. The grounding and evaluation commands are
+mlx_qwen3vl/ground.py and eval_grounding.py.
 
     from mlx_qwen3vl import load
     from mlx_qwen3vl.agent import ground, parse_action

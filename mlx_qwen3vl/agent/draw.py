@@ -11,10 +11,11 @@ DRAG_COLOUR = (255, 140, 0)
 def annotate(image, point=None, box=None, path=None, note=None, window=None, drag=None):
     """Draw `window` (two-stage grounding's crop, a blue outline: x1, y1, x2, y2 inclusive), `box`
     (green outline), `drag` (a drag's end point: an orange line from `point` to it, ending in an
-    arrowhead) and `point` (ringed dot with a crosshair) on a copy of the image (RGB array or
-    PIL image), and `note` (e.g. "no point found") as a red banner across the top, so a picture of
-    an answer without a point never passes for the plain screenshot. Returns the PIL image, also
-    written to `path` as PNG when given."""
+    arrowhead) and `point` (ringed dot with a crosshair) on a copy of the image (RGB array or PIL
+    image). With `note` (e.g. "no point found") the picture grows: a red frame round the screenshot
+    and the note on a red band below it, so a picture of an answer without a point never passes for
+    the plain screenshot and hides none of it. Returns the PIL image, also written to `path` as PNG
+    when given."""
     import numpy as np
     from PIL import Image, ImageDraw, ImageFont
 
@@ -36,26 +37,33 @@ def annotate(image, point=None, box=None, path=None, note=None, window=None, dra
         d = max(2, r // 3)
         draw.ellipse([x - d, y - d, x + d, y + d], fill=(255, 0, 0), outline=(255, 255, 255))
     if note:
-        try:
-            font = ImageFont.load_default(size=max(9, min(28, im.height // 24)))
-        except (TypeError, OSError, ImportError):  # Pillow < 10.1 or no FreeType: the fixed bitmap font
-            font = ImageFont.load_default()
-        room = im.width - 4 * line
-        rows = [""]  # the note's words wrapped to the width
-        for word in note.split():
-            wider = f"{rows[-1]} {word}".strip()
-            if rows[-1] and font.getlength(wider) > room:
-                rows.append(word)
-            else:
-                rows[-1] = wider
-        text = "\n".join(rows)
-        left, top, right, bottom = draw.multiline_textbbox((2 * line, line), text, font=font)
-        draw.rectangle([0, 0, im.width - 1, bottom + line], fill=(200, 0, 0))
-        draw.multiline_text((2 * line, line), text, fill=(255, 255, 255), font=font)
-        draw.rectangle([0, 0, im.width - 1, im.height - 1], outline=(200, 0, 0), width=line)
+        im = _with_note(im, note, line, ImageDraw, ImageFont, Image)
     if path is not None:
         im.save(path, format="PNG")
     return im
+
+
+def _with_note(im, note, line, ImageDraw, ImageFont, Image):
+    """`im` framed in red, `line` pixels wide, above a red band holding `note` in white."""
+    try:
+        font = ImageFont.load_default(size=max(9, min(28, im.height // 24)))
+    except (TypeError, OSError, ImportError):  # Pillow < 10.1 or no FreeType: the fixed bitmap font
+        font = ImageFont.load_default()
+    room = im.width - 2 * line
+    rows = [""]  # the note's words wrapped to the width
+    for word in note.split():
+        wider = f"{rows[-1]} {word}".strip()
+        if rows[-1] and font.getlength(wider) > room:
+            rows.append(word)
+        else:
+            rows[-1] = wider
+    text = "\n".join(rows)
+    probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    left, top, right, bottom = probe.multiline_textbbox((0, 0), text, font=font)
+    out = Image.new("RGB", (im.width + 2 * line, im.height + 2 * line + bottom + 2 * line), (200, 0, 0))
+    out.paste(im, (line, line))
+    ImageDraw.Draw(out).multiline_text((2 * line, im.height + 2 * line), text, fill=(255, 255, 255), font=font)
+    return out
 
 
 def draw_arrow(draw, start, end, width, colour=DRAG_COLOUR):

@@ -19,11 +19,27 @@ takes about three times as long.
 """
 
 import argparse
+import gc
 import sys
 import time
 from datetime import datetime, timezone
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from .. import __version__, load
+from ..architectures import PRESETS
+from ..backend import backend_of
 from ..cli import FLAGS, Parser, check_media_flags, run
+from ..config import ModelConfig
+from ..errors import InputError
+from ..hub import resolve_model_path
+from ..plan import (add_json_argument, add_plan_arguments, check_json_path, parameter_counts, quant_label, run_plan,
+                    write_json)
+from . import engine_mlx_vlm
+from .machine import log, machine_info
+from .report import KIND, OURS, SCHEMA, format_report, validate
+from .run import prepare, run_ours
 
 QUICK = dict(prompt_tokens=256, decode_tokens=32, repeats=1, agent_turns=3, agent_tokens=8)
 FULL = dict(prompt_tokens=1024, decode_tokens=128, repeats=3, agent_turns=5, agent_tokens=16)
@@ -34,9 +50,6 @@ ENGINES = ("mlx-vlm",)
 
 
 def build_parser():
-    from ..bench.presets import PRESETS
-    from ..plan import add_plan_arguments
-
     p = Parser(prog="python -m mlx_qwen3vl.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="local checkpoint folder or Hugging Face repo id (the model you have)")
     p.add_argument("--quick", action="store_true", help="one short run per workload (see above)")
@@ -49,7 +62,7 @@ def build_parser():
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="compute dtype; none = float32 on the CPU, the checkpoint's on a GPU")
     p.add_argument("--compare", default="", metavar="ENGINE", help="also run " + ", ".join(ENGINES) + " on the same inputs")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON (schema in docs/bench.md)")
+    add_json_argument(p, "bench.json", "the results (schema in docs/bench.md)")
     p.add_argument("--plan", action="store_true", help="only plan the memory (python -m mlx_qwen3vl.plan) and exit")
     p.add_argument("--preset", choices=list(PRESETS), help="with --plan: a published architecture instead of --model")
     add_plan_arguments(p)
@@ -57,8 +70,6 @@ def build_parser():
 
 
 def resolve_settings(args) -> dict:
-    from ..errors import InputError
-
     base = QUICK if args.quick else FULL
     settings = dict(quick=bool(args.quick), max_pixels=args.max_pixels, screenshots=[list(s) for s in SCREENSHOTS])
     for name, default in base.items():
@@ -77,10 +88,6 @@ def resolve_settings(args) -> dict:
 
 
 def model_info(model, config, source, path, load_s) -> dict:
-    from mlx.utils import tree_flatten
-
-    from ..plan import parameter_counts, quant_label
-
     return dict(source=str(source), path=str(path), model_type=config.model_type,
                 parameters=parameter_counts(config)["total"],
                 weights_gb=sum(p.nbytes for _, p in tree_flatten(model.parameters())) / 1e9,
@@ -89,20 +96,6 @@ def model_info(model, config, source, path, load_s) -> dict:
 
 
 def _bench(args, argv) -> int:
-    import gc
-
-    import mlx.core as mx
-
-    from .. import __version__, load
-    from ..config import ModelConfig
-    from ..errors import InputError
-    from ..hub import resolve_model_path
-    from ..plan import check_json_path
-    from . import engine_mlx_vlm
-    from .machine import log, machine_info
-    from .report import KIND, OURS, SCHEMA, format_report, validate
-    from .run import prepare, run_ours
-
     wall = time.perf_counter()
     settings = resolve_settings(args)
     out = check_json_path(args.json)
@@ -130,8 +123,6 @@ def _bench(args, argv) -> int:
                   settings=settings, engines={}, notes=notes)
     log(f"[bench] {args.model}: loaded in {load_s:.1f} s; {report['model']['dtype']}, {report['model']['quantization']}")
     prepared = prepare(processor, settings)
-    from ..backend import backend_of
-
     report["engines"][OURS] = dict(info=dict(engine=OURS, version=__version__, backend=backend_of(model).describe()),
                                    results=run_ours(model, processor, prepared, settings, log))
     if "mlx-vlm" in settings["compare"] and not engine_mlx_vlm.missing():
@@ -148,12 +139,8 @@ def _bench(args, argv) -> int:
     problems = validate(report)
     if problems:  # a bug of ours, not the user's: say so rather than write a file that does not conform
         notes.append("the report does not conform to its schema: " + "; ".join(problems))
-    print(format_report(report))
-    if out is not None:
-        import json
-
-        out.write_text(json.dumps(report, indent=1, default=float))
-        log(f"[bench] wrote {out}")
+    print(format_report(report), file=sys.stderr if out == "-" else sys.stdout)
+    write_json(out, report)
     return 0
 
 
@@ -161,8 +148,6 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     if args.plan:
-        from ..plan import run_plan
-
         return run(lambda: run_plan(args))
     return run(lambda: _bench(args, ["python", "-m", "mlx_qwen3vl.bench"] + argv), interrupted="interrupted")
 

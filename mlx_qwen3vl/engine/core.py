@@ -13,8 +13,9 @@ import dataclasses
 import itertools
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -49,9 +50,10 @@ class Request:
     cache back holding the prompt and the answer. `time_limit`: seconds from `add` (None: the
     engine's `max_request_seconds`). `tokens` / `media`: the prompt's ids and spans.media_keys,
     when the caller has them already. `kv`: how its KV cache is stored (KVSettings; None: the
-    engine's). `drafter` (engine/speculative.py): speculative decoding, up to `num_draft_tokens`
-    proposed tokens checked per step in the same forward as its last one (lossless: its answer
-    is the one it would have had without)."""
+    engine's). `on_vision_done(seconds)`: its vision tower's time, once its media are encoded.
+    `drafter` (engine/speculative.py): speculative decoding, up to `num_draft_tokens` proposed
+    tokens checked per step in the same forward as its last one (lossless: its answer is the one
+    it would have had without)."""
 
     inputs: dict
     params: SamplingParams = field(default_factory=SamplingParams)
@@ -63,6 +65,7 @@ class Request:
     tokens: Optional[List[int]] = None
     media: Optional[list] = None
     kv: Optional[KVSettings] = None
+    on_vision_done: Optional[Callable] = None  # called with the vision tower's seconds (a timing hook)
     drafter: Optional[object] = None
     num_draft_tokens: int = DEFAULT_DRAFT
 
@@ -166,8 +169,20 @@ def auto_kv_budget(model) -> int:
     total = info.get("max_recommended_working_set_size") or info.get("memory_size")
     if not total:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    weights = sum(v.nbytes for _, v in _leaves(model.parameters()))
-    return max(0, int(0.75 * total) - weights)
+    return max(0, int(0.75 * total) - weight_bytes(model))
+
+
+_WEIGHT_BYTES = {}  # id(model) → its parameters' bytes, while the model lives
+
+
+def weight_bytes(model) -> int:
+    """The bytes of a model's parameters, counted once per model: stream_generate makes an Engine
+    per call, and walking every parameter each time cost a 30B MoE's thousands of arrays per turn."""
+    key = id(model)
+    if key not in _WEIGHT_BYTES:
+        _WEIGHT_BYTES[key] = sum(v.nbytes for _, v in _leaves(model.parameters()))
+        weakref.finalize(model, _WEIGHT_BYTES.pop, key, None)  # an id is reused once its model is gone
+    return _WEIGHT_BYTES[key]
 
 
 def _leaves(tree, prefix=""):
@@ -725,7 +740,7 @@ class Engine:
         job = PrefillJob(self.model, r.inputs, cache, start=start,
                          features=self.features if self.features.max_bytes else None,
                          item_budget=item_budget, prefill_step_size=self.prefill_step_size, costs=self.costs,
-                         kv=w.kv)
+                         kv=w.kv, on_vision_done=r.on_vision_done)
         n = len(r.tokens)
         self.metrics["prompt_tokens"] += n
         self.metrics["prompt_tokens_computed"] += n - start

@@ -1,7 +1,8 @@
 """A prompt's prefill as work items: the vision tower on its new images and videos (split below
-whole blocks, vision.plan_vision), then the prompt in chunks through the decoder. The engine
+whole blocks, vision.vision_items), then the prompt in chunks through the decoder. The engine
 spends a bounded budget of them per step, so streams that are decoding keep getting tokens while
-a screenshot is encoded; `prefill` runs them all at once (generate_step's prefill).
+a screenshot is encoded; `prefill` runs them all at once (for tests and benchmarks that prefill
+a cache of their own).
 
 Costs are FLOPs (2 x multiply-adds of the matmuls and attention), computed from the config and
 the shapes alone: every rank of a sharded or pipelined model plans and spends the same items in
@@ -19,7 +20,7 @@ from ..kv_settings import FLOAT, quantize_if_due
 from ..model import VisualFeatures
 from ..positions import IMAGE, VIDEO
 from ..spans import media_after, media_hashes, media_spans
-from ..vision import plan_vision
+from ..vision import vision_items
 
 PIXELS = {IMAGE: ("pixel_values", "image_grid_thw"), VIDEO: ("pixel_values_videos", "video_grid_thw")}
 
@@ -57,7 +58,7 @@ class PrefillJob:
 
     Features of media already in `features` (a FeatureCache, batch-1 prompts only) are reused;
     the others are computed by the vision tower (the model's `visual`: the tower, or a pipeline
-    stage's stand-in, which plans the same items) and stored there. `item_budget`: the most
+    stage's stand-in, which makes the same items) and stored there. `item_budget`: the most
     FLOPs one item may cost (None: each stage whole, chunks of `prefill_step_size`).
 
     `kv` (KVSettings, fitted to the model): a chunk never crosses `kv.start`, and once the cache
@@ -78,14 +79,14 @@ class PrefillJob:
         self._items = deque()  # (cost, fn) of the vision work still to do
         self._vision_tic = None
         for kind in (IMAGE, VIDEO):
-            self._plan_media(kind)
+            self._queue_media(kind)
         self._prepared = None
         self._next = 0  # the next prompt position (relative to start) to run
         self._hidden = None
         self._result = None
 
     # ------------------------------------------------------------------ vision
-    def _plan_media(self, kind):
+    def _queue_media(self, kind):
         px, grid = PIXELS[kind]
         if grid not in self.inputs:
             return
@@ -122,7 +123,7 @@ class PrefillJob:
         (`keys`: [(index, hash)] to store, or None: keep them whole)."""
         visual = self.model.visual
         state = {}
-        plan = plan_vision(self.model.config.vision_config, grids, self.item_budget)
+        items = vision_items(self.model.config.vision_config, grids, self.item_budget)
         if self.item_budget is None:  # the whole tower at once, as the model's own call
             encode = self.model.get_image_features if kind == IMAGE else self.model.get_video_features
 
@@ -130,14 +131,14 @@ class PrefillJob:
                 state["features"] = encode(pixels, grids)
                 return []
 
-            self._items.append((sum(item.cost for item in plan), whole))
+            self._items.append((sum(item.cost for item in items), whole))
         else:
             def begin():
                 state["run"] = visual.start(pixels, grids)
                 return []
 
             self._items.append((0.0, begin))
-            for item in plan:
+            for item in items:
                 self._items.append((item.cost, lambda item=item: visual.run(state["run"], item)))
 
         def end():

@@ -1,6 +1,6 @@
 """One decode token and the choice of the next: `decode_step` (tokens through the cache → logits)
 and `sample` (logits → tokens, with each row's processors and random stream), gpt-fast's small
-functions, shared by the engine and generate_step; `verify_step`, decode_step for several tokens
+functions, the engine's (engine/batch.py's decode); `verify_step`, decode_step for several tokens
 a row (speculative decoding's verify forward)."""
 
 import mlx.core as mx

@@ -1,9 +1,8 @@
 """The entry points: a prompt or conversation → inputs (render_prompt, encode_prompt), and
 generate / stream_generate / batch_generate, each an Engine (engine/) run to completion.
 
-`generate_step` is the token loop of one fixed batch with a cache the caller keeps (gpt-fast's
-shape: engine.prefill, then decode_step and sample per token), for the model's own tests and
-benchmarks. Reuse across turns lives in prompt_cache.py, sampling settings in sampling.py, the
+`generate_step` gives fixed-length token streams of a batch (every row to max_tokens) on the same
+engine, for the model's own tests and benchmarks. Reuse across turns lives in prompt_cache.py, sampling settings in sampling.py, the
 CLI in __main__.py (`python -m mlx_qwen3vl`; `python -m mlx_qwen3vl.generate` runs the same
 through generate/__main__.py: a package, so runpy finds the loop already imported by the
 package's `generate` function without a warning).
@@ -17,12 +16,11 @@ import mlx.core as mx
 import numpy as np
 
 from ..backend import backend_of
-from ..engine import (AnswerText, Done, Engine, Failed, Request, decode_step, eos_token_ids,  # noqa: F401
+from ..engine import (AnswerText, Done, Engine, Failed, Request, Token, decode_step, eos_token_ids,  # noqa: F401
                       fit_to_context, prefill, sample, token_bytes)
-from ..engine.prefill import _mask_or_none
 from ..engine.speculative import NAMES as DRAFT_NAMES, pop_drafting
 from ..errors import InputError
-from ..kv_settings import FLOAT, FIELDS as KV_FIELDS, KVSettings, quantize_if_due, resolve
+from ..kv_settings import FLOAT, FIELDS as KV_FIELDS, KVSettings, resolve
 from ..processor import renamed_source_fps
 from ..prompt_cache import PromptCache
 from ..sampling import FIELD_NAMES, SamplingParams
@@ -150,7 +148,7 @@ def check_context(model, inputs):
 
 
 # ---------------------------------------------------------------------------------------------
-# The token loop of one batch (prefill, decode_step and sample live in engine/)
+# Fixed-length token streams of a batch (on the engine's loop)
 # ---------------------------------------------------------------------------------------------
 def _generation_stream():
     # mlx_lm is imported on first use: importing it pulls in transformers (seconds of startup).
@@ -159,70 +157,94 @@ def _generation_stream():
     return generation_stream
 
 
-def generate_step(model, inputs, cache, *, sampler, max_tokens=256, start=0, prefill_step_size=2048,
-                  on_vision_done=None, on_prefill_done=None, kv=FLOAT) -> Iterator[tuple]:
-    """Yield (tokens (B,), log-probs (B, V)) one step at a time. A yielded token may or may not
-    have been fed into `cache` yet (see `eager` below); callers keeping the cache trim it to what
-    they keep. `on_vision_done(seconds)` (see prefill) and `on_prefill_done()` are timing hooks.
-    `kv` (KVSettings): the cache (a list, whose items may be replaced) is quantized when it holds
-    kv.start positions, as mlx-lm's maybe_quantize_kv_cache does (for a padded batch: counting the
-    padding)."""
-    stream = _generation_stream()
-    backend = backend_of(model)
+def split_rows(model, inputs) -> List[dict]:
+    """A left-padded batch of processor outputs → one batch-1 inputs dict per row: its tokens
+    without the padding, and its images and videos (taken in order, as the processor laid them
+    out: a row's images are the image-token runs in it; a video of T temporal patches has T)."""
+    ids = np.asarray(inputs["input_ids"])
+    if ids.shape[0] == 1:
+        return [inputs]
+    real = np.asarray(inputs.get("attention_mask", np.ones_like(ids))).astype(bool)
+    config = model.config
+    media = [(config.image_token_id, "pixel_values", "image_grid_thw", False),
+             (config.video_token_id, "pixel_values_videos", "video_grid_thw", True)]
+    taken = {grid: [0, 0] for _, _, grid, _ in media}  # grid → [media taken, patches taken]
+    rows = []
+    for b in range(ids.shape[0]):
+        row_ids = ids[b][real[b]]
+        row = {"input_ids": row_ids[None], "attention_mask": np.ones((1, row_ids.size), np.int64)}
+        if "mm_token_type_ids" in inputs:
+            row["mm_token_type_ids"] = np.asarray(inputs["mm_token_type_ids"])[b][real[b]][None]
+        for token, pixels, grid, by_frame in media:
+            is_media = row_ids == token
+            runs = int(np.sum(is_media[1:] & ~is_media[:-1]) + bool(is_media[:1].any()))
+            first, patches = taken[grid]
+            n = 0
+            grids = np.asarray(inputs[grid]) if runs else None
+            while runs > 0:
+                runs -= int(grids[first + n][0]) if by_frame else 1
+                n += 1
+            if n:
+                g = grids[first:first + n]
+                count = int(np.prod(g, axis=1).sum())
+                row[grid], row[pixels] = g, np.asarray(inputs[pixels])[patches:patches + count]
+                taken[grid] = [first + n, patches + count]
+        rows.append(row)
+    return rows
+
+
+def generate_step(model, processor, inputs, *, cache=None, sampling: Optional[SamplingParams] = None,
+                  prefill_step_size=2048, on_vision_done=None, kv=FLOAT, **sampling_kwargs) -> Iterator[tuple]:
+    """Yield (tokens (B,), log-probs (B, V)) one step at a time for the rows of `inputs` (processor
+    outputs; a left-padded batch is split into its rows), every row running to `max_tokens` (EOS
+    ignored): the fixed-length streams that tests compare with recorded references and benchmarks
+    time. It runs the engine's own loop (one Engine, one request per row), so there is one token loop.
+
+    `cache` (batch 1): the caller's KV cache (model.make_cache()), holding the prompt and the answer
+    afterwards (its items replaced where the cache turned quantized). `kv` (KVSettings): how the
+    cache is stored. `on_vision_done(seconds)`: the vision tower's time, once per prompt with media."""
+    params = SamplingParams.build(sampling, **{"ignore_eos": True, **sampling_kwargs})
     kv = resolve(model, kv)
-    with mx.stream(stream):
-        logits, positions = prefill(model, inputs, cache, start=start, prefill_step_size=prefill_step_size,
-                                    on_vision_done=on_vision_done, kv=kv)
-        key_mask = _mask_or_none(inputs)
-        histories = None
-        if not callable(sampler) and any(s.processors for s in sampler):
-            ids = np.asarray(inputs["input_ids"])
-            real = np.asarray(inputs.get("attention_mask", np.ones_like(ids))).astype(bool)
-            histories = [mx.array(ids[b][real[b]]) for b in range(ids.shape[0])]
-        y, logprobs = sample(logits, sampler, histories, backend.log_softmax)
-        mx.async_eval(y, logprobs)
-    if on_prefill_done:
-        mx.eval(y)
-        on_prefill_done()
-    # With the CPU path the forward runs eagerly (it evaluates as it goes), so the next token
-    # is computed after this one is handed out; on a GPU its graph is queued first, so the device
-    # works while the caller handles the token.
-    eager = backend.eager
-
-    def advance(y):
-        nonlocal key_mask, histories, positions
-        with mx.stream(stream):
-            if key_mask is not None:
-                key_mask = mx.concatenate([key_mask, mx.ones((key_mask.shape[0], 1), key_mask.dtype)], axis=1)
-            if histories is not None:
-                histories = [mx.concatenate([h, y[b: b + 1]]) for b, h in enumerate(histories)]
-            logits = decode_step(model, y, cache, positions, key_mask)
-            quantize_if_due(cache, kv)
-            positions = positions + 1
-            step = sample(logits, sampler, histories, backend.log_softmax)
-            mx.async_eval(*step)
-        return step
-
+    rows = split_rows(model, inputs)
+    if cache is not None and len(rows) != 1:
+        raise InputError("generate_step keeps a caller's cache for one prompt only")
+    for row in rows:
+        check_context(model, row)
+    engine = Engine(model, processor, max_batch=len(rows), prefill_step_size=prefill_step_size)
+    ids = [engine.add(Request(row, params, cache=cache, kv=kv, on_vision_done=on_vision_done)) for row in rows]
+    pending = {i: [] for i in ids}  # tokens of each row not yet handed out
+    done = None
     try:
-        for n in range(max_tokens):
-            last = n + 1 == max_tokens
-            ahead = None if eager or last else advance(y)
-            yield y, logprobs
-            if not last:
-                y, logprobs = advance(y) if ahead is None else ahead
-            if n % 256 == 255:
-                mx.clear_cache()
+        while engine.busy:
+            for event in engine.step():
+                if isinstance(event, Failed):
+                    raise event.error
+                if isinstance(event, Done):
+                    done = event
+                elif isinstance(event, Token):
+                    pending[event.id].append(event)
+            while all(pending[i] for i in ids):  # a step every row has reached
+                step = [pending[i].pop(0) for i in ids]
+                yield mx.array([t.token for t in step]), mx.stack([t.logprobs for t in step])
     finally:
+        for i in ids:
+            if engine.busy:
+                engine.cancel(i)
+        while engine.busy:
+            for event in engine.step():
+                if isinstance(event, Done):
+                    done = event
+        if cache is not None and done is not None and done.cache is not None:
+            cache[:] = done.cache
         if getattr(model, "group", None) is not None:
-            # A caller that stops early (EOS, stop string, break) leaves a step queued ahead, and on a
-            # sharded model that step holds collectives: finish it here, so whatever the caller runs
-            # next (on any stream) pairs its collectives with the other ranks' in the same order.
-            mx.synchronize(stream)
+            # A step queued ahead holds collectives on a sharded model: finish it here, so whatever the
+            # caller runs next (on any stream) pairs its collectives with the other ranks' in order.
+            mx.synchronize(_generation_stream())
 
 
-def generate_tokens(model, inputs, cache, **kwargs) -> Iterator[mx.array]:
+def generate_tokens(model, processor, inputs, **kwargs) -> Iterator[mx.array]:
     """generate_step's tokens alone (B,), for callers that need no log-probs."""
-    for y, _ in generate_step(model, inputs, cache, **kwargs):
+    for y, _ in generate_step(model, processor, inputs, **kwargs):
         yield y
 
 

@@ -35,8 +35,8 @@ def build_parser():
                    help="http: seconds without a request after which a session is closed")
     p.add_argument("--agent-format", choices=AGENT_FORMATS, default="qwen",
                    help="next_action's trained prompt: Qwen3-VL computer use or UI-Venus navigation")
-    p.add_argument("--ground-format", choices=GROUNDING_FORMATS, default=None,
-                   help="ground's trained prompt (default: venus with --agent-format venus, else qwen)")
+    p.add_argument("--ground-format", choices=GROUNDING_FORMATS, default="venus",
+                   help="ground's trained prompt when a call names none (as python -m mlx_qwen3vl.ground's --format)")
     p.add_argument("--allowed-local-media-path", "--allowed-image-dir", dest="allowed_dirs", action="append",
                    default=[], metavar="DIR",
                    help="accept screenshots as paths (or file:// URLs) of files under DIR (repeatable; none by "
@@ -102,6 +102,14 @@ def main(argv=None):
                             allowed_dirs=args.allowed_dirs, max_request_pixels=args.max_request_pixels,
                             max_image_bytes=args.max_image_bytes, min_pixels=args.min_pixels,
                             max_pixels=args.max_pixels, max_tokens=args.max_tokens)
+        sock = None
+        if args.transport != "stdio":  # a busy port is said before the model loads
+            from ..errors import InputError
+            from ..server.connections import bind
+
+            sock, problem = bind(args.host, args.port)
+            if problem:
+                raise InputError(problem)
         worker = model_thread()
         try:
             model, processor = worker.submit(load, path, dtype=args.dtype).result()
@@ -121,10 +129,10 @@ def main(argv=None):
 
             signal.signal(signal.SIGTERM, stopped)
             signal.signal(signal.SIGINT, stopped)
-            print(f"[mlx_qwen3vl.mcp] serving {args.model} on http://{args.host}:{args.port}/mcp", file=sys.stderr,
-                  flush=True)
+            print(f"[mlx_qwen3vl.mcp] serving {args.model} on http://{args.host}:{sock.getsockname()[1]}/mcp",
+                  file=sys.stderr, flush=True)
             try:
-                serve(app, host=args.host, port=args.port, log_level=args.log_level)
+                serve(app, sock=sock, log_level=args.log_level)
             except SystemExit as e:
                 return e.code if isinstance(e.code, int) else 0
             return 0

@@ -39,7 +39,7 @@ class Settings:
     """What the operator set (the command line's flags)."""
 
     agent_format: str = "qwen"
-    ground_format: Optional[str] = None  # default: venus for the venus agent format, qwen for qwen
+    ground_format: str = "venus"  # as `python -m mlx_qwen3vl.ground`, POST /v1/ground and the playground
     allowed_dirs: List[str] = field(default_factory=list)
     max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
@@ -50,8 +50,6 @@ class Settings:
     def __post_init__(self):
         if self.agent_format not in AGENT_FORMATS:
             raise InputError(f"unknown agent format {self.agent_format!r}; use {' or '.join(AGENT_FORMATS)}")
-        if self.ground_format is None:
-            self.ground_format = "venus" if self.agent_format == "venus" else "qwen"
         if self.ground_format not in GROUNDING_FORMATS:
             raise InputError(f"unknown grounding format {self.ground_format!r}; use {', '.join(GROUNDING_FORMATS)}")
         self.allowed_dirs = media_access.allowed_folders(self.allowed_dirs)
@@ -63,12 +61,12 @@ class Settings:
 # ---------------------------------------------------------------------------------------------
 # Arguments
 # ---------------------------------------------------------------------------------------------
-def _check_names(args, allowed, tool):
+def _check_names(args, allowed):
     if not isinstance(args, dict):
-        raise InputError(f"{tool}: the arguments must be an object")
+        raise InputError("the arguments must be an object")  # the server names the tool
     unknown = sorted(set(args) - set(allowed))
     if unknown:
-        raise InputError(f"{tool}: unknown argument {unknown[0]!r}; it takes {', '.join(allowed)}")
+        raise InputError(f"unknown argument {unknown[0]!r}; it takes {', '.join(allowed)}")
 
 
 def _text(args, name, required=True) -> Optional[str]:
@@ -190,7 +188,7 @@ def _on_screen(hit, size, screen):
 def ground_tool(model, processor, settings: Settings, args: dict) -> dict:
     """Where `instruction` is on the screenshot: point, box and status in screen pixels; with
     zoom, two-stage grounding (pass 2 on a crop around pass 1's point)."""
-    _check_names(args, ("screenshot", "instruction", "format", "zoom", "screen_width", "screen_height"), "ground")
+    _check_names(args, ("screenshot", "instruction", "format", "zoom", "screen_width", "screen_height"))
     instruction = _text(args, "instruction")
     fmt = _choice(args, "format", GROUNDING_FORMATS, settings.ground_format)
     zoom = _zoom(args)
@@ -219,7 +217,7 @@ def next_action_options(settings: Settings) -> dict:
 
 def next_action_tool(model, processor, settings: Settings, args: dict) -> dict:
     """The next action for `task` on the screenshot after `history` (earlier answers), in screen pixels."""
-    _check_names(args, ("screenshot", "task", "history", "kind", "screen_width", "screen_height"), "next_action")
+    _check_names(args, ("screenshot", "task", "history", "kind", "screen_width", "screen_height"))
     task = _text(args, "task")
     history = _history(args)
     kind = _choice(args, "kind", ("web", "mobile"), "web")
@@ -242,7 +240,7 @@ def ask_messages(data, question):
 
 def ask_tool(model, processor, settings: Settings, args: dict) -> dict:
     """The model's answer to a question about the screenshot (greedy)."""
-    _check_names(args, ("screenshot", "question"), "ask")
+    _check_names(args, ("screenshot", "question"))
     question = _text(args, "question")
     data, _ = read_screenshot(args.get("screenshot"), settings, processor)
     out = generate(model, processor, messages=ask_messages(data, question), max_tokens=settings.max_tokens,

@@ -178,7 +178,7 @@ def main(argv=None):
         from ..errors import Qwen3VLError
         from ..hub import resolve_model_path
         from . import build_server
-        from .connections import check_file_limit, serve
+        from .connections import bind, check_file_limit, serve
         from .fetch import MediaPolicy, check_allowed_hosts
         from .limits import Limits
     except ImportError as e:
@@ -217,6 +217,12 @@ def main(argv=None):
             print("error: --prefix-cache-dir is not available under mlx.launch (every rank would have to hold the same "
                   "entries of its own part of the cache); leave it out", file=sys.stderr)
         return 2
+    sock = None
+    if group is None or group.rank() == 0:  # the port first: a busy one is said before the model loads
+        sock, problem = bind(args.host, args.port)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
     try:
         from ..cpu import threads
 
@@ -268,9 +274,10 @@ def main(argv=None):
     except Qwen3VLError as e:  # e.g. a --prefix-cache-dir of another user, a KV group size the model cannot take
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"[mlx_qwen3vl] serving {args.model} on http://{args.host}:{args.port}/v1{where}"
-          + ("" if args.no_ui else f"; playground: http://{args.host}:{args.port}/"), file=sys.stderr, flush=True)
-    run = dict(host=args.host, port=args.port, log_level=args.log_level, max_connections=args.max_connections,
+    port = sock.getsockname()[1]  # --port 0: the one the system chose
+    print(f"[mlx_qwen3vl] serving {args.model} on http://{args.host}:{port}/v1{where}"
+          + ("" if args.no_ui else f"; playground: http://{args.host}:{port}/"), file=sys.stderr, flush=True)
+    run = dict(sock=sock, log_level=args.log_level, max_connections=args.max_connections,
                header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                keep_alive_timeout=args.keep_alive_timeout, on_stop=app.state.stop)
     if group is None:

@@ -11,8 +11,10 @@ uvicorn's own --keep-alive-timeout applies.
 """
 
 import asyncio
+import errno
 import json
 import signal
+import socket
 
 import h11
 import uvicorn
@@ -151,6 +153,11 @@ class Server(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
+    async def startup(self, sockets=None):
+        await super().startup(sockets)
+        if sockets is not None and not self.should_exit:  # uvicorn names only the addresses it bound itself
+            self._log_started_message(sockets)
+
     def handle_exit(self, sig, frame):
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True
@@ -160,15 +167,35 @@ class Server(uvicorn.Server):
             self._loop.call_soon_threadsafe(self.on_stop)
 
 
-def serve(app, *, host, port, log_level, max_connections=DEFAULT_MAX_CONNECTIONS,
+def bind(host, port):
+    """(a listening socket on host:port, None), or (None, why not) in one line. The server binds
+    before it loads the model, so a busy port is said at once, before "serving ..."."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses TIME_WAIT
+        sock.bind((host, port))
+        sock.listen(2048)  # uvicorn's default backlog
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            return None, (f"--port {port}: {host}:{port} is already in use (another server?); stop it or "
+                          "choose another --port")
+        return None, f"--host {host} --port {port}: cannot listen there: {e.strerror or e}"
+    sock.set_inheritable(True)
+    return sock, None
+
+
+def serve(app, *, sock, log_level, max_connections=DEFAULT_MAX_CONNECTIONS,
           header_timeout=DEFAULT_HEADER_TIMEOUT_S, body_timeout=DEFAULT_BODY_TIMEOUT_S,
           keep_alive_timeout=DEFAULT_KEEP_ALIVE_TIMEOUT_S, on_stop=None):
-    """Serve `app` until a signal stops it (then return)."""
+    """Serve `app` on `sock` (from bind) until a signal stops it (then return)."""
+    host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", ws="none",
                             http=protocol_class(max_connections, header_timeout, body_timeout),
                             timeout_keep_alive=keep_alive_timeout, timeout_graceful_shutdown=5,
                             h11_max_incomplete_event_size=MAX_HEADER_BYTES)
-    Server(config, on_stop).run()
+    Server(config, on_stop).run(sockets=[sock])
 
 
 def check_file_limit(max_connections, reserve=256):

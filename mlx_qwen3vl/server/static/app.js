@@ -7,7 +7,7 @@
 (() => {
   const $ = (id) => document.getElementById(id);
   const KEY_STORE = "mlx_qwen3vl.apiKey";
-  const state = {key: null, image: null, dataUrl: null, blobUrl: null, chat: [], busy: false};
+  const state = {key: null, image: null, dataUrl: null, blobUrl: null, chat: [], busy: false, job: null};
 
   try {
     state.key = window.localStorage.getItem(KEY_STORE);
@@ -37,8 +37,8 @@
     return new ApiError(res.status, message);
   }
 
-  async function call(method, path, body) {
-    const init = {method, headers: headers()};
+  async function call(method, path, body, signal) {
+    const init = {method, headers: headers(), signal};
     if (body !== undefined) init.body = JSON.stringify(body);
     const res = await fetch(path, init);
     if (!res.ok) throw await failure(res);
@@ -49,6 +49,12 @@
     const box = $("error");
     box.textContent = err ? String(err.message || err) : "";
     box.hidden = !err;
+    if (err) notice(null);
+  }
+
+  function notice(text) {  // a calm line (a stopped request), not an error
+    $("notice").textContent = text || "";
+    $("notice").hidden = !text;
   }
 
   // ------------------------------------------------------------------------------- the key
@@ -117,6 +123,13 @@
     const img = $("shot");
     img.onload = () => {
       $("image-info").textContent = `${file.name || "pasted image"}: ${img.naturalWidth} × ${img.naturalHeight} px`;
+    };
+    img.onerror = () => {  // e.g. a text file named .png: said now, not at Locate
+      if (state.image !== file) return;
+      state.image = state.dataUrl = null;
+      $("stage").hidden = true;
+      $("image-info").textContent = "";
+      showError(new Error(`${file.name || "that file"} could not be read as an image; pick a PNG, JPEG, WebP or GIF`));
     };
     img.src = state.blobUrl;
     $("stage").hidden = false;
@@ -238,6 +251,36 @@
     document.body.classList.toggle("busy", on);
   }
 
+  // A request in flight: spinner, elapsed seconds and Stop (which aborts it: the server sees the
+  // connection close). Returns the job: its AbortSignal, and end() once the request has settled.
+  function start(label) {
+    busy(true);
+    notice(null);
+    const controller = new AbortController();
+    const t0 = performance.now();
+    const seconds = () => ((performance.now() - t0) / 1000).toFixed(1);
+    const tick = () => { $("progress-text").textContent = `${label}… ${seconds()} s`; };
+    tick();
+    const timer = setInterval(tick, 100);
+    $("progress").hidden = false;
+    const job = {
+      signal: controller.signal, seconds,
+      stop: () => controller.abort(),
+      end: () => {
+        clearInterval(timer);
+        $("progress").hidden = true;
+        state.job = null;
+        busy(false);
+      },
+    };
+    state.job = job;
+    return job;
+  }
+
+  $("stop").addEventListener("click", () => { if (state.job) state.job.stop(); });
+
+  const aborted = (err) => err && err.name === "AbortError";
+
   $("ground-form").addEventListener("submit", async (ev) => {
     ev.preventDefault();
     if (state.busy) return;
@@ -245,19 +288,20 @@
     if (!state.dataUrl) return showError(new Error("first drop, paste or pick a screenshot"));
     if (!instruction) return showError(new Error("type an instruction: what to find on the screenshot"));
     showError(null);
-    busy(true);
+    const job = start("Locating");
     try {
       const fraction = Number($("zoom-fraction").value);
       const r = await call("POST", "/v1/ground", {
         image: await state.dataUrl, instruction, format: $("format").value,
         zoom: $("zoom").checked ? (fraction > 0 && fraction <= 1 ? fraction : true) : false,
-      });
+      }, job.signal);
       draw(r);
       report(r);
     } catch (err) {
-      showError(err);
+      if (aborted(err)) notice(`Stopped after ${job.seconds()} s.`);
+      else showError(err);
     } finally {
-      busy(false);
+      job.end();
     }
   });
 
@@ -285,8 +329,9 @@
     }
   });
 
-  async function stream(body, onDelta) {
-    const res = await fetch("/v1/chat/completions", {method: "POST", headers: headers(), body: JSON.stringify(body)});
+  async function stream(body, onDelta, signal) {
+    const res = await fetch("/v1/chat/completions", {method: "POST", headers: headers(), body: JSON.stringify(body),
+      signal});
     if (!res.ok) throw await failure(res);
     const reader = res.body.getReader();
     const decoder = new TextDecoder();
@@ -327,12 +372,12 @@
       ? [{type: "image_url", image_url: {url: await state.dataUrl}}, {type: "text", text: question}]
       : question;
     state.chat.push({role: "user", content});
-    bubble("user", question);
+    const asked = bubble("user", question);
     $("question").value = "";
     const out = bubble("assistant", "");
     out.classList.add("streaming");
-    busy(true);
-    const start = performance.now();
+    const job = start("Answering");
+    const t0 = performance.now();
     let first = null, text = "";
     try {
       const {usage, chunks} = await stream(
@@ -341,21 +386,28 @@
           first = first || performance.now();
           text += piece;
           out.textContent = text;
-        });
+        }, job.signal);
       state.chat.push({role: "assistant", content: text});
       const end = performance.now();
       const n = usage ? usage.completion_tokens : chunks;
       const rate = first && n > 1 && end > first ? ((n - 1) * 1000) / (end - first) : 0;
       $("chat-stats").textContent = `${n} tokens in ${chunks} chunks` +
         (usage ? `, prompt ${usage.prompt_tokens} (${usage.prompt_tokens_details.cached_tokens} cached)` : "") +
-        (first ? `, first after ${((first - start) / 1000).toFixed(2)} s, ${rate.toFixed(1)} tok/s` : "");
+        (first ? `, first after ${((first - t0) / 1000).toFixed(2)} s, ${rate.toFixed(1)} tok/s` : "");
     } catch (err) {
-      state.chat.pop();
-      out.remove();
-      showError(err);
+      state.chat.pop();  // a stopped or failed turn is left out of the chat, as the command line's Ctrl-C does
+      if (aborted(err)) {
+        out.textContent = text ? `${text} [stopped]` : "[stopped]";
+        out.classList.add("stopped");
+        asked.classList.add("stopped");
+        notice(`Stopped after ${job.seconds()} s; that question and its answer are left out of the chat.`);
+      } else {
+        out.remove();
+        showError(err);
+      }
     } finally {
       out.classList.remove("streaming");
-      busy(false);
+      job.end();
     }
   });
 

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 from .measure import decode_bytes_per_token
-from .presets import ROOT
+from .preset_folders import ROOT
 
 
 BENCH = ROOT / "benchmarks" / "bench.py"  # what a worker process runs (with --worker)

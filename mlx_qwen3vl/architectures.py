@@ -1,12 +1,12 @@
-"""The published Qwen3-VL Instruct architectures as config.json dicts (transformers-4.57 layout), so
-the memory planner can size them and the lab benchmark can build them with random weights, with
-nothing downloaded.
+"""The published Qwen3-VL Instruct architectures ("presets") as config.json dicts (transformers-4.57
+layout), so the memory planner can size them and the benchmarks can build them with random
+weights, with nothing downloaded.
 
 The shapes are those of config.json of Qwen/Qwen3-VL-{2B,4B,8B,30B-A3B}-Instruct; `tiny` and
 `moe-small` are small ones for tests and for machines without the memory for 30B-A3B.
 """
 
-from ..errors import InputError
+from .errors import InputError
 
 # What every published Qwen3-VL text config shares.
 _TEXT = dict(head_dim=128, num_key_value_heads=8, vocab_size=151936, rope_theta=5_000_000,

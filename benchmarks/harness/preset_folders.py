@@ -1,5 +1,5 @@
 """Random-weight presets of the published Qwen3-VL Instruct architectures (their shapes live in
-mlx_qwen3vl/bench/presets.py, which the memory planner sizes too), written once as hub
+mlx_qwen3vl/architectures.py, which the memory planner sizes too), written once as hub
 folders (bfloat16 safetensors, hub key names, the transformers-4.57 config layout, the test
 fixture's tokenizer and chat template) under benchmarks/models/, so every engine loads the same
 files and nothing is downloaded."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mlx_qwen3vl.bench.presets import PRESETS, preset_config as _preset_config  # noqa: F401  (bench.py imports PRESETS here)
+from mlx_qwen3vl.architectures import PRESETS, preset_config as _preset_config  # noqa: F401  (bench.py: PRESETS)
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny-a"
@@ -29,7 +29,7 @@ TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def preset_config(name):
-    """config.json of a preset (mlx_qwen3vl.bench.presets) with the fixture tokenizer's special token ids."""
+    """config.json of a preset (mlx_qwen3vl.architectures) with the fixture tokenizer's special token ids."""
     fx = json.loads((FIXTURE / "config.json").read_text())
     tokens = {k: fx[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
     tokens.update(bos_token_id=fx["text_config"]["bos_token_id"], eos_token_id=fx["text_config"]["eos_token_id"])

@@ -12,7 +12,7 @@ from .workloads import AGENT_SYSTEM, WARMUP, agent_turns
 def worker_ours(args, spec):
     from mlx_qwen3vl import blas as _blas  # before mlx.core: it loads the optimized BLAS
 
-    import mlx.core as mx
+    from mlx_qwen3vl import Processor
     from mlx_qwen3vl.generate import generate_tokens
     from mlx_qwen3vl.weights import load_model
 
@@ -21,6 +21,7 @@ def worker_ours(args, spec):
     bw = measure_bandwidth(spec.get("bandwidth_gb", 1.0))
     tic = time.perf_counter()
     model = load_model(spec["model"], dtype=spec.get("dtype"), backend=spec.get("backend"))
+    processor = Processor.from_pretrained(spec["model"])  # the preset folder's tokenizer (the engine detokenizes)
     load_s = time.perf_counter() - tic
     dtype = model.language_model.norm.weight.dtype
     info.update(dtype=str(dtype).replace("mlx.core.", ""), load_s=load_s, backend=model.backend.describe(), **bw)
@@ -28,22 +29,21 @@ def worker_ours(args, spec):
     results = {}
     # Vision is timed on its own: the token loop evaluates the features and reports their time.
     vision_time = []
-    sampler = lambda logprobs: mx.argmax(logprobs, axis=-1)
     data = np.load(spec["inputs"])
     warm = {k.split("/", 1)[1]: data[k] for k in data.files if k.startswith(WARMUP + "/")}
-    for y in generate_tokens(model, warm, model.make_cache(), sampler=sampler, max_tokens=4):
+    for y in generate_tokens(model, processor, warm, max_tokens=4):
         y.item()
     for name in spec["workloads"]:
         if name == "agent":
             continue
         inputs = {k.split("/", 1)[1]: data[k] for k in data.files if k.startswith(name + "/")}
         for _ in range(spec.get("warmup", 0)):
-            for y in generate_tokens(model, inputs, model.make_cache(), sampler=sampler, max_tokens=2):
+            for y in generate_tokens(model, processor, inputs, max_tokens=2):
                 y.item()
 
         def tokens(inputs=inputs):
-            for y in generate_tokens(model, inputs, model.make_cache(), sampler=sampler,
-                                     max_tokens=spec["decode_tokens"], on_vision_done=vision_time.append,
+            for y in generate_tokens(model, processor, inputs, max_tokens=spec["decode_tokens"],
+                                     on_vision_done=vision_time.append,
                                      prefill_step_size=spec.get("prefill_step_size", 2048)):
                 yield y.item()
 
