@@ -53,7 +53,7 @@ def load_avg():
 
 def checkpoint(layers):
     from decode_gap import cut_preset
-    from harness.presets import build_preset
+    from harness.preset_folders import build_preset
 
     return build_preset("2b", log=log) if layers >= 28 else cut_preset(layers)
 
