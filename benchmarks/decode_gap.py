@@ -1,10 +1,12 @@
 """The plain MLX graph's decode against mlx-vlm's, like for like: a 2B-shaped model cut to 6 decoder
 layers and 6 vision blocks (the 2B preset's weights, float32 in both, MKL serving MLX's matmuls in
 both), one ~256-token text prompt, greedy, EOS ignored. Runs alternate engine by engine, best of
---pairs; then each engine's decode step is split into the model's forward and what its loop adds
+--pairs (decode tokens/s, and the time from ready inputs to the first token: the prefill); then
+each engine's decode step is split into the model's forward and what its loop adds
 (log-softmax, sampling, host work), the forward timed alone over the same cache.
 
     python benchmarks/decode_gap.py [--pairs 3] [--tokens 64] [--out benchmarks/results/decode-gap-2b6.json]
+        [--model FOLDER]   (another checkpoint, e.g. vision_memory.py's h-mid: the same shapes, no 2B preset to build)
 
 Needs mlx-vlm (e.g. a virtualenv with `pip install mlx-vlm` and this package); ~6 GB.
 """
@@ -70,16 +72,18 @@ def per_token(times):
     return (len(times) - 1) / (times[-1] - times[0])
 
 
-def ours_run(model, processor, prompt, n):
-    times = []
-    for _ in M.stream_generate(model, processor, prompt=prompt, max_tokens=n, ignore_eos=True, temperature=0.0):
+def ours_run(model, processor, inputs, n):
+    """(decode tokens/s, seconds from ready inputs to the first token)."""
+    tic, times = time.perf_counter(), []
+    for _ in M.stream_generate(model, processor, inputs=inputs, max_tokens=n, ignore_eos=True, temperature=0.0):
         times.append(time.perf_counter())
-    return per_token(times)
+    return per_token(times), times[0] - tic
 
 
 def vlm_run(model, processor, inputs, n):
+    tic = time.perf_counter()
     times = [time.perf_counter() for _ in vlm.tokens(model, processor, inputs, n)]
-    return per_token(times)
+    return per_token(times), times[0] - tic
 
 
 def forward_alone(step, n):
@@ -95,9 +99,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--model", default=None, help="a checkpoint folder instead of the cut 2B preset")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode-gap-2b6.json"))
     args = p.parse_args()
-    folder = cut_preset()
+    folder = Path(args.model) if args.model else cut_preset()
     ours, processor = M.load(str(folder), dtype="float32", backend="mlx")
     theirs, vlm_processor = vlm.load_ignoring_eos(folder)
     theirs.set_dtype(mx.float32)
@@ -106,14 +111,14 @@ def main():
     prompt = processor.tokenizer.decode(processor.tokenizer(words)["input_ids"][:250])
     inputs = {k: np.asarray(v) for k, v in encode_prompt(processor, prompt=prompt).items()}
     log(f"prompt {inputs['input_ids'].shape[1]} tokens; {ours.backend.describe()}")
-    ours_run(ours, processor, prompt, 4), vlm_run(theirs, vlm_processor, inputs, 4)  # warm both
+    ours_run(ours, processor, inputs, 4), vlm_run(theirs, vlm_processor, inputs, 4)  # warm both
     rows = []
     for i in range(args.pairs):
         order = ["ours", "mlx-vlm"] if i % 2 == 0 else ["mlx-vlm", "ours"]
         pair = {}
         for name in order:
-            pair[name] = (ours_run(ours, processor, prompt, args.tokens) if name == "ours"
-                          else vlm_run(theirs, vlm_processor, inputs, args.tokens))
+            pair[name], pair[f"{name} ttft_s"] = (ours_run(ours, processor, inputs, args.tokens) if name == "ours"
+                                                  else vlm_run(theirs, vlm_processor, inputs, args.tokens))
         pair["load"] = os.getloadavg()[0]
         rows.append(pair)
         log(json.dumps(pair))
@@ -147,12 +152,15 @@ def main():
         for name, step in (("ours", ours_step), ("mlx-vlm", vlm_step))[:: 1 if i % 2 == 0 else -1]:
             forward.setdefault(name, []).append(forward_alone(step, args.tokens))
     best = {name: max(r[name] for r in rows) for name in ("ours", "mlx-vlm")}
+    ttft = {name: min(r[f"{name} ttft_s"] for r in rows) for name in ("ours", "mlx-vlm")}
     fwd = {name: min(v) for name, v in forward.items()}
     result = {"model": folder.name, "prompt_tokens": int(inputs["input_ids"].shape[1]), "tokens": args.tokens,
               "pairs": rows, "best_decode_tps": best, "ratio_ours_over_mlx_vlm": best["ours"] / best["mlx-vlm"],
+              "best_ttft_s": ttft, "prefill_ratio_ours_over_mlx_vlm": ttft["mlx-vlm"] / ttft["ours"],
               "forward_alone_s": fwd, "loop_overhead_s": {n: 1 / best[n] - fwd[n] for n in fwd},
               "machine": machine_info()}
-    log(json.dumps({k: result[k] for k in ("best_decode_tps", "ratio_ours_over_mlx_vlm", "forward_alone_s",
+    log(json.dumps({k: result[k] for k in ("best_decode_tps", "ratio_ours_over_mlx_vlm", "best_ttft_s",
+                                           "prefill_ratio_ours_over_mlx_vlm", "forward_alone_s",
                                            "loop_overhead_s")}))
     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
 

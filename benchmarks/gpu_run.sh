@@ -15,6 +15,10 @@
 #   plan-2b.json         python -m mlx_qwen3vl.plan on the same checkpoint
 #   bench-2b.json        python -m mlx_qwen3vl.bench on it (bfloat16), the installed benchmark's table
 #   bench-2b-4bit.json   the same, --quick, on its 4-bit conversion (what Mac users run)
+#   vision-memory.json   benchmarks/vision_memory.py, bfloat16: peak memory and first token for a 1080p and a 4K
+#                        screenshot, vision head dims 64 and 72, the plain graph against mlx-vlm (when installed)
+#   graph-ops.json       benchmarks/graph_ops.py: ops of a decode step and a vision block, ours vs mlx-vlm
+#   decode-gap.json      benchmarks/decode_gap.py: decode and first token against mlx-vlm, interleaved (needs mlx-vlm)
 #
 # A step that fails is recorded and the next one still runs; the script's exit status is the
 # first failure's. Settings (environment variables): VENV=path (reuse a virtualenv, and INSTALL=0
@@ -87,6 +91,14 @@ if [ ! -f "$checkpoint-4bit/config.json" ]; then
 fi
 step "bench, 4-bit, --quick" \
   python -m mlx_qwen3vl.bench --model "$checkpoint-4bit" --quick --json "$out-bench-$preset-4bit.json"
+
+step "vision memory, 1080p and 4K" \
+  python benchmarks/vision_memory.py --engines mlx,mlx-vlm --dtype bfloat16 --out "$out-vision-memory.json"
+step "graph ops" python benchmarks/graph_ops.py --out "$out-graph-ops.json"
+if python -c "import mlx_vlm" 2>/dev/null; then
+  step "decode gap against mlx-vlm" \
+    python benchmarks/decode_gap.py --model "$models/vision-memory/6x6/qwen3vl-h-mid-random" --out "$out-decode-gap.json"
+fi
 
 ls -l "$out"-* >&2
 exit $status

@@ -34,7 +34,7 @@ def gelu_tanh(x):
 
 class MLP(language.MLP):
     def __call__(self, x):
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(swiglu(*self.gate_up(x)))
 
 
 class VisionMLP(vision.VisionMLP):

@@ -17,6 +17,7 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import language
 from .errors import ConfigError
 
 ENV = "MLX_QWEN3VL_CPU_KERNELS"
@@ -87,23 +88,57 @@ def plain_graph_on_cpu(model):
     return model
 
 
+def _stack(modules):
+    """One weight of unbiased float linears' rows, stacked, with each linear's weight rebound to a
+    view of it (so the memory is not doubled); None where any is quantized, biased or sharded."""
+    if any(type(m) is not nn.Linear or "bias" in m for m in modules):
+        return None
+    stacked = mx.concatenate([m.weight for m in modules])
+    mx.eval(stacked)
+    start = 0
+    for m in modules:
+        n = m.weight.shape[0]
+        m.weight = stacked[start:start + n]
+        start += n
+    mx.eval([m.weight for m in modules])
+    return stacked
+
+
+def fuse(model):
+    """Stack each decoder layer's q/k/v and gate/up weights into one matmul each (the plain graph,
+    at load). The checkpoint's names and parameters stay as they are (views of the stacked
+    weight); the stacked ones are private (`_qkv`, `_gate_up`), outside parameters()."""
+    for layer in model.language_model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = _stack([attn.q_proj, attn.k_proj, attn.v_proj])
+        if qkv is not None:
+            nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+            attn._qkv, attn._qkv_split = qkv, [nq, nq + nk]
+        if isinstance(mlp, language.MLP):
+            gate_up = _stack([mlp.gate_proj, mlp.up_proj])
+            if gate_up is not None:
+                mlp._gate_up = gate_up
+    return model
+
+
 def install(model, backend=None):
     """Put a backend in place on a loaded model, once; returns the model.
 
-    backend "mlx": the plain graph. "cpu": the CPU path (an error where it cannot run, see
+    backend "mlx": the plain graph, its decoder's q/k/v and gate/up stacked into one matmul each
+    (fuse; quantized or biased projections stay apart). "cpu": the CPU path (an error where it cannot run, see
     cpu_path_fits). None: the CPU path where it fits, unless MLX_QWEN3VL_CPU_KERNELS=mlx.
     The C extension or numpy for the CPU path's decode work follows MLX_QWEN3VL_CPU_KERNELS."""
     if backend not in (None, "mlx", "cpu"):
         raise ConfigError(f"backend {backend!r} is not one of 'mlx', 'cpu' or None (automatic)")
     choice = env_choice()
     if backend == "mlx" or (backend is None and choice == "mlx"):
-        return model
+        return fuse(model)
     why_not = cpu_path_fits(model)
     if why_not:
         if backend == "cpu":
             raise ConfigError(f"the CPU path cannot run this model: {why_not}; load it in float32 on the CPU "
                               "or use backend='mlx'")
-        return model
+        return fuse(model)
     from . import cpu  # the CPU path (numpy + C) is imported only for a model that runs on it
 
     return cpu.install(model, ops=None if choice in ("auto", "mlx") else choice)

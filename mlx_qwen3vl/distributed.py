@@ -23,7 +23,7 @@
   are broadcast, so other ranks need the checkpoint but not the media. Ranks then compute the
   same logits (collectives give every rank identical sums), and the random seed is made equal at
   load, so sampled tokens agree without a per-token exchange.
-- Loading: each rank reads only its slices from the safetensors files (slices.py: the surgery runs
+- Loading: each rank reads only its slices from the safetensors files (sharded_load.py: the surgery runs
   on placeholders, then each kept parameter's byte ranges are read), and the ranks first compare a
   fingerprint of config.json and the safetensors headers, so different checkpoints on different
   machines fail at once.
@@ -380,10 +380,10 @@ def check_parallel(parallel: str, vision: str = VISION_DEFAULT):
 def sharded_load(path, group, dtype=None, vision: str = VISION_DEFAULT, backend=None, parallel: str = "tensor"):
     """The model of a checkpoint folder, split over `group` (parallel "tensor": every layer split,
     "pipeline": the layers split, see pipeline.py): each rank reads only its slices of the
-    safetensors files (slices.load_kept). backend: None or "mlx" (the only one that shards)."""
+    safetensors files (sharded_load.load_kept). backend: None or "mlx" (the only one that shards)."""
     from .config import ModelConfig
     from .pipeline import check_pipelinable, pipeline
-    from .slices import load_kept
+    from .sharded_load import load_kept
 
     check_parallel(parallel, vision)
     if backend not in (None, "mlx"):

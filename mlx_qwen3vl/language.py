@@ -1,9 +1,12 @@
 """The Qwen3 decoder of Qwen3-VL: q/k RMSNorm on the head dim, GQA, SwiGLU, interleaved mRoPE, and
 DeepStack (vision features from early ViT blocks added after the first decoder layers)."""
 
+from functools import partial
+
 import mlx.core as mx
 import mlx.nn as nn
 
+from .attention import scaled_dot_product_attention
 from .config import TextConfig
 from .moe import SparseMoeBlock
 from .rope import TextRotary
@@ -26,9 +29,10 @@ class Attention(nn.Module):
 
     def __call__(self, x, rope, mask, cache=None):
         B, L, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = self.project(x)
+        q = self.q_norm(q.reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q, k = rope(q), rope(k)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
@@ -38,10 +42,18 @@ class Attention(nn.Module):
             out = self.attend(q, k, v, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
+    def project(self, x):
+        """q, k, v: one matmul when backend.fuse built their stacked weight at load."""
+        qkv = self.get("_qkv")
+        if qkv is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return mx.split(x @ qkv.T, self._qkv_split, axis=-1)
+
     def attend(self, q, k, v, mask):
         """softmax(q k^T * scale, masked) v over grouped heads; mask None, "causal" (lower-right
-        aligned, so it holds with a KV cache) or boolean (B, 1, L, S)."""
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        aligned, so it holds with a KV cache) or boolean (B, 1, L, S); in query chunks of bounded
+        memory over a long prompt (attention.py)."""
+        return scaled_dot_product_attention(q, k, v, self.scale, mask)
 
     def attend_quantized(self, q, k, v, mask, bits, group_size):
         """`attend` over quantized keys and values: mlx-lm's quantized attention (MLX's quantized
@@ -49,6 +61,12 @@ class Attention(nn.Module):
         from mlx_lm.models.base import quantized_scaled_dot_product_attention  # the cache type loaded it
 
         return quantized_scaled_dot_product_attention(q, k, v, self.scale, mask, group_size=group_size, bits=bits)
+
+
+@partial(mx.compile, shapeless=True)
+def swiglu(gate, up):
+    """silu(gate) * up as one kernel (mlx-lm's); compiled once for every shape."""
+    return nn.silu(gate) * up
 
 
 class MLP(nn.Module):
@@ -59,7 +77,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(*self.gate_up(x)))
+
+    def gate_up(self, x):
+        """gate and up projections: one matmul when backend.fuse built their stacked weight at load."""
+        w = self.get("_gate_up")
+        if w is None:
+            return self.gate_proj(x), self.up_proj(x)
+        return mx.split(x @ w.T, 2, axis=-1)
 
 
 def make_mlp(config: TextConfig, index: int) -> nn.Module:

@@ -8,7 +8,7 @@ a request sampled inside a batch draws exactly what it draws alone.
 
 import math
 from dataclasses import dataclass, field, fields, replace
-from typing import Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -41,6 +41,12 @@ _CHECKS = {
     "frequency_penalty": (lambda v: v is None or _finite(v), "a number (0 or none = off)"),
     "frequency_context_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "ignore_eos": (lambda v: isinstance(v, bool), "True or False"),
+    "stop_token_ids": (lambda v: isinstance(v, tuple) and all(_int(t) and t >= 0 for t in v),
+                       "a list of token ids (integers >= 0)"),
+    "min_tokens": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
+    "logit_bias": (lambda v: v is None or isinstance(v, tuple) and all(
+        isinstance(p, tuple) and len(p) == 2 and _int(p[0]) and p[0] >= 0 and _finite(p[1]) for p in v),
+        "{token id: bias} with integer ids >= 0 and finite biases"),
     "logprobs": (lambda v: isinstance(v, bool), "True or False"),
     "top_logprobs": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
 }
@@ -81,12 +87,22 @@ class SamplingParams:
     # text included), and stop strings and max_tokens still end the answer.
     ignore_eos: bool = field(default=False, metadata={
         "flag": "--ignore-eos", "help": "generate past the checkpoint's EOS tokens (exact-length answers)"})
+    # vLLM's: more token ids that end the answer like EOS (kept out of the text, even with
+    # ignore_eos), and a floor under the answer's length before EOS, these ids or a stop string may end it.
+    stop_token_ids: Tuple[int, ...] = ()
+    min_tokens: int = 0
+    # OpenAI's / mlx-lm's: {token id: bias} added to the logits before every other processor;
+    # held as sorted (id, bias) pairs, so a saved or broadcast copy reads back the same.
+    logit_bias: Optional[Mapping[int, float]] = None
     # What each token's event carries besides the token: its log-probability is always there (the
     # library's results keep it); the `top_logprobs` likeliest alternatives only when asked.
     logprobs: bool = False
     top_logprobs: int = 0
 
     def __post_init__(self):
+        # the canonical forms (a JSON round trip gives lists and string keys back), then the checks
+        object.__setattr__(self, "stop_token_ids", _canonical_ids(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _canonical_bias(self.logit_bias))
         check_sampling({f.name: getattr(self, f.name) for f in fields(self)})
 
     @classmethod
@@ -107,6 +123,23 @@ class SamplingParams:
 FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
 
 
+def _canonical_ids(v):
+    return tuple(v) if isinstance(v, (list, tuple)) else v
+
+
+def _canonical_bias(v):
+    """{id: bias} (or (id, bias) pairs, ids as digit strings too) → sorted pairs; else `v` as it
+    came, for the check to refuse."""
+    pairs = v.items() if isinstance(v, Mapping) else v
+    if not isinstance(pairs, (list, tuple)) and not isinstance(v, Mapping):
+        return v
+    try:
+        out = tuple(sorted((int(t) if isinstance(t, str) and t.isdigit() else t, b) for t, b in pairs))
+    except (TypeError, ValueError):
+        return v
+    return out or None
+
+
 def check_sampling(values: dict, name=lambda field_name: field_name):
     """Raise InputError for the first value out of range, naming it with `name(field)`."""
     for key, value in values.items():
@@ -125,8 +158,9 @@ class Sampler:
         from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
         penalty = params.repetition_penalty
-        # mlx-lm's order: repetition, presence, frequency; then any of the request's own (grammar).
+        # mlx-lm's order: logit bias, repetition, presence, frequency; then any of the request's own (grammar).
         self.processors = make_logits_processors(
+            logit_bias=dict(params.logit_bias) if params.logit_bias else None,
             repetition_penalty=penalty if penalty not in (None, 1.0) else None,
             repetition_context_size=params.repetition_context_size,
             presence_penalty=params.presence_penalty or None, presence_context_size=params.presence_context_size,

@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .attention import scaled_dot_product_attention
 from .config import VisionConfig
 from .errors import InputError
 from .rope import VisionRotary, apply_rotary
@@ -135,8 +136,8 @@ class VisionAttention(nn.Module):
 
     def attend(self, q, k, v):
         """Unmasked attention within each window, q (windows, heads, queries, head_dim), k / v
-        (windows, heads, length, head_dim)."""
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)
+        (windows, heads, length, head_dim), in query chunks of bounded memory (attention.py)."""
+        return scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)
 
 
 def gelu_tanh(x):

@@ -5,6 +5,7 @@ import ast
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import mlx.nn as nn
 import pytest
 
@@ -134,3 +135,53 @@ def test_plain_graph_on_the_cpu_rotates_text_by_tables_bit_for_bit(on_cpu):
         x = mx.random.normal((len(positions), 4, length, 128), key=mx.random.key(length))
         pos = mx.array(positions)
         assert np.array_equal(np.array(plain(pos, length)(x)), np.array(tables(pos, length)(x)))
+
+
+@pytest.mark.parametrize("fixture", ["tiny-a", "tiny-moe", "mlxvlm-q4"])
+def test_plain_graph_stacks_projections_without_renaming_or_copying(fixture, on_cpu):
+    """The plain graph's q/k/v and gate/up run as one matmul each (backend.fuse): the parameters
+    keep the checkpoint's names and values (views of the stacked weight, no second copy), the
+    logits equal the unstacked graph's, and quantized projections and MoE experts stay apart."""
+    from mlx.utils import tree_flatten
+
+    from mlx_qwen3vl.weights import build_model
+
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    fused = load_model(FIXTURES / fixture, backend="mlx")
+    fused_bytes = mx.get_active_memory() - before
+    plain = build_model(FIXTURES / fixture)[0]
+    ours, theirs = dict(tree_flatten(fused.parameters())), dict(tree_flatten(plain.parameters()))
+    assert ours.keys() == theirs.keys()
+    assert all(mx.array_equal(ours[k], theirs[k]) for k in ours)
+    assert fused_bytes <= sum(a.nbytes for a in theirs.values()) * 1.01
+    layers = fused.language_model.layers
+    quantized = fixture == "mlxvlm-q4"
+    assert all((layer.self_attn.get("_qkv") is None) == quantized for layer in layers)
+    assert all((layer.mlp.get("_gate_up") is None) == (quantized or not isinstance(layer.mlp, language.MLP))
+               for layer in layers)
+    inputs = case_inputs("image")
+    np.testing.assert_allclose(np.array(fused(**inputs)), np.array(plain(**inputs)), rtol=1e-5, atol=1e-5)
+
+
+def test_plain_mlp_is_silu_gate_times_up_stacked_or_not(on_cpu):
+    """language.MLP (what a GPU runs: compiled swiglu, gate/up stacked by backend.fuse) computes
+    down(silu(gate(x)) * up(x)) at any number of tokens, before and after stacking."""
+    import mlx.nn as nn
+    from types import SimpleNamespace
+
+    from mlx_qwen3vl.backend import fuse
+
+    mlp = language.MLP(64, 96)
+    mx.eval(mlp.parameters())
+    want = lambda x: mlp.down_proj(nn.silu(mlp.gate_proj(x)) * mlp.up_proj(x))  # noqa: E731
+    xs = [mx.random.normal((2, 7, 64)), mx.random.normal((1, 1, 64))]
+    expected = [want(x) for x in xs]
+    for x, e in zip(xs, expected):
+        np.testing.assert_allclose(np.array(mlp(x)), np.array(e), rtol=1e-6, atol=1e-6)
+    attn = SimpleNamespace(q_proj=None)  # a layer whose attention cannot be stacked
+    attn.q_proj = attn.k_proj = attn.v_proj = nn.QuantizedLinear(64, 64)
+    fuse(SimpleNamespace(language_model=SimpleNamespace(layers=[SimpleNamespace(self_attn=attn, mlp=mlp)])))
+    assert mlp.get("_gate_up") is not None
+    for x, e in zip(xs, expected):
+        np.testing.assert_allclose(np.array(mlp(x)), np.array(e), rtol=1e-5, atol=1e-5)

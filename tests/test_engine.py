@@ -310,8 +310,8 @@ def test_server_ends_a_request_past_its_time_limit_and_refuses_one_that_never_fi
     import asyncio
 
     from mlx_qwen3vl.server.__main__ import build_parser, main
-    from mlx_qwen3vl.server.engine import Engine as ServerEngine
-    from mlx_qwen3vl.server.prepared import Prepared
+    from mlx_qwen3vl.server.model_thread import ModelThread as ServerEngine
+    from mlx_qwen3vl.server.prepared import DoneEvent, ErrorEvent, Prepared, TokenEvent
 
     model = load_fixture_model("tiny-a")
     inputs = encode_prompt(processor, messages=conversation("Tell a long story."))
@@ -325,7 +325,7 @@ def test_server_ends_a_request_past_its_time_limit_and_refuses_one_that_never_fi
 
             async def events():
                 got = []
-                while not got or got[-1]["type"] == "token":
+                while not got or isinstance(got[-1], TokenEvent):
                     got.append(await asyncio.wait_for(handle.queue.get(), 120))
                 return got
 
@@ -335,11 +335,11 @@ def test_server_ends_a_request_past_its_time_limit_and_refuses_one_that_never_fi
             loop.close()
 
     got = answer(ServerEngine(model, processor, max_request_seconds=0.3), 3500)
-    assert got[-1]["type"] == "done" and got[-1]["finish_reason"] == "time_limit"
-    assert 0 < got[-1]["completion_tokens"] == len(got) - 1 < 3500
+    assert isinstance(got[-1], DoneEvent) and got[-1].finish_reason == "time_limit"
+    assert 0 < got[-1].completion_tokens == len(got) - 1 < 3500
     per_token = Engine(model, processor).kv_per_token
     got = answer(ServerEngine(model, processor, kv_cache_bytes=(n + 10) * per_token), 100)
-    assert got[-1]["type"] == "error" and got[-1]["error"].status == 400 and "KV cache" in got[-1]["error"].message
+    assert isinstance(got[-1], ErrorEvent) and got[-1].error.status == 400 and "KV cache" in got[-1].error.message
     assert build_parser().parse_args(["--model", "m"]).max_request_seconds == 600
     for flag, value in (("--max-request-seconds", "-1"), ("--prefill-budget", "-5"), ("--kv-cache-gb", "0")):
         assert main(["--model", str(FIXTURES / "tiny-a"), flag, value]) == 2

@@ -510,8 +510,8 @@ def test_per_request_kv_settings_reach_every_rank(processor):
     from mlx_qwen3vl.server import replica
     from mlx_qwen3vl.server.fetch import MediaPolicy
     from mlx_qwen3vl.server.grammar import GrammarFactory
-    from mlx_qwen3vl.server.prompts import PromptBuilder
-    from mlx_qwen3vl.server.protocol import parse_chat_request
+    from mlx_qwen3vl.server.model_inputs import PromptBuilder
+    from mlx_qwen3vl.server.chat import parse_chat_request
 
     class Engine:  # what PromptBuilder reads
         context, default_max_tokens = 4096, 16

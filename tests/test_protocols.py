@@ -354,6 +354,16 @@ BAD = [  # (name, path, body, status, what the message names)
     ("temperature", "/v1/messages", {**GOOD_M, "temperature": 1.5}, 400, "temperature"),
     ("count with stream", "/v1/messages/count_tokens", {"model": "m", "messages": GOOD_M["messages"], "stream": True},
      400, "stream"),
+    ("logit_bias", "/v1/messages", {**GOOD_M, "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ("logit_bias", "/v1/responses", {**GOOD_R, "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ("vLLM stop ids", "/v1/responses", {**GOOD_R, "stop_token_ids": [5]}, 400, "stop_token_ids"),
+    ("one call only", "/v1/responses", {**GOOD_R, "parallel_tool_calls": False}, 400, "parallel_tool_calls"),
+    ("truncation", "/v1/responses", {**GOOD_R, "truncation": "auto"}, 400, "truncation"),
+    ("effort", "/v1/responses", {**GOOD_R, "reasoning": {"effort": "low"}}, 400, "reasoning.effort"),
+    ("verbosity", "/v1/responses", {**GOOD_R, "text": {"verbosity": "low"}}, 400, "text.verbosity"),
+    ("one call only", "/v1/messages", {**GOOD_M, "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}},
+     400, "disable_parallel_tool_use"),
+    ("effort", "/v1/messages", {**GOOD_M, "output_config": {"effort": "low"}}, 400, "effort"),
     ("bad json", "/v1/messages", b'{"model": ', 400, "JSON"),
     ("not an object", "/v1/messages", b"[1, 2]", 400, "object"),
     ("computer tool_choice", "/v1/messages", {**GOOD_M, "tool_choice": {"type": "any"}, "tools": [
@@ -408,6 +418,7 @@ SCRIPT = {
     "Step 2 done": CALL(action="terminate", status="success"),
     "@drag": CALL(action="left_click_drag", coordinate=[900, 100]),
     "@phone": "LongPress(box=(500, 500))",
+    "@check": 'Let me check.\n<tool_call>\n{"name": "lookup", "arguments": {"q": "weather"}}\n</tool_call>',
     "@exif": CALL(action="left_click", coordinate=[437, 812]),
 }
 # A 10-step loop: each step's answer points where the pixels written back to 0-1000 differ from it
@@ -551,7 +562,7 @@ def test_replayed_calls_the_server_issued_are_the_model_s_own_words(display, rou
     tool = find_computer_tool([{"type": "computer_20251124", "name": "computer", "display_width_px": display[0],
                                 "display_height_px": display[1]}])
     answers, builder = ComputerAnswers(), _Builder()
-    req = ChatRequest(messages=[], sampling=sampling_params({}))
+    req = ChatRequest(turns=[], sampling=sampling_params({}))
     tiny = data_url(png(np.zeros((4, 4, 3), np.uint8)))  # its size does not matter: the display is declared
     first = [Turn("user", [Part("text", "Click it"), Part("image", tiny, "a")])]
     _, request = computer.prepare(builder, req, first, tool, "qwen", answers)
@@ -708,6 +719,46 @@ def test_the_example_loop_runs_against_the_server(scripted):
                      "done after 3 step(s): end_turn"], out.stdout
 
 
+LOOKUP = {"name": "lookup", "description": "Look a word up.",
+          "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}
+
+
+def test_a_tool_call_answer_is_the_same_streamed_and_not(scripted):
+    """The answer 'Let me check.\n<tool_call>...': every protocol hands out the text beside the call
+    without its blank space, streamed or not, and the same call."""
+    s, _ = scripted
+    ask = "What is the weather? @check"
+    chat = dict(model="m", max_tokens=64, messages=[{"role": "user", "content": ask}],
+                tools=[{"type": "function", "function": LOOKUP}])
+    plain = oai(s).chat.completions.create(**chat).choices[0]
+    pieces, args = [], ""
+    for c in oai(s).chat.completions.create(**chat, stream=True):
+        for choice in c.choices:
+            pieces.append(choice.delta.content or "")
+            args += "".join(t.function.arguments or "" for t in choice.delta.tool_calls or [])
+    assert plain.message.content == "".join(pieces) == "Let me check." and plain.finish_reason == "tool_calls"
+    assert json.loads(plain.message.tool_calls[0].function.arguments) == json.loads(args) == {"q": "weather"}
+
+    resp = dict(model="m", input=ask, tools=[{"type": "function", **LOOKUP}], max_output_tokens=64)
+    plain = oai(s).responses.create(**resp)
+    with oai(s).responses.stream(**resp) as stream:
+        streamed = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert plain.output_text == streamed == final.output_text == "Let me check."
+    assert [(o.type, getattr(o, "arguments", None)) for o in plain.output][-1] == ("function_call", '{"q": "weather"}')
+
+    msg = dict(model="m", max_tokens=64, messages=[{"role": "user", "content": ask}],
+               tools=[{"name": "lookup", "description": "Look a word up.", "input_schema": LOOKUP["parameters"]}])
+    plain = claude(s).messages.create(**msg)
+    with claude(s).messages.stream(**msg) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert plain.content[0].text == streamed == final.content[0].text == "Let me check."
+    assert [(b.type, getattr(b, "input", None)) for b in plain.content] == [("text", None),
+                                                                          ("tool_use", {"q": "weather"})]
+    assert plain.stop_reason == final.stop_reason == "tool_use"
+
+
 def test_venus_format_renders_navigation_prompts():
     """--agent-format venus: the same conversation as UI-Venus' navigation prompt (the steps as its
     text history, only the current screenshot), what computer.prepare hands the prompt builder."""
@@ -732,7 +783,7 @@ def test_venus_format_renders_navigation_prompts():
     turns = [Turn("user", [Part("text", "Open the settings"), Part("image", data_url(SHOTS[0]), "a")]),
              Turn("assistant", [Part("text", "On it.")], [Call("t1", "computer", action=click, param="b")]),
              Turn("tool", [Part("image", data_url(SHOTS[1]), "c"), Part("text", "Done.")], call_id="t1")]
-    req = ChatRequest(messages=[], sampling=sampling_params({}))
+    req = ChatRequest(turns=[], sampling=sampling_params({}))
     prepared, request = computer.prepare(Builder(), req, turns, tool, "venus")
     step = ComputerStep(actions=[tool.parse_call(click)], text="On it.", display=DISPLAY)
     want = computer_messages("Open the settings", SHOTS[1], [step], format="venus", display=DISPLAY)

@@ -217,6 +217,52 @@ def test_stop_string_across_tokens(server, local):
     assert text == full[:full.find(stop)]
 
 
+def test_logit_bias_and_vllm_stopping_fields_equal_generate(server, local):
+    """logit_bias (OpenAI's, token id strings), stop_token_ids, min_tokens and ignore_eos each change
+    the answer exactly as generate() with the same settings (the same mlx-lm processor), streamed
+    and not."""
+    messages = [user("Say something.")]
+    plain = expected(local, messages, 10)
+    first, second = plain.token_ids[0], plain.token_ids[1]
+    cases = [  # (request fields, generate() arguments): each changes this answer
+        ({"logit_bias": {str(first): -100, "7": 3.5}}, dict(logit_bias={first: -100, 7: 3.5})),
+        ({"logit_bias": {str(second): 100}}, dict(logit_bias={second: 100})),
+        ({"stop_token_ids": [second]}, dict(stop_token_ids=[second])),
+        ({"stop_token_ids": [first], "min_tokens": 3}, dict(stop_token_ids=[first], min_tokens=3)),
+        ({"ignore_eos": True, "min_tokens": 10}, dict(ignore_eos=True, min_tokens=10)),
+    ]
+    for fields, kw in cases:
+        want = expected(local, messages, 10, **kw)
+        assert want.token_ids != plain.token_ids or kw.get("ignore_eos"), fields
+        r = server.client().chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=0,
+                                                    extra_body=fields)
+        assert (r.choices[0].message.content, r.choices[0].finish_reason) == (want.text, want.finish_reason), fields
+        assert r.usage.completion_tokens == len(want.token_ids)
+        text = "".join(c.choices[0].delta.content or "" for c in server.client().chat.completions.create(
+            model="m", messages=messages, max_tokens=10, temperature=0, extra_body=fields, stream=True) if c.choices)
+        assert text == want.text, fields
+    assert len(expected(local, messages, 10, stop_token_ids=[first], min_tokens=3).token_ids) >= 3
+
+
+FIELD_ERRORS = [  # chat-completions fields a client may send that this server cannot honour: a 400 naming each
+    ({"max_new_tokens": 5}, "max_new_tokens"), ({"frobnicate": 1}, "frobnicate"), ({"functions": []}, "functions"),
+    ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls"), ({"store": True}, "store"),
+    ({"modalities": ["text", "audio"]}, "modalities"), ({"logit_bias": {"x": 1}}, "logit_bias.x"),
+    ({"logit_bias": {"5": 101}}, "logit_bias.5"), ({"logit_bias": {"5": "1"}}, "logit_bias.5"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"), ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": [99999999]}, "stop_token_ids"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"ignore_eos": "yes"}, "ignore_eos"),
+]
+
+
+@pytest.mark.parametrize("fields,param", FIELD_ERRORS, ids=[p for _, p in FIELD_ERRORS])
+def test_fields_this_server_cannot_honour_are_refused_by_name(server, fields, param):
+    status, err = server.request("POST", "/v1/chat/completions", {**GOOD, **fields})
+    assert status == 400 and err["error"]["param"] == param and param.split(".")[0] in err["error"]["message"], err
+
+
 def test_concurrent_clients_get_their_single_answers_decoded_together(server, local):
     images = [png_bytes(n) for n in ("img_123x77.png", "img_300x200.png", "img_90x260.png")]
     # 10 distinct requests of different lengths (so rows are padded), each sent 4 times in all.
@@ -539,7 +585,7 @@ def test_json_schema_output_parses(server):
 
 
 def test_tool_call_parser_across_pieces():
-    from mlx_qwen3vl.server.tools import ToolCallParser, split_tool_calls
+    from mlx_qwen3vl.server.tool_calls import ToolCallParser, split_tool_calls
 
     text = 'Sure.<tool_call>\n{"name": "click", "arguments": {"x": 1}}\n</tool_call> done <tool'
     parser, content, calls = ToolCallParser(), "", []

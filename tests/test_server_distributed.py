@@ -34,7 +34,7 @@ from conftest import FIXTURES, load_fixture_model, write_fixture_video
 from mlx_qwen3vl import distributed
 from mlx_qwen3vl.server import replica
 from mlx_qwen3vl.server.__main__ import BLAS_ENV
-from mlx_qwen3vl.server.engine import Prepared
+from mlx_qwen3vl.server.prepared import Prepared
 from mlx_qwen3vl.server.protocol import SamplingParams
 from test_server import (KEY, MEDIA, SEEDED, TOOLS, _check_seeded, _free_port, data_url, local_messages, png_bytes,
                          user)
@@ -369,11 +369,12 @@ def one_process_server(local, checkpoint, body):
     batching) in this process, without HTTP → (text, finish_reason)."""
     import asyncio
 
-    from mlx_qwen3vl.server.engine import Engine
+    from mlx_qwen3vl.server.model_thread import ModelThread as Engine
+    from mlx_qwen3vl.server.prepared import DoneEvent, ErrorEvent
     from mlx_qwen3vl.server.fetch import MediaPolicy
     from mlx_qwen3vl.server.grammar import GrammarFactory
-    from mlx_qwen3vl.server.prompts import PromptBuilder
-    from mlx_qwen3vl.server.protocol import parse_chat_request
+    from mlx_qwen3vl.server.model_inputs import PromptBuilder
+    from mlx_qwen3vl.server.chat import parse_chat_request
 
     model, processor = local(checkpoint)
     tok = processor.tokenizer
@@ -388,10 +389,10 @@ def one_process_server(local, checkpoint, body):
             text = ""
             while True:
                 ev = await asyncio.wait_for(handle.queue.get(), 120)
-                assert ev["type"] != "error", ev
-                if ev["type"] == "done":
-                    return text, ev["finish_reason"]
-                text += ev["text"]
+                assert not isinstance(ev, ErrorEvent), ev
+                if isinstance(ev, DoneEvent):
+                    return text, ev.finish_reason
+                text += ev.text
 
         return loop.run_until_complete(answer())
     finally:
@@ -403,7 +404,7 @@ def _tool_calls(launch, local, checkpoint):
     """Tools rendered by the template, and the forced call's grammar compiled again on rank 1:
     a required call (greedy), a named call (seeded sampling, streamed) and tools left to the model,
     each the one-process server's answer: same calls, arguments and content."""
-    from mlx_qwen3vl.server.tools import split_tool_calls
+    from mlx_qwen3vl.server.tool_calls import split_tool_calls
 
     messages = [user("Press OK.", png_bytes("img_123x77.png"))]
     client = launch.client()
@@ -585,7 +586,7 @@ def test_pipeline_stages_count_prefixes_alike_and_keep_no_placeholder_features(l
     from mlx_qwen3vl.engine.prefill import media_features
     from mlx_qwen3vl.pipeline import FeatureCounter, pipeline
     from mlx_qwen3vl.positions import IMAGE
-    from mlx_qwen3vl.server.engine import Engine
+    from mlx_qwen3vl.server.model_thread import ModelThread as Engine
     from mlx_qwen3vl.weights import load_model
     from test_distributed import FakeGroup
 
@@ -636,8 +637,8 @@ def test_parallel_flag_reaches_load_and_bad_choices_exit_2(monkeypatch, capsys):
 # ------------------------------------------------------------------ the wire format, in process
 def test_plan_round_trip_rebuilds_inputs_sampling_and_grammar(local):
     from mlx_qwen3vl.server.grammar import GrammarFactory
-    from mlx_qwen3vl.server.prompts import PromptBuilder
-    from mlx_qwen3vl.server.protocol import parse_chat_request
+    from mlx_qwen3vl.server.model_inputs import PromptBuilder
+    from mlx_qwen3vl.server.chat import parse_chat_request
     from mlx_qwen3vl.server.fetch import MediaPolicy
 
     model, processor = local("tiny-a")
@@ -651,13 +652,15 @@ def test_plan_round_trip_rebuilds_inputs_sampling_and_grammar(local):
     builder = PromptBuilder(Engine(), MediaPolicy(), grammars)
     schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
     req = parse_chat_request({"messages": [user("Where?", png_bytes("img_123x77.png"))], "max_tokens": 5,
-                              "temperature": 0.7, "top_k": 3, "stop": ["ab"],
+                              "temperature": 0.7, "top_k": 3, "stop": ["ab"], "logit_bias": {"9": -2.5, "4": 1},
+                              "stop_token_ids": [3], "min_tokens": 2,
                               "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}})
     handle = replica._Ghost(builder.build(req), 7)
     plan = replica.decode(replica.encode(replica.Plan(admit=[handle], cancel=[3, 5])), grammars)
     assert plan.cancel == [3, 5] and not plan.stop
     got, sent = plan.admit[0].prepared, handle.prepared
     assert plan.admit[0].id == 7 and got.tokens == sent.tokens and got.media == sent.media
+    assert got.sampling.logit_bias == ((4, 1), (9, -2.5))
     assert got.sampling == sent.sampling and got.max_tokens == sent.max_tokens and got.grammar == sent.grammar
     assert set(got.inputs) == set(sent.inputs)
     for k, v in sent.inputs.items():

@@ -18,7 +18,7 @@
     caches.py   the media-aware prefix cache (a radix index) and the vision-feature cache
 
 generate / stream_generate / batch_generate and ChatSession run on an Engine of their own; the
-server runs one on its model thread (server/engine.py), and under mlx.launch every rank replays
+server runs one on its model thread (server/model_thread.py), and under mlx.launch every rank replays
 rank 0's calls to it (server/replica.py).
 """
 

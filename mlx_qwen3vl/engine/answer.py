@@ -3,6 +3,8 @@ still turn out to start a stop string is held back while streaming; the bytes of
 
 import re
 
+import mlx.core as mx
+
 from ..sampling import SamplingParams
 
 
@@ -36,20 +38,41 @@ def token_bytes(tokenizer, token: int) -> bytes:
     return text.encode("utf-8")
 
 
+def stop_token_set(eos, params: SamplingParams) -> frozenset:
+    """The token ids that end a request's answer: the checkpoint's EOS (unless ignore_eos) and its
+    own stop_token_ids."""
+    return frozenset(() if params.ignore_eos else eos) | frozenset(params.stop_token_ids)
+
+
+def suppress_stops(ids, prompt_tokens: int, min_tokens: int):
+    """A logits processor (mlx-lm's form) that keeps `ids` from being sampled while the answer is
+    shorter than `min_tokens` (vLLM's min_tokens); `history` holds the prompt, then the answer."""
+    banned = mx.array(sorted(ids))
+
+    def processor(history, logits):
+        if history.shape[-1] - prompt_tokens >= min_tokens:
+            return logits
+        return logits.at[:, banned].add(-float("inf"))
+
+    return processor
+
+
 class AnswerText:
     """One request's answer as it streams: mlx-lm's streaming detokenizer (multi-byte characters
-    never break), EOS tokens (unless `ignore_eos`) and stop strings end it, max_tokens bounds it.
-    Text that could still turn out to be the start of a stop string is held back until it is
-    decided, so the streamed pieces always add up to the final text.
+    never break), EOS tokens (unless `ignore_eos`), `stop_token_ids` and stop strings end it, none
+    of them before `min_tokens` tokens, and max_tokens bounds it. Text that could still turn out to
+    be the start of a stop string is held back until it is decided, so the streamed pieces always
+    add up to the final text.
 
     `detokenizer`: a fresh streaming detokenizer (mlx-lm's TokenizerWrapper(...).detokenizer)."""
 
     def __init__(self, detokenizer, stop_ids, params: SamplingParams):
         self.detok = detokenizer
         self.detok.reset()
-        self.stop_ids = frozenset() if params.ignore_eos else frozenset(stop_ids)
-        self.stops, self.max_tokens = params.stop_strings, params.max_tokens
+        self.stop_ids = stop_token_set(stop_ids, params)
+        self.stops, self.max_tokens, self.min_tokens = params.stop_strings, params.max_tokens, params.min_tokens
         self.tokens, self.text, self.pending, self.finish = [], "", "", None
+        self.stopped_by = None  # the stop string that ended the answer, if one did
 
     def _held(self, text):
         """Length of the longest end of `text` that begins some stop string."""
@@ -59,7 +82,7 @@ class AnswerText:
     def add(self, token: int) -> str:
         """Take one token; return the text it releases (self.finish says whether it ended)."""
         self.tokens.append(token)
-        if token in self.stop_ids:
+        if token in self.stop_ids and len(self.tokens) > self.min_tokens:
             self.finish = "stop"
         else:
             self.detok.add_token(token)
@@ -68,9 +91,11 @@ class AnswerText:
         if self.finish:
             self.detok.finalize()
         pending = self.pending + self.detok.last_segment
-        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+        hits = [] if len(self.tokens) < self.min_tokens else \
+            [(i, k) for k, i in enumerate(pending.find(s) for s in self.stops) if i >= 0]
         if hits:
-            pending, self.finish = pending[:min(hits)], "stop"
+            at, k = min(hits)
+            pending, self.finish, self.stopped_by = pending[:at], "stop", self.stops[k]
         keep = 0 if self.finish else self._held(pending)
         piece, self.pending = pending[:len(pending) - keep], pending[len(pending) - keep:]
         self.text += piece

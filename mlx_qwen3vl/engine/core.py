@@ -25,7 +25,7 @@ from ..errors import ConfigError, ContextLengthError, InputError
 from ..kv_settings import KVSettings, bytes_per_position, quantize_if_due, resolve
 from ..sampling import Sampler, SamplingParams
 from ..spans import media_keys
-from .answer import AnswerText, eos_token_ids
+from .answer import AnswerText, eos_token_ids, stop_token_set, suppress_stops
 from .batch import Batch, Row, cache_bytes
 from .caches import FeatureCache, PrefixCache, pipeline_scale
 from .prefill import Costs, PrefillJob
@@ -93,7 +93,8 @@ class Done:
     """Request `id` ended: finish_reason "stop" (EOS or a stop string), "length" (max_tokens, or
     the model's context), "time_limit" or "cancelled". `cache`: the request's own cache, when it
     brought one. `kv_bytes`: the bytes its KV cache's buffers held when its last token was computed
-    (in a batch its share, padding included: what kv_bytes() counts for it), on this rank."""
+    (in a batch its share, padding included: what kv_bytes() counts for it), on this rank.
+    `stop`: the stop string that ended it, when one did."""
 
     id: int
     finish_reason: str
@@ -104,6 +105,7 @@ class Done:
     cached_tokens: int
     cache: Optional[list] = None
     kv_bytes: int = 0
+    stop: Optional[str] = None
     draft_proposed: int = 0  # draft tokens its drafter proposed (speculative decoding)
     draft_accepted: int = 0  # of them, kept (its tokens with from_draft)
 
@@ -307,8 +309,16 @@ class Engine:
             request.id = next(self._ids)
         elif request.id in self._live_ids():
             raise InputError(f"request id {request.id} is already in use by a request of this engine")
+        params = request.params
+        vocab = self.model.config.text_config.vocab_size
+        named = [t for t, _ in params.logit_bias or ()] + list(params.stop_token_ids)
+        if named and max(named) >= vocab:
+            raise InputError(f"token id {max(named)} is not in this model's vocabulary (ids 0..{vocab - 1})")
+        processors = list(request.processors)
+        if params.min_tokens and stop_token_set(self.eos, params):
+            processors.append(suppress_stops(stop_token_set(self.eos, params), len(request.tokens), params.min_tokens))
         # The sampler now: an unseeded one draws its seed from MLX's global stream in add order.
-        sampler = Sampler(request.params, processors=request.processors)
+        sampler = Sampler(params, processors=processors)
         limit = request.time_limit if request.time_limit is not None else self.max_request_seconds
         deadline = None if limit is None else self.clock() + limit
         self.waiting.append(_Waiting(request, sampler, kv))
@@ -616,7 +626,7 @@ class Engine:
             self.metrics[reason] += 1
         a = row.answer
         events.append(Done(row.id, reason, a.text, list(a.tokens), list(row.logprobs), row.prompt_tokens,
-                           row.cached, cache, row.kv_bytes, row.proposed, row.accepted))
+                           row.cached, cache, row.kv_bytes, a.stopped_by, row.proposed, row.accepted))
 
     def _fail_rows(self, rows, error, events):
         """A failed decode: the batches holding `rows` fail whole (their caches are in doubt)."""

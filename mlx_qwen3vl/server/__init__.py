@@ -1,25 +1,29 @@
 """An OpenAI-compatible HTTP server for Qwen3-VL: `python -m mlx_qwen3vl.server --model PATH|HUB_ID`.
 
-    app.py       routes, API key, body limit, CORS, error bodies, server-sent events
+    app.py       routes, API key, Host / Origin, CORS, error bodies
+    service.py   the one admission path (key, body, parse off the loop, queue place, build) and waiting
+                 for an answer
+    protocol.py  the one internal request (ChatRequest), errors, pydantic validation, shared field checks
+    chat.py      OpenAI chat completions: its wire models, answer and stream chunks
     grounding.py POST /v1/ground: agent.ground_with with each pass a request through the engine
     ui.py        the playground page at / (static/: HTML, JS, CSS; off with --no-ui)
-    protocol.py  request validation, response and chunk formats
-    prompts.py   a request → model inputs (media policy, chat template, tools, grammar)
+    model_inputs.py  a request → model inputs (media under the request's budget, chat template, tools,
+                 grammar)
     limits.py    what one request may cost, checked before decoding (pixels, frames)
     fetch.py     image / video URLs → bytes or allowed local files (checked hosts, one deadline)
     connections.py  below the app: connection cap, read deadlines, stopping on SIGTERM / SIGINT
     prepared.py  a request turned into model inputs, and the HTTP side's handle on it
-    engine.py    the model thread around the library's engine (mlx_qwen3vl.engine): HTTP requests in,
-                 events out; replica.py: the same under mlx.launch
-    tools.py     <tool_call> blocks → OpenAI tool_calls
+    model_thread.py  the model thread around the library's engine (mlx_qwen3vl.engine): HTTP requests
+                 in, events out, places in the queue; replica.py: the same under mlx.launch
+    tool_calls.py  <tool_call> blocks → OpenAI tool_calls
     grammar.py   json_object / json_schema / forced tool calls via llguidance
-    service.py   what every endpoint shares: key, body, submitting, waiting for an answer
     responses.py OpenAI's Responses API (store.py: recent responses for previous_response_id)
     messages.py  Anthropic's Messages API
-    conversation.py  both protocols' conversations in one form, rendered as chat messages
+    conversation.py  every protocol's conversation in one form (turns of parts), rendered as the chat
+                 template's messages
     computer.py  computer-use tools: the trained prompt, answers → the tool's actions
     computer_answers.py  the answers behind the computer-use calls issued, for replays (bounded)
-    answer.py    an answer split into reasoning, text and tool calls while it streams
+    answer_stream.py  an answer split into reasoning, text and tool calls while it streams
 """
 
 
@@ -30,14 +34,14 @@ def build_server(model, processor, *, model_id="model", api_key=None, max_body_b
     """(model, processor) → (Starlette app, engine); the engine's model thread is already running."""
     from .app import create_app
     from .computer_answers import ComputerAnswers
-    from .engine import Engine
+    from .model_thread import ModelThread
     from .fetch import MediaPolicy
     from .grammar import GrammarFactory
     from .limits import DEFAULT_GRAMMAR_TIMEOUT_S
-    from .prompts import PromptBuilder
+    from .model_inputs import PromptBuilder
     from .store import ResponseStore
 
-    engine = Engine(model, processor, **engine_kwargs)
+    engine = ModelThread(model, processor, **engine_kwargs)
     tok = processor.tokenizer
     grammars = GrammarFactory(tok, model.config.text_config.vocab_size, tok.eos_token_id,
                               timeout_s=grammar_timeout_s or DEFAULT_GRAMMAR_TIMEOUT_S)

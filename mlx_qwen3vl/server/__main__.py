@@ -322,7 +322,7 @@ def _follow(model, processor, group, engine_kwargs):
     """A rank other than 0: no HTTP; run the iterations rank 0 sends until it stops."""
     import signal
 
-    from .engine import Engine
+    from .model_thread import ModelThread
     from .grammar import GrammarFactory
     from .replica import Follower
 
@@ -332,7 +332,7 @@ def _follow(model, processor, group, engine_kwargs):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     tok = processor.tokenizer
     grammars = GrammarFactory(tok, model.config.text_config.vocab_size, tok.eos_token_id)
-    engine = Engine(model, processor, replicas=Follower(group, grammars), **engine_kwargs)
+    engine = ModelThread(model, processor, replicas=Follower(group, grammars), **engine_kwargs)
     print(f"[mlx_qwen3vl] rank {group.rank()} of {group.size()} (pid {os.getpid()}): running rank 0's requests",
           file=sys.stderr, flush=True)
     engine.join()

@@ -3,7 +3,6 @@ error bodies, SSE, and ending running requests when the server stops."""
 
 import asyncio
 import contextlib
-import json
 import os
 import sys
 import time
@@ -16,16 +15,15 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from . import chat, messages, responses
 from . import grounding as G
-from . import messages, responses
-from . import protocol as P
+from .prepared import ErrorEvent
 from .protocol import APIError
-from .service import Service, disconnected, parse_json, read_body, shutting_down
+from .service import Service, disconnected, shutting_down
 from .store import ResponseStore
-from .tools import ToolCallParser, split_tool_calls
 from .ui import routes as ui_routes
 
 
@@ -85,10 +83,6 @@ async def _refuse(scope, receive, send, status, message, code):
     await _error_response(error, scope.get("path", ""))(scope, receive, send)
 
 
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
 def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None, max_body_bytes: int = 64 << 20,
                cors_origins=None, bound_host=None, ui: bool = True, agent_format: str = "qwen",
                response_store=None, computer_answers=None, agent_history=None) -> Starlette:
@@ -106,7 +100,7 @@ def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None,
         service.stopping = True
         for handle in list(running):
             handle.cancel()
-            handle.queue.put_nowait({"type": "error", "error": shutting_down()})
+            handle.queue.put_nowait(ErrorEvent(shutting_down()))
 
     check_auth = service.check_auth
 
@@ -120,113 +114,20 @@ def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None,
 
     async def metrics(request):
         check_auth(request)
-        return JSONResponse({**engine.stats(), **store.stats(), **service.computer_answers.stats()})
-
-    async def chat_completions(request: Request):
-        check_auth(request)
-        if stopping:
-            raise shutting_down()
-        body = parse_json(await read_body(request, max_body_bytes))
-        req = P.parse_chat_request(body)
-        del body
-        prepared = await run_in_threadpool(builder.build, req)
-        if stopping:
-            raise shutting_down()
-        handle = engine.submit(prepared, asyncio.get_running_loop())
-        running.add(handle)
-        cid, name = P.completion_id(), req.model or model_id
-        parse_tools = bool(req.tools) and req.tool_choice != "none"
-        if req.stream:
-            return StreamingResponse(_stream(handle, req, cid, name, parse_tools), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        try:
-            return await _complete(request, handle, cid, name, parse_tools)
-        finally:
-            running.discard(handle)
-
-    async def _complete(request, handle, cid, name, parse_tools):
-        watcher = asyncio.ensure_future(disconnected(request))
-        text, logprobs = "", []
-        try:
-            while True:
-                get = asyncio.ensure_future(handle.queue.get())
-                done, _ = await asyncio.wait({get, watcher}, return_when=asyncio.FIRST_COMPLETED)
-                if get not in done:  # the client went away: free its batch slot
-                    get.cancel()
-                    handle.cancel()
-                    return JSONResponse({}, status_code=499)
-                ev = get.result()
-                if ev["type"] == "error":
-                    raise ev["error"]
-                if ev["type"] == "token":
-                    text += ev["text"]
-                    if "logprobs" in ev:
-                        logprobs.append(ev["logprobs"])
-                    continue
-                message = {"role": "assistant", "content": text}
-                finish = ev["finish_reason"]
-                if parse_tools:
-                    content, calls = split_tool_calls(text)
-                    if calls:
-                        message = {"role": "assistant", "content": content, "tool_calls": calls}
-                        finish = "tool_calls"
-                use = P.usage(ev["prompt_tokens"], ev["completion_tokens"], ev["cached_tokens"])
-                return JSONResponse(P.chat_response(cid, name, message, finish,
-                                                    {"content": logprobs} if logprobs else None, use))
-        finally:
-            watcher.cancel()
-
-    async def _stream(handle, req, cid, name, parse_tools):
-        parser = ToolCallParser() if parse_tools else None
-        finished = False
-        try:
-            yield _sse(P.chunk(cid, name, {"role": "assistant", "content": ""}))
-            while True:
-                ev = await handle.queue.get()
-                if ev["type"] == "error":
-                    yield _sse(ev["error"].body())
-                    break
-                if ev["type"] == "token":
-                    content, calls = parser.feed(ev["text"]) if parser else (ev["text"], [])
-                    lp = {"content": [ev["logprobs"]]} if "logprobs" in ev else None
-                    if content or lp:
-                        yield _sse(P.chunk(cid, name, {"content": content}, logprobs=lp))
-                    for call in calls:
-                        index = len(parser.calls) - len(calls) + calls.index(call)
-                        yield _sse(P.chunk(cid, name, {"tool_calls": [{"index": index, **call}]}))
-                    continue
-                finished = True
-                finish = ev["finish_reason"]
-                if parser:
-                    content, calls = parser.feed("", final=True)
-                    if content:
-                        yield _sse(P.chunk(cid, name, {"content": content}))
-                    for call in calls:
-                        index = len(parser.calls) - len(calls) + calls.index(call)
-                        yield _sse(P.chunk(cid, name, {"tool_calls": [{"index": index, **call}]}))
-                    if parser.calls:
-                        finish = "tool_calls"
-                yield _sse(P.chunk(cid, name, finish_reason=finish))
-                if req.include_usage:
-                    use = P.usage(ev["prompt_tokens"], ev["completion_tokens"], ev["cached_tokens"])
-                    yield _sse(P.chunk(cid, name, use=use, choices=False))
-                break
-        except Exception as e:  # noqa: BLE001 — the headers are sent: end the stream with an error event
-            yield _sse(_as_error(e).body())
-        finally:
-            running.discard(handle)
-            if not finished:  # client gone (or an error): free the batch slot
-                handle.cancel()
-        yield "data: [DONE]\n\n"
+        return JSONResponse({**engine.stats(), **store.stats(), **service.computer_answers.stats(),
+                             "requests_built": service.built})
 
     async def ground(request: Request):
-        """POST /v1/ground (grounding.py): each pass a request through the engine, on a worker thread."""
-        check_auth(request)
-        if stopping:
-            raise shutting_down()
-        req = G.parse_ground_request(parse_json(await read_body(request, max_body_bytes)))
-        job = G.GroundJob(engine, builder, req, asyncio.get_running_loop(), running, stopping, shutting_down)
-        hit = await job.serve(disconnected(request))
+        """POST /v1/ground (grounding.py): the same admission, then each pass a request through the
+        engine, on a worker thread; the job holds its place in the queue from before the image is read."""
+        req = await service.read(request, G.parse_ground_request)
+        slot = engine.reserve()
+        try:
+            job = G.GroundJob(engine, builder, req, asyncio.get_running_loop(), running, stopping, shutting_down,
+                              slot)
+            hit = await job.serve(disconnected(request))
+        finally:
+            slot.release()
         if hit is None:  # the client went away
             return JSONResponse({}, status_code=499)
         return JSONResponse(G.response(hit, req.model or model_id))
@@ -252,7 +153,7 @@ def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None,
     engine.started = getattr(engine, "started", time.time())
     app = Starlette(
         routes=[Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
-                Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+                *chat.routes(service),
                 Route("/v1/ground", ground, methods=["POST"]), *responses.routes(service, store),
                 *messages.routes(service), *(ui_routes() if ui else [])],
         middleware=middleware,

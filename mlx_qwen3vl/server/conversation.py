@@ -1,22 +1,25 @@
-"""A conversation as the Responses and Messages endpoints carry it, in one neutral form, and its
-rendering as chat-completions messages (the chat template path every endpoint shares).
+"""A conversation in one neutral form, whatever protocol carried it, and its rendering as the chat
+template's messages (the path every endpoint shares).
 
-responses.py and messages.py each read their protocol's JSON into `Turn`s (checking every field);
-without a computer-use tool the turns become OpenAI chat messages for `PromptBuilder.build`, with
-a computer-use tool computer.py renders them with the checkpoint's trained prompt instead.
+chat.py, responses.py and messages.py each read their protocol's JSON into `Turn`s of `Part`s
+(text, image, video; each remembering where the client put it, for errors); without a
+computer-use tool `template_messages` renders them for the chat template (media read under the
+policy as it goes), with a computer-use tool computer.py renders them with the checkpoint's
+trained prompt instead.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from .protocol import APIError
 
 
 @dataclass
 class Part:
-    """Text, or an image by URL (a data URL, http(s), file://: resolved later under the media policy)."""
+    """Text, or an image or video by URL (a data URL, http(s), file://: resolved later under the
+    media policy)."""
 
-    kind: str  # "text" | "image"
+    kind: str  # "text" | "image" | "video"
     value: str  # the text, or the image's URL
     param: str = ""  # where the client put it, for error messages
 
@@ -29,7 +32,7 @@ class Call:
 
     id: str
     name: str
-    arguments: str = "{}"
+    arguments: Any = "{}"  # JSON text (a chat client may send the object itself)
     action: Any = None
     param: str = ""
 
@@ -47,6 +50,7 @@ class Turn:
     call_id: Optional[str] = None
     answer: Optional[str] = None
     param: str = ""
+    listed: bool = True  # its content came as a list of parts (a chat message's string renders as one)
 
     def text(self, sep: str = "") -> str:
         return sep.join(p.value for p in self.parts if p.kind == "text")
@@ -57,7 +61,7 @@ class Turn:
     def size(self) -> int:
         """Bytes this turn holds, roughly (what a store of turns counts)."""
         n = sum(len(p.value) + len(p.param) for p in self.parts) + len(self.answer or "") + len(self.reasoning or "")
-        return n + sum(len(c.arguments) + len(repr(c.action)) + 64 for c in self.calls) + 64
+        return n + sum(len(str(c.arguments)) + len(repr(c.action)) + 64 for c in self.calls) + 64
 
 
 def leading_system(turns: List[Turn]) -> Tuple[Optional[str], List[Turn]]:
@@ -75,33 +79,38 @@ def leading_system(turns: List[Turn]) -> Tuple[Optional[str], List[Turn]]:
     return ("\n\n".join(system) if system else None), rest
 
 
-def chat_messages(turns: List[Turn]) -> Tuple[List[dict], Dict[tuple, str]]:
-    """Turns → (OpenAI chat messages, {(message, part): param}) for PromptBuilder.build."""
-    system, rest = leading_system(turns)
-    messages, names = ([{"role": "system", "content": system}] if system is not None else []), {}
-    for t in rest:
-        if t.role == "assistant":
-            if t.answer is not None:
-                messages.append({"role": "assistant", "content": t.answer})
-                continue
-            m = {"role": "assistant", "content": t.text()}
-            if t.calls:
-                m["tool_calls"] = [{"id": c.id, "type": "function",
-                                    "function": {"name": c.name, "arguments": c.arguments}} for c in t.calls]
-            messages.append(m)
+def template_messages(turns: List[Turn], resolve, merge_system: bool = True) -> Tuple[List[dict], list, list]:
+    """Turns → (the chat template's messages, images, videos), in order: `resolve(part)` reads an
+    image or video part under the media policy (an image's bytes, a video's file). With
+    `merge_system`, system turns must lead and become one message (Responses, Messages)."""
+    if merge_system:
+        system, turns = leading_system(turns)
+        out = [{"role": "system", "content": system}] if system is not None else []
+    else:
+        out = []
+    images, videos = [], []
+    for t in turns:
+        if t.role == "assistant" and t.answer is not None:  # the model's own words, as generated
+            out.append({"role": "assistant", "content": t.answer})
             continue
-        content = []
-        for j, p in enumerate(t.parts):
-            if p.kind == "text":
-                content.append({"type": "text", "text": p.value})
-            else:
-                names[(len(messages), j)] = p.param
-                content.append({"type": "image_url", "image_url": {"url": p.value}})
-        m = {"role": t.role, "content": content}
+        if t.role in ("user", "tool") and t.listed:  # a tool result may be a screenshot
+            content = []
+            for p in t.parts:
+                if p.kind == "text":
+                    content.append({"type": "text", "text": p.value})
+                else:
+                    (images if p.kind == "image" else videos).append(resolve(p))
+                    content.append({"type": p.kind})
+            m = {"role": t.role, "content": content}
+        else:
+            m = {"role": t.role, "content": t.text()}
+        if t.role == "assistant" and t.calls:
+            m["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                               for c in t.calls]
         if t.role == "tool" and t.call_id:
             m["tool_call_id"] = t.call_id
-        messages.append(m)
-    return messages, names
+        out.append(m)
+    return out, images, videos
 
 
 def function_tool(name, description, parameters, param) -> dict:

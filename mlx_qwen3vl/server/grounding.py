@@ -22,8 +22,9 @@ import time
 import uuid
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Optional
+from typing import Optional, Union
 
+from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
 from ..agent import GROUNDING_FORMATS, ground_with, missing_point_note, zoom_fraction
@@ -32,10 +33,9 @@ from ..processor import image_budget
 from ..sampling import SamplingParams
 from .fetch import resolve_image
 from .limits import check_media, check_pixel_options
-from .protocol import APIError, ChatRequest, _number
+from .prepared import ErrorEvent, TokenEvent
+from .protocol import APIError, ChatRequest, _number, pixel_options, validate
 
-FIELDS = ("model", "image", "instruction", "format", "zoom", "allow_refusal", "min_pixels", "max_pixels",
-          "max_tokens")
 MAX_INSTRUCTION_CHARS = 8192
 DEFAULT_MAX_TOKENS = 128  # as ground()'s: a point or a box is a few tokens
 
@@ -58,49 +58,50 @@ class GroundRequest:
 
     def chat(self) -> ChatRequest:
         """One pass as the chat route's request: greedy (as UI-Venus and Qwen evaluate), its budgets."""
-        return ChatRequest(messages=[], sampling=SamplingParams(temperature=0.0), max_tokens=self.max_tokens,
+        return ChatRequest(turns=[], sampling=SamplingParams(temperature=0.0), max_tokens=self.max_tokens,
                            model=self.model, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+
+
+class GroundBody(BaseModel):
+    """The body's wire format: strict types, no other field (ranges are checked below, by name)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    image: str
+    instruction: str
+    format: Optional[str] = None
+    zoom: Union[bool, float, None] = None
+    allow_refusal: Optional[bool] = None
+    min_pixels: Optional[int] = None
+    max_pixels: Optional[int] = None
+    max_tokens: Optional[int] = None
+    model: Optional[str] = None
 
 
 def parse_ground_request(body) -> GroundRequest:
     if not isinstance(body, dict):
         raise _invalid(None, "the request body must be a JSON object", "invalid_type")
-    unknown = sorted(set(body) - set(FIELDS))
-    if unknown:
-        raise _invalid(unknown[0], f"'{unknown[0][:40]}' is not a field of /v1/ground; it takes "
-                       + ", ".join(FIELDS), "unknown_field")
+    wire = validate(GroundBody, body)
     for name in ("image", "instruction"):
-        if body.get(name) is None:
-            raise _invalid(name, f"'{name}' is required", "missing_field")
-        if not isinstance(body[name], str) or not body[name].strip():
+        if not getattr(wire, name).strip():
             raise _invalid(name, f"'{name}' must be a non-empty string", "invalid_type")
-    if len(body["instruction"]) > MAX_INSTRUCTION_CHARS:
-        raise _invalid("instruction", f"'instruction' is {len(body['instruction'])} characters; at most "
+    if len(wire.instruction) > MAX_INSTRUCTION_CHARS:
+        raise _invalid("instruction", f"'instruction' is {len(wire.instruction)} characters; at most "
                        f"{MAX_INSTRUCTION_CHARS}")
-    fmt = body.get("format", "venus")
+    fmt = wire.format if wire.format is not None else "venus"
     if fmt not in GROUNDING_FORMATS:
-        raise _invalid("format", f"'format' is {str(fmt)[:40]!r}; use one of {', '.join(GROUNDING_FORMATS)}")
-    if body.get("model") is not None and not isinstance(body["model"], str):
-        raise _invalid("model", "'model' must be a string", "invalid_type")
-    refusal = body.get("allow_refusal", True)
-    if not isinstance(refusal, bool):
-        raise _invalid("allow_refusal", "'allow_refusal' must be true or false", "invalid_type")
-    zoom = body.get("zoom")
-    if zoom is not None and not isinstance(zoom, (bool, int, float)):
-        raise _invalid("zoom", "'zoom' must be true, false or the window's fraction of each side (0, 1]",
-                       "invalid_type")
+        raise _invalid("format", f"'format' is {fmt[:40]!r}; use one of {', '.join(GROUNDING_FORMATS)}")
+    zoom = wire.zoom
     if zoom is not None and zoom is not False:
         try:
             zoom = zoom_fraction(zoom, "'zoom'")
         except Qwen3VLError as e:
             raise _invalid("zoom", str(e)) from None
-    pixels = {k: _number(body, k, 1, integer=True) for k in ("min_pixels", "max_pixels")}
-    if pixels["min_pixels"] and pixels["max_pixels"] and pixels["min_pixels"] > pixels["max_pixels"]:
-        raise _invalid("min_pixels", "'min_pixels' is larger than 'max_pixels'")
-    return GroundRequest(image=body["image"], instruction=body["instruction"], format=fmt,
-                         zoom=None if zoom is None or zoom is False else zoom, allow_refusal=refusal,
+    pixels = pixel_options(body)
+    return GroundRequest(image=wire.image, instruction=wire.instruction, format=fmt,
+                         zoom=None if zoom is None or zoom is False else zoom,
+                         allow_refusal=wire.allow_refusal if wire.allow_refusal is not None else True,
                          max_tokens=_number(body, "max_tokens", 1, integer=True, default=DEFAULT_MAX_TOKENS),
-                         model=body.get("model"), **pixels)
+                         model=wire.model, **pixels)
 
 
 @dataclass
@@ -143,8 +144,9 @@ class GroundJob:
     ground_with; its `ask` prepares each pass on that thread and waits for the engine's answer,
     which the event loop collects. `abandon` (on the loop) ends it when the client goes away."""
 
-    def __init__(self, engine, builder, req: GroundRequest, loop, running: set, stopping: list, shutting_down):
-        self.engine, self.builder, self.req, self.loop = engine, builder, req, loop
+    def __init__(self, engine, builder, req: GroundRequest, loop, running: set, stopping: list, shutting_down,
+                 slot=None):
+        self.engine, self.builder, self.req, self.loop, self.slot = engine, builder, req, loop, slot
         self.running, self.stopping, self.shutting_down = running, stopping, shutting_down
         self.chat = req.chat()
         self.current = None  # the pass's Handle while it runs
@@ -170,7 +172,8 @@ class GroundJob:
         req, builder = self.req, self.builder
         processor, limits = builder.processor, builder.limits
         check_pixel_options(self.chat, limits)
-        data = resolve_image(req.image, builder.policy, "image")
+        data = resolve_image(req.image, builder.policy, "image",
+                             builder.policy.budget(limits.max_request_pixels, limits.max_video_frames))
         try:  # from the header, before ground_with decodes it
             check_media([data], (), self.chat, processor, limits)
         except APIError as e:
@@ -196,22 +199,22 @@ class GroundJob:
         if self.stopping:
             raise self.shutting_down()
         tic = time.perf_counter()
-        handle = self.engine.submit(prepared, self.loop)
+        handle = self.engine.submit(prepared, self.loop, self.slot)  # the first pass takes the job's place
         self.running.add(handle)
         self.current = handle
         text, first = "", None
         try:
             while True:
                 ev = await handle.queue.get()
-                if ev["type"] == "error":
-                    raise ev["error"]
-                if ev["type"] == "token":
-                    text += ev["text"]
+                if isinstance(ev, ErrorEvent):
+                    raise ev.error
+                if isinstance(ev, TokenEvent):
+                    text += ev.text
                     first = first or time.perf_counter()
                     continue
                 end = time.perf_counter()
-                n, computed = ev["completion_tokens"], ev["prompt_tokens"] - ev["cached_tokens"]
-                return PassAnswer(text, ev["finish_reason"], ev["prompt_tokens"], ev["cached_tokens"], n,
+                n, computed = ev.completion_tokens, ev.prompt_tokens - ev.cached_tokens
+                return PassAnswer(text, ev.finish_reason, ev.prompt_tokens, ev.cached_tokens, n,
                                   _rate(computed, (first or end) - tic), _rate(n - 1, end - (first or end)))
         finally:
             self.running.discard(handle)
@@ -222,8 +225,8 @@ class GroundJob:
         self.gone = True
         if self.current is not None:
             self.current.cancel()  # a cancelled request sends no done event: end the wait here
-            self.current.queue.put_nowait({"type": "error", "error": APIError(499, "the client went away",
-                                                                              code="client_disconnected")})
+            self.current.queue.put_nowait(ErrorEvent(APIError(499, "the client went away",
+                                                              code="client_disconnected")))
 
 
 def response(hit, model: str) -> dict:

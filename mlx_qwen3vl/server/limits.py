@@ -42,6 +42,16 @@ def check_pixel_options(req, limits: Limits):
                         "request (--max-request-pixels)")
 
 
+def check_token_ids(sampling, vocab: int):
+    """The token ids a request names (logit_bias, stop_token_ids) lie in the model's vocabulary."""
+    for name, ids in (("logit_bias", [t for t, _ in sampling.logit_bias or ()]),
+                      ("stop_token_ids", sampling.stop_token_ids)):
+        bad = [t for t in ids if t >= vocab]
+        if bad:
+            raise APIError(400, f"'{name}' names token id {bad[0]}, which is not in this model's vocabulary (ids 0 to "
+                           f"{vocab - 1})", param=name, code="invalid_value")
+
+
 def check_media(images, videos, req, processor, limits: Limits):
     """Refuse the request before decoding if its media would exceed the budget: each image's own
     pixels (as stored) and the pixels of all images (as resized for the model) and video frames

@@ -20,13 +20,13 @@ import json
 import uuid
 from typing import List
 
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from . import computer
 from . import protocol as P
-from .answer import AnswerStream, matched_stop, prompt_opens_reasoning
-from .conversation import Call, Part, Turn, chat_messages, function_tool
+from .answer_stream import AnswerStream, prompt_opens_reasoning
+from .conversation import Call, Part, Turn, function_tool
 from .protocol import APIError, ChatRequest
 
 FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "metadata", "tools",
@@ -203,6 +203,10 @@ def _tool_choice(choice, functions, tool):
     if choice is None:
         return "auto"
     P.check_fields(choice, {"type", "name", "disable_parallel_tool_use"}, "tool_choice")
+    if choice.get("disable_parallel_tool_use"):
+        raise P.invalid("tool_choice.disable_parallel_tool_use", "'tool_choice.disable_parallel_tool_use' is not "
+                        "available here: this model may answer with several calls and the server does not cut them",
+                        "unsupported_field")
     kind = choice.get("type")
     if tool is not None:
         if kind != "auto":
@@ -224,7 +228,8 @@ def _tool_choice(choice, functions, tool):
 def _output_format(config):
     if config is None:
         return None
-    P.check_fields(config, {"format", "effort"}, "output_config")
+    P.check_fields(config, {"format", "effort"}, "output_config",
+                   {"effort": "the model's effort is not adjustable here"})
     fmt = config.get("format")
     if fmt is None:
         return None
@@ -267,7 +272,7 @@ def parse_request(body, agent_format: str, count=False):
         pixels[k] = pixels[k] or defaults.get(k)
     if count and tool_choice not in ("auto", "none"):
         tool_choice = "auto"  # the same prompt, without compiling the grammar it would enforce
-    chat = ChatRequest(messages=[], sampling=sampling, max_tokens=max_tokens, model=body.get("model"),
+    chat = ChatRequest(turns=[], sampling=sampling, max_tokens=max_tokens, model=body.get("model"),
                        tools=functions, tool_choice=tool_choice if functions else "none", response_format=rf,
                        chat_template_kwargs=P.template_switches(body.get("chat_template_kwargs")), **pixels)
     return turns, chat, tool, P.flag(body, "stream", None)
@@ -280,24 +285,28 @@ class Writer:
     """One message as it is produced: each engine event → the stream events it makes (a plain
     request ignores them and takes `message` at the end)."""
 
-    def __init__(self, chat: ChatRequest, model: str, prompt_tokens: int, opened: bool, computer_request, eos,
-                 tokenizer):
+    def __init__(self, chat: ChatRequest, model: str, prompt_tokens: int, opened: bool, computer_request):
         self.chat, self.model, self.computer = chat, model, computer_request
-        self.eos, self.tokenizer = eos, tokenizer
         self.id = _id("msg")
         self.content: List[dict] = []
         self.open = None
         self.parts = AnswerStream(tools=bool(chat.tools) and chat.tool_choice != "none", opened=opened)
-        self.raw, self.token_ids = [], []
+        self.raw = []
         self.stop_reason, self.stop_sequence = None, None
         self.usage = {"input_tokens": prompt_tokens, "output_tokens": 0, "cache_read_input_tokens": 0,
                       "cache_creation_input_tokens": 0}
+
+    def result(self) -> dict:
+        return self.message
 
     @property
     def message(self) -> dict:
         return json.loads(json.dumps({"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                                       "content": self.content, "stop_reason": self.stop_reason,
                                       "stop_sequence": self.stop_sequence, "usage": self.usage}))
+
+    def failed(self, error: APIError) -> List[tuple]:
+        return [("error", error_body(error))]
 
     def start(self) -> List[tuple]:
         return [("message_start", {"type": "message_start", "message": {**self.message, "content": []}}),
@@ -365,11 +374,10 @@ class Writer:
         return events
 
     def token(self, ev) -> List[tuple]:
-        self.raw.append(ev["text"])
-        self.token_ids.append(ev["token"])
+        self.raw.append(ev.text)
         if self.computer is not None:
             return []
-        return [e for kind, value in self.parts.feed(ev["text"]) for e in self._segment(kind, value)]
+        return [e for kind, value in self.parts.feed(ev.text) for e in self._segment(kind, value)]
 
     def done(self, ev) -> List[tuple]:
         answer = "".join(self.raw)
@@ -393,18 +401,16 @@ class Writer:
             events = [e for kind, value in self.parts.finish() for e in self._segment(kind, value)]
             events += self._close()
             calls = any(b["type"] == "tool_use" for b in self.content)
-        finish = ev["finish_reason"]
+        finish = ev.finish_reason
         if calls:
             self.stop_reason = "tool_use"
         elif finish in ("length", "time_limit"):
             self.stop_reason = "max_tokens"
         else:
-            stop = None
-            if not (self.token_ids and self.token_ids[-1] in self.eos):
-                stop = matched_stop(self.tokenizer, self.token_ids, answer, self.chat.sampling.stop_strings)
+            stop = ev.stop
             self.stop_reason, self.stop_sequence = ("stop_sequence", stop) if stop else ("end_turn", None)
-        cached = ev["cached_tokens"]
-        self.usage = {"input_tokens": ev["prompt_tokens"] - cached, "output_tokens": ev["completion_tokens"],
+        cached = ev.cached_tokens
+        self.usage = {"input_tokens": ev.prompt_tokens - cached, "output_tokens": ev.completion_tokens,
                       "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
         return events + [("message_delta", {"type": "message_delta",
                                             "delta": {"stop_reason": self.stop_reason,
@@ -424,66 +430,26 @@ def _sse(event) -> str:
 def routes(service) -> list:
     tokenizer = service.processor.tokenizer
 
-    async def prepare(turns, chat, tool):
+    def build(parsed):
+        turns, chat, tool, _ = parsed
         if tool is not None:
-            return await service.prepare(computer.prepare, service.builder, chat, turns, tool, service.agent_format,
-                                         service.computer_answers, service.agent_history)
-        chat.messages, chat.media_params = chat_messages(turns)
-        return await service.prepare(service.builder.build, chat), None
+            return computer.prepare(service.builder, chat, turns, tool, service.agent_format,
+                                    service.computer_answers, service.agent_history)
+        chat.turns = turns
+        return service.builder.build(chat), None
 
     async def create(request):
-        body = await service.read_json(request)
-        turns, chat, tool, stream = parse_request(body, service.agent_format)
-        del body
-        prepared, computer_request = await prepare(turns, chat, tool)
-        handle = service.submit(prepared)
+        (turns, chat, tool, stream), prepared, computer_request, handle = await service.admit(
+            request, lambda body: parse_request(body, service.agent_format), build)
         writer = Writer(chat, chat.model, prepared.prompt_tokens, prompt_opens_reasoning(tokenizer, prepared.tokens),
-                        computer_request, service.eos, tokenizer)
-        if stream:
-            return StreamingResponse(_stream(service, handle, writer), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        done = await service.collect(request, handle, on_token=writer.token)
-        if done is None:
-            return JSONResponse({}, status_code=499)
-        writer.done(done)
-        return JSONResponse(writer.message)
+                        computer_request)
+        return await service.answer(request, handle, writer, _sse, stream,
+                                    ping=(PING_SECONDS, ("ping", {"type": "ping"})))
 
     async def count_tokens(request):
-        body = await service.read_json(request)
-        turns, chat, tool, _ = parse_request(body, service.agent_format, count=True)
-        del body
-        prepared, _ = await prepare(turns, chat, tool)
+        _, prepared, _, _ = await service.admit(
+            request, lambda body: parse_request(body, service.agent_format, count=True), build, submit=False)
         return JSONResponse({"input_tokens": prepared.prompt_tokens})
 
     return [Route("/v1/messages", create, methods=["POST"]),
             Route("/v1/messages/count_tokens", count_tokens, methods=["POST"])]
-
-
-async def _stream(service, handle, writer: Writer):
-    finished = False
-    try:
-        for e in writer.start():
-            yield _sse(e)
-        while True:
-            ev = await service.next_event(handle, PING_SECONDS)
-            if ev is None:
-                yield _sse(("ping", {"type": "ping"}))
-                continue
-            if ev["type"] == "error":
-                finished = True
-                yield _sse(("error", error_body(ev["error"])))
-                break
-            if ev["type"] == "token":
-                for e in writer.token(ev):
-                    yield _sse(e)
-                continue
-            finished = True
-            for e in writer.done(ev):
-                yield _sse(e)
-            break
-    except Exception as e:  # noqa: BLE001 — the headers are sent: end the stream with an error event
-        finished = True
-        error = e if isinstance(e, APIError) else APIError(500, f"internal error: {type(e).__name__}: {e}")
-        yield _sse(("error", error_body(error)))
-    finally:
-        service.release(handle, finished)

@@ -1,4 +1,4 @@
-"""A chat request turned into model inputs (built off the model thread, by prompts.py) and what
+"""A chat request turned into model inputs (built off the model thread, by model_inputs.py) and what
 the HTTP side holds while it runs: the unit the model thread, the engine and the other ranks
 (replica.py) pass around."""
 
@@ -37,6 +37,36 @@ class Prepared:
                        processors=self.processors, id=rid, tokens=self.tokens, media=self.media, kv=kv)
 
 
+@dataclass
+class TokenEvent:
+    """A generated token: the text it releases (stop-string hold-back applied) and, when the request
+    asked for logprobs, its OpenAI-shaped entry."""
+
+    text: str
+    token: int
+    logprobs: Optional[dict] = None
+
+
+@dataclass
+class DoneEvent:
+    """The answer ended: why, the stop string that fired (if one did), its usage. `text`: the whole
+    answer, where a caller collected it (Service.collect)."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    stop: Optional[str] = None
+    text: str = ""
+
+
+@dataclass
+class ErrorEvent:
+    """The request failed (its inputs, its grammar, the server stopping): the API error to answer."""
+
+    error: Exception
+
+
 class Handle:
     """A submitted request as the HTTP side sees it: events arrive on an asyncio queue."""
 
@@ -49,7 +79,7 @@ class Handle:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
 
-    def emit(self, event: dict):
+    def emit(self, event):
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
         except RuntimeError:  # the event loop has closed (server shutting down)

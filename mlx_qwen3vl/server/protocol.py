@@ -1,25 +1,28 @@
-"""The OpenAI chat-completions wire format: request validation into `ChatRequest`, error bodies,
-and the response / stream-chunk dictionaries.
+"""What every protocol's request reading shares: the internal request (`ChatRequest`), errors
+(`APIError`, OpenAI's error body `{"error": {"message", "type", "param", "code"}}`), pydantic
+validation with errors named by the field's path (`validate`), and the field checks for sampling,
+stop strings, pixels, template switches and KV settings.
 
-Every check names the field (`param`) and what to send instead, and answers with OpenAI's error
-body `{"error": {"message", "type", "param", "code"}}`.
+Every check names the field (`param`) and what to send instead.
 """
 
 import math
-import time
-import uuid
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
+
+from pydantic import ValidationError
 
 from ..errors import InputError
 from ..kv_settings import FIELDS as KV_FIELDS, KVSettings
 from ..sampling import SamplingParams
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 16
 MAX_STOP_CHARS = 256  # each stop string is searched for after every token
 MAX_TOP_LOGPROBS = 20
 MAX_JSON_DEPTH = 64  # nesting of the request body (a JSON schema included)
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's bound), each a bias in [-100, 100]
+MAX_STOP_TOKEN_IDS = 64
 # The chat template switches a request may set: they change how the conversation is rendered and
 # nothing else (the Qwen3-VL templates read these). Anything else the template or the processor
 # would take (tokenize, images, videos, chat_template, ...) could reach files, URLs or memory.
@@ -46,7 +49,11 @@ def _invalid(param, message, code="invalid_value"):
 
 @dataclass
 class ChatRequest:
-    messages: List[dict]  # OpenAI messages, validated (media URLs still unresolved)
+    """The one internal request every protocol's body is read into: the conversation as turns of
+    parts (each remembering its place in the body), sampling, tools, output format, KV and pixel
+    settings. PromptBuilder renders it to the chat template's messages."""
+
+    turns: List[Any]  # conversation.Turn (which imports this module's APIError)
     sampling: SamplingParams  # the library's; its max_tokens is set from `max_tokens` once the prompt is known
     max_tokens: Optional[int] = None  # as the request gave it (none: the server's --max-tokens)
     model: Optional[str] = None
@@ -59,7 +66,7 @@ class ChatRequest:
     max_pixels: Optional[int] = None
     chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
     kv: Optional[dict] = None  # kv_bits / kv_group_size / quantized_kv_start the request set (extra_body)
-    media_params: Optional[Dict[tuple, str]] = None  # {(message, part): param} where another protocol named it
+    merge_system: bool = True  # system turns must lead and become one (Responses, Messages); chat keeps them
 
 
 def _number(body, name, lo=None, hi=None, *, integer=False, lo_open=False, default=None):
@@ -119,57 +126,6 @@ def _template_switches(kwargs):
     return dict(kwargs)
 
 
-def _check_content(i, message):
-    role = message["role"]
-    content = message.get("content")
-    param = f"messages[{i}].content"
-    if content is None:
-        if role == "assistant" and message.get("tool_calls"):
-            return
-        raise _invalid(param, f"'{param}' is missing; send a string or a list of content parts", "missing_field")
-    if isinstance(content, str):
-        return
-    if not isinstance(content, list):
-        raise _invalid(param, f"'{param}' must be a string or a list of content parts", "invalid_type")
-    for j, part in enumerate(content):
-        p = f"{param}[{j}]"
-        if not isinstance(part, dict):
-            raise _invalid(p, f"'{p}' must be an object with a 'type'", "invalid_type")
-        kind = part.get("type")
-        if kind == "text":
-            if not isinstance(part.get("text"), str):
-                raise _invalid(f"{p}.text", f"'{p}.text' must be a string", "invalid_type")
-        elif kind in ("image_url", "video_url"):
-            ref = part.get(kind)
-            url = ref.get("url") if isinstance(ref, dict) else ref
-            if not isinstance(url, str) or not url:
-                raise _invalid(f"{p}.{kind}.url", f"'{p}.{kind}.url' must be a non-empty string", "invalid_type")
-            if role not in ("user", "tool"):  # the chat template renders media only there
-                raise _invalid(p, f"'{p}' is {'a video' if kind == 'video_url' else 'an image'} in a {role} message, "
-                               "where the chat template renders no media; send it in a user or tool message")
-        else:
-            raise _invalid(f"{p}.type", f"'{p}.type' is {kind!r}; use 'text', 'image_url' or 'video_url'")
-
-
-def _check_tools(tools, tool_choice):
-    if tools is None:
-        return
-    if not isinstance(tools, list):
-        raise _invalid("tools", "'tools' must be a list of {'type': 'function', 'function': {...}}", "invalid_type")
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or tool.get("type", "function") != "function":
-            raise _invalid(f"tools[{i}]", f"'tools[{i}]' must be {{'type': 'function', 'function': {{'name': ...}}}}")
-        if "parameters" in fn and not isinstance(fn["parameters"], dict):
-            raise _invalid(f"tools[{i}].function.parameters", "function parameters must be a JSON schema object")
-    if isinstance(tool_choice, dict):
-        name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice.get("function"), dict) else None
-        if name not in {t["function"]["name"] for t in tools}:
-            raise _invalid("tool_choice", f"'tool_choice' names function {name!r}, which is not in 'tools'")
-    elif tool_choice not in ("auto", "none", "required"):
-        raise _invalid("tool_choice", "'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', ...}")
-
-
 def _check_response_format(rf):
     if rf is None:
         return None
@@ -200,7 +156,7 @@ def stop_strings(stop, name="stop") -> List[str]:
     return stop
 
 
-def sampling_params(body, stop=(), *, defaults=None, logprobs=False, top_logprobs=0) -> SamplingParams:
+def sampling_params(body, stop=(), *, defaults=None, logprobs=False, top_logprobs=0, **more) -> SamplingParams:
     """The sampling fields of a request body (SAMPLING_FIELDS) → SamplingParams; a field the body
     leaves out takes `defaults`' value, else OpenAI's default temperature (1.0), not the library's
     greedy one."""
@@ -216,12 +172,12 @@ def sampling_params(body, stop=(), *, defaults=None, logprobs=False, top_logprob
         presence_penalty=_number(body, "presence_penalty", -2, 2, default=d.get("presence_penalty")),
         frequency_penalty=_number(body, "frequency_penalty", -2, 2, default=d.get("frequency_penalty")),
         seed=_number(body, "seed", 0, 2**63 - 1, integer=True),
-        stop=list(stop), logprobs=logprobs, top_logprobs=top_logprobs,
+        stop=list(stop), logprobs=logprobs, top_logprobs=top_logprobs, **more,
     )
 
 
 def pixel_options(body) -> Dict[str, Optional[int]]:
-    """A request's own min_pixels / max_pixels (checked against the server's cap in prompts.py)."""
+    """A request's own min_pixels / max_pixels (checked against the server's cap in model_inputs.py)."""
     pixels = {k: _number(body, k, 1, integer=True) for k in ("min_pixels", "max_pixels")}
     if pixels["min_pixels"] and pixels["max_pixels"] and pixels["min_pixels"] > pixels["max_pixels"]:
         raise _invalid("min_pixels", "'min_pixels' is larger than 'max_pixels'")
@@ -232,69 +188,43 @@ def template_switches(kwargs):
     return _template_switches(kwargs or {})
 
 
-def parse_chat_request(body) -> ChatRequest:
-    if not isinstance(body, dict):
-        raise _invalid(None, "the request body must be a JSON object", "invalid_type")
-    messages = body.get("messages")
-    if messages is None:
-        raise _invalid("messages", "'messages' is required", "missing_field")
-    if not isinstance(messages, list) or not messages:
-        raise _invalid("messages", "'messages' must be a non-empty list", "invalid_type")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise _invalid(f"messages[{i}]", f"'messages[{i}]' must be an object with 'role' and 'content'",
-                           "invalid_type")
-        if m.get("role") not in ROLES:
-            raise _invalid(f"messages[{i}].role", f"'messages[{i}].role' is {m.get('role')!r}; use one of "
-                           + ", ".join(ROLES))
-        _check_content(i, m)
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise _invalid("model", "'model' must be a string", "invalid_type")
-    for name in ("stream", "logprobs"):
-        if body.get(name) is not None and not isinstance(body[name], bool):
-            raise _invalid(name, f"'{name}' must be true or false", "invalid_type")
-    n = _number(body, "n", 1, 1, integer=True)
-    del n  # one choice per request (n > 1 is refused above)
-
-    max_tokens = _number(body, "max_completion_tokens", 1, integer=True)
-    if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", 1, integer=True)
-    stop = stop_strings(body.get("stop"), "stop")
-    top_logprobs = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True, default=0)
-    if top_logprobs and not body.get("logprobs"):
-        raise _invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
-    sampling = sampling_params(body, stop, logprobs=bool(body.get("logprobs")), top_logprobs=top_logprobs)
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise _invalid("stream_options", "'stream_options' must be an object", "invalid_type")
-    tools, tool_choice = body.get("tools"), body.get("tool_choice", "auto")
-    _check_tools(tools, tool_choice)
-    mm = body.get("mm_processor_kwargs") or {}
-    if not isinstance(mm, dict):
-        raise _invalid("mm_processor_kwargs", "'mm_processor_kwargs' must be an object", "invalid_type")
-    for key in mm:
-        if key not in ("min_pixels", "max_pixels"):
-            raise _invalid(f"mm_processor_kwargs.{key}", f"'mm_processor_kwargs' may not set {key!r}; this server "
-                           "takes only min_pixels, max_pixels", "unsupported_processor_kwarg")
-    pixels = {k: _number(body, k, 1, integer=True, default=_number(mm, k, 1, integer=True))
-              for k in ("min_pixels", "max_pixels")}
-    if pixels["min_pixels"] and pixels["max_pixels"] and pixels["min_pixels"] > pixels["max_pixels"]:
-        raise _invalid("min_pixels", "'min_pixels' is larger than 'max_pixels'")
-    if body.get("chat_template") is not None:
-        raise _invalid("chat_template", "'chat_template' cannot be sent; this server renders with its checkpoint's "
-                       "template (switches go in 'chat_template_kwargs')", "unsupported_field")
-    kwargs = _template_switches(body.get("chat_template_kwargs") or {})
-    kv = _kv_settings(body)
-    return ChatRequest(
-        messages=messages, sampling=sampling, max_tokens=max_tokens, model=model, stream=bool(body.get("stream")),
-        include_usage=bool(stream_options.get("include_usage")), tools=tools or None,
-        tool_choice=tool_choice if tools else "none", response_format=_check_response_format(body.get("response_format")),
-        chat_template_kwargs=kwargs, kv=kv, **pixels,
-    )
+def stopping(body, max_tokens) -> dict:
+    """logit_bias (OpenAI: {"token id": bias in [-100, 100]}) and vLLM's stop_token_ids,
+    min_tokens, ignore_eos → SamplingParams fields (token ids are checked against the vocabulary
+    when the engine takes the request)."""
+    out = {}
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise _invalid("logit_bias", "'logit_bias' must be an object {\"token id\": bias}", "invalid_type")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise _invalid("logit_bias", f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens")
+        pairs = {}
+        for key in bias:
+            name = f"logit_bias.{key}"
+            if not (key.isascii() and key.isdigit()) or len(key) > 12:
+                raise _invalid(name, f"'logit_bias' keys are token ids (decimal strings), not {key[:40]!r}")
+            pairs[int(key)] = number(bias, key, -100, 100, param=name)
+        out["logit_bias"] = pairs or None
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in ids):
+            raise _invalid("stop_token_ids", f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token "
+                           "ids (integers >= 0)")
+        out["stop_token_ids"] = tuple(ids)
+    min_tokens = _number(body, "min_tokens", 0, integer=True)
+    if min_tokens is not None:
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise _invalid("min_tokens", f"'min_tokens' ({min_tokens}) is larger than the request's max_tokens "
+                           f"({max_tokens})")
+        out["min_tokens"] = min_tokens
+    if body.get("ignore_eos") is not None:
+        out["ignore_eos"] = flag(body, "ignore_eos", None)
+    return out
 
 
-def _kv_settings(body) -> Optional[dict]:
+def kv_settings(body) -> Optional[dict]:
     """The KV cache settings a request may set (as mlx-lm names them; null: the server's)."""
     given = {k: body[k] for k in KV_FIELDS if body.get(k) is not None}
     if not given:
@@ -306,35 +236,52 @@ def _kv_settings(body) -> Optional[dict]:
     return given
 
 
-# ------------------------------------------------------------------------------------ responses
+# ----------------------------------------------------------------- shared by the other protocols
 
 
-def completion_id() -> str:
-    return "chatcmpl-" + uuid.uuid4().hex[:24]
+_FIELD = re.compile(r"[a-z_][a-z0-9_]*")
+_TYPE_LABELS = {"str", "int", "float", "bool", "none", "list", "dict"}
 
 
-def usage(prompt_tokens, completion_tokens, cached_tokens) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def chat_response(cid, model, message, finish_reason, logprobs, use) -> dict:
-    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
-            "usage": use}
-
-
-def chunk(cid, model, delta=None, finish_reason=None, logprobs=None, use=None, choices=True) -> dict:
-    out = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-           "choices": [{"index": 0, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish_reason}]
-           if choices else []}
-    if use is not None:
-        out["usage"] = use
+def _path(loc, extra: bool) -> str:
+    """A pydantic error location → the field's path as the client wrote it (`messages[2].content[0].
+    image_url.url`): union members' labels (`str`, `list[...]`, `URL`, a tag such as `image_url part`)
+    are left out."""
+    out = ""
+    for i, key in enumerate(loc):
+        if isinstance(key, int):
+            out += f"[{key}]"
+        elif (extra and i == len(loc) - 1) or (_FIELD.fullmatch(key) and key not in _TYPE_LABELS):
+            out += f".{key}" if out else key
     return out
 
 
-# ----------------------------------------------------------------- shared by the other protocols
+def validate(model, body, refused=None):
+    """`body` validated by the pydantic `model` (strict; unknown fields refused) → the model; else
+    a 400 naming the first failing field by its path. `refused` {field: why}: fields the model
+    holds only to refuse their values with a reason."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        errors = e.errors(include_url=False, include_context=False, include_input=False)
+        # the deepest failure names the field (a union's other members fail at its top)
+        first = max(errors, key=lambda err: len(_path(err["loc"], err["type"] == "extra_forbidden")))
+        kind = first["type"]
+        path = _path(first["loc"], kind == "extra_forbidden")
+        if kind in ("union_tag_invalid", "union_tag_not_found"):
+            path += ".type"
+        top = path.split(".")[0].split("[")[0]
+        if refused and top in refused:
+            raise _invalid(top, f"'{top}' is not supported by this server: {refused[top]}",
+                           "unsupported_field") from None
+        if kind == "extra_forbidden":
+            raise _invalid(path, f"'{path}' is not a field this server accepts here", "unknown_field") from None
+        if kind == "missing":
+            raise _invalid(path, f"'{path}' is required", "missing_field") from None
+        same = [first["msg"]] + [err["msg"] for err in errors if _path(err["loc"], False) == path]
+        kinds = " or ".join(dict.fromkeys(same))
+        raise _invalid(path or None, f"'{path or 'the body'}' is not valid: {kinds}",
+                       "invalid_type" if "type" in kind or kind.endswith("_type") else "invalid_value") from None
 
 
 def invalid(param, message, code="invalid_value") -> APIError:

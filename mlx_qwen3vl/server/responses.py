@@ -19,13 +19,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from . import computer
 from . import protocol as P
-from .answer import AnswerStream, prompt_opens_reasoning
-from .conversation import Call, Part, Turn, chat_messages, function_tool
+from .answer_stream import AnswerStream, prompt_opens_reasoning
+from .conversation import Call, Part, Turn, function_tool
 from .protocol import APIError, ChatRequest
 from .store import ResponseStore
 
@@ -243,7 +243,7 @@ def _tool_choice(choice, functions, tool):
 def _text_format(text):
     if text is None:
         return None, {"format": {"type": "text"}}
-    P.check_fields(text, {"format", "verbosity"}, "text")
+    P.check_fields(text, {"format", "verbosity"}, "text", {"verbosity": "the answer's length is the model's"})
     fmt = text.get("format") or {"type": "text"}
     P.check_fields(fmt, {"type", "name", "schema", "strict", "description"}, "text.format")
     kind = fmt.get("type")
@@ -258,24 +258,31 @@ def _text_format(text):
     return P.response_format(rf), {"format": fmt}
 
 
-def parse_request(body, store: ResponseStore, agent_format: str) -> ResponsesRequest:
+def continue_stored(req: ResponsesRequest, store: ResponseStore):
+    """A follow-up's history: the stored conversation of `previous_response_id`, then its input
+    (on the event loop, where the store lives)."""
+    previous = req.echo["previous_response_id"]
+    if previous is None:
+        return
+    entry = store.get(previous) if len(previous) <= 128 else None
+    if entry is None:
+        raise APIError(400, f"Previous response with id '{previous[:128]}' not found (this server keeps "
+                       f"{store.max_entries} recent responses within {store.max_bytes >> 20} MiB; send the "
+                       "whole conversation as input instead)", param="previous_response_id",
+                       code="previous_response_not_found")
+    req.history = list(entry.turns) + req.history
+
+
+def parse_request(body, agent_format: str) -> ResponsesRequest:
+    """The body → a request whose history is its input (continue_stored adds what it continues)."""
     P.check_fields(body, FIELDS, None, REFUSED)
     if body.get("input") is None:
         raise P.invalid("input", "'input' is required", "missing_field")
     model = P.string(body, "model", None)
     instructions = P.string(body, "instructions", None)
-    history = []
     previous = P.string(body, "previous_response_id", None)
-    if previous is not None:
-        entry = store.get(previous) if len(previous) <= 128 else None
-        if entry is None:
-            raise APIError(400, f"Previous response with id '{previous[:128]}' not found (this server keeps "
-                           f"{store.max_entries} recent responses within {store.max_bytes >> 20} MiB; send the "
-                           "whole conversation as input instead)", param="previous_response_id",
-                           code="previous_response_not_found")
-        history = list(entry.turns)
     new = read_input(body["input"], "input")
-    history += new
+    history = list(new)
     functions, tool = _tools(body.get("tools"))
     if tool is None:  # a computer call's action has no place in the chat template's rendering
         for call in (c for t in new for c in t.calls if c.action is not None):
@@ -290,8 +297,9 @@ def parse_request(body, store: ResponseStore, agent_format: str) -> ResponsesReq
         raise P.invalid("include", f"'include' may list only {', '.join(INCLUDABLE)} on this server")
     if body.get("top_logprobs") not in (None, 0):
         raise P.invalid("top_logprobs", "'top_logprobs' is not supported by this server", "unsupported_field")
-    if body.get("truncation") not in (None, "auto", "disabled"):
-        raise P.invalid("truncation", "'truncation' must be 'auto' or 'disabled'")
+    if body.get("truncation") not in (None, "disabled"):
+        raise P.invalid("truncation", "'truncation' must be 'disabled': a prompt past the context is refused here, "
+                        "never truncated", "unsupported_field")
     for name, kinds in (("reasoning", dict), ("stream_options", dict), ("metadata", dict)):
         if body.get(name) is not None and not isinstance(body[name], kinds):
             raise P.invalid(name, f"'{name}' must be an object", "invalid_type")
@@ -300,7 +308,12 @@ def parse_request(body, store: ResponseStore, agent_format: str) -> ResponsesReq
                                                and len(v) <= 512 for k, v in metadata.items()):
         raise P.invalid("metadata", f"'metadata' holds at most {MAX_METADATA} string values (keys up to 64 "
                         "characters, values up to 512)")
-    P.flag(body, "parallel_tool_calls", None)
+    if P.flag(body, "parallel_tool_calls", None, True) is not True:
+        raise P.invalid("parallel_tool_calls", "'parallel_tool_calls' must be true: this model may answer with several "
+                        "calls and the server does not cut them", "unsupported_field")
+    if (body.get("reasoning") or {}).get("effort") is not None:
+        raise P.invalid("reasoning.effort", "'reasoning.effort' is not available here: this checkpoint's thinking is "
+                        "switched by 'chat_template_kwargs': {'enable_thinking': ...}", "unsupported_field")
     P.number(body, "max_tool_calls", 1, integer=True)
     defaults = computer.sampling_defaults(agent_format) if tool is not None else {}
     stop = P.stop_strings(body.get("stop"), "stop")
@@ -309,7 +322,7 @@ def parse_request(body, store: ResponseStore, agent_format: str) -> ResponsesReq
     for k in ("min_pixels", "max_pixels"):
         pixels[k] = pixels[k] or defaults.get(k)
     max_tokens = P.number(body, "max_output_tokens", 1, integer=True, default=defaults.get("max_tokens"))
-    chat = ChatRequest(messages=[], sampling=sampling, max_tokens=max_tokens, model=model,
+    chat = ChatRequest(turns=[], sampling=sampling, max_tokens=max_tokens, model=model,
                        tools=functions, tool_choice=tool_choice if functions else "none", response_format=rf,
                        chat_template_kwargs=P.template_switches(body.get("chat_template_kwargs")), **pixels)
     echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
@@ -343,6 +356,9 @@ class Writer:
     def event(self, kind, **fields) -> dict:
         self.seq += 1
         return {"type": kind, "sequence_number": self.seq - 1, **fields}
+
+    def result(self) -> dict:
+        return self.response
 
     @property
     def response(self) -> dict:
@@ -426,17 +442,17 @@ class Writer:
 
     # -- engine events
     def token(self, ev) -> List[dict]:
-        self.raw.append(ev["text"])
+        self.raw.append(ev.text)
         if self.computer is not None:  # the whole answer is mapped at the end
             return []
         inside = self.parts.in_reasoning
-        events = [e for kind, value in self.parts.feed(ev["text"]) for e in self._segment(kind, value)]
+        events = [e for kind, value in self.parts.feed(ev.text) for e in self._segment(kind, value)]
         self.reasoning_tokens += inside
         return events
 
     def done(self, ev) -> List[dict]:
         answer = "".join(self.raw)
-        cut = ev["finish_reason"] in ("length", "time_limit")
+        cut = ev.finish_reason in ("length", "time_limit")
         if self.computer is not None:
             events = self._computer(answer)
         else:
@@ -447,11 +463,11 @@ class Writer:
             self.turn = Turn("assistant", [Part("text", self.parts.text)], calls, self.parts.reasoning or None,
                              answer=answer)
         self.status = "incomplete" if cut else "completed"
-        n, cached = ev["prompt_tokens"], ev["cached_tokens"]
+        n, cached = ev.prompt_tokens, ev.cached_tokens
         self.usage = {"input_tokens": n, "input_tokens_details": {"cached_tokens": cached},
-                      "output_tokens": ev["completion_tokens"],
+                      "output_tokens": ev.completion_tokens,
                       "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
-                      "total_tokens": n + ev["completion_tokens"]}
+                      "total_tokens": n + ev.completion_tokens}
         name = "response.incomplete" if cut else "response.completed"
         return events + [self.event(name, response=self.response)]
 
@@ -494,35 +510,24 @@ def _sse(event: dict) -> str:
 def routes(service, store: ResponseStore) -> list:
     tokenizer = service.processor.tokenizer
 
-    async def prepare(req: ResponsesRequest):
+    def build(req: ResponsesRequest):
         if req.tool is not None:
-            return await service.prepare(computer.prepare, service.builder, req.chat, req.turns, req.tool,
-                                         service.agent_format, service.computer_answers, service.agent_history)
-        req.chat.messages, req.chat.media_params = chat_messages(req.turns)
-        return await service.prepare(service.builder.build, req.chat), None
+            return computer.prepare(service.builder, req.chat, req.turns, req.tool, service.agent_format,
+                                    service.computer_answers, service.agent_history)
+        req.chat.turns = req.turns
+        return service.builder.build(req.chat), None
 
     def keep(req: ResponsesRequest, writer: Writer):
         if req.store and writer.turn is not None:
             store.put(writer.id, req.history + [writer.turn], writer.response)
 
     async def create(request):
-        body = await service.read_json(request)
-        req = parse_request(body, store, service.agent_format)
-        del body
-        prepared, computer_request = await prepare(req)
-        handle = service.submit(prepared)
+        req, prepared, computer_request, handle = await service.admit(
+            request, lambda body: parse_request(body, service.agent_format), build,
+            then=lambda req: continue_stored(req, store))
         writer = Writer(req, req.body_model or service.model_id, prompt_opens_reasoning(tokenizer, prepared.tokens),
                         computer_request)
-        if req.stream:
-            return StreamingResponse(_stream(service, handle, writer, lambda: keep(req, writer)),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        done = await service.collect(request, handle, on_token=writer.token)
-        if done is None:
-            return JSONResponse({}, status_code=499)
-        writer.done(done)
-        keep(req, writer)
-        return JSONResponse(writer.response)
+        return await service.answer(request, handle, writer, _sse, req.stream, on_done=lambda: keep(req, writer))
 
     async def retrieve(request):
         service.check_auth(request)
@@ -535,35 +540,3 @@ def routes(service, store: ResponseStore) -> list:
 
     return [Route("/v1/responses", create, methods=["POST"]),
             Route("/v1/responses/{response_id}", retrieve, methods=["GET"])]
-
-
-async def _stream(service, handle, writer: Writer, on_done):
-    finished = False
-    try:
-        for e in writer.start():
-            yield _sse(e)
-        while True:
-            ev = await service.next_event(handle)
-            if ev["type"] == "error":
-                finished = True
-                for e in writer.failed(ev["error"]):
-                    yield _sse(e)
-                break
-            if ev["type"] == "token":
-                for e in writer.token(ev):
-                    yield _sse(e)
-                continue
-            finished = True
-            events = writer.done(ev)
-            on_done()
-            for e in events:
-                yield _sse(e)
-            break
-    except Exception as e:  # noqa: BLE001 — the headers are sent: end the stream with an error event
-        finished = True
-        error = e if isinstance(e, APIError) else APIError(500, f"internal error: {type(e).__name__}: {e}",
-                                                            code="internal_error")
-        for ev in writer.failed(error):
-            yield _sse(ev)
-    finally:
-        service.release(handle, finished)

@@ -1,21 +1,36 @@
-"""What every endpoint shares, whatever protocol it speaks: the API key (Bearer or x-api-key), the
-body limit and JSON checks, submitting a prepared request to the model thread, the set of running
-requests the server ends when it stops, and waiting for a whole answer while watching the client.
-app.py builds one; responses.py and messages.py take it."""
+"""What every endpoint shares, whatever protocol it speaks: one admission path (`Service.admit`),
+the set of running requests the server ends when it stops, and waiting for a whole answer while
+watching the client. app.py builds one; chat.py, responses.py, messages.py and grounding take it.
+
+Admission, in this order, for every endpoint: the API key; the body, read up to --max-body-bytes;
+then, on a small parse pool (never the event loop), the JSON with its nesting and item count
+bounded and the protocol's own checks; a place in the queue (503 when --max-queue requests wait,
+before any media is read); the media and the prompt built on a bounded preparation pool; the engine.
+"""
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, StreamingResponse
 
-from ..engine import eos_token_ids
 from . import protocol as P
 from .computer_answers import ComputerAnswers
+from .prepared import DoneEvent, ErrorEvent, TokenEvent
 from .protocol import APIError
+
+
+def as_api_error(e: BaseException) -> APIError:
+    """An exception as the API's error: an unexpected one is a 500 naming only its type (its text
+    may hold server paths)."""
+    if isinstance(e, APIError):
+        return e
+    return APIError(500, f"internal error ({type(e).__name__})", code="internal_error")
 
 
 def shutting_down() -> APIError:
@@ -40,9 +55,19 @@ async def read_body(request: Request, limit: int) -> bytearray:
     return body
 
 
+MAX_JSON_ITEMS = 200_000  # objects and lists in one body (counted before parsing, as brackets)
+PARSE_WORKERS = 2  # bodies parsed at once
+PREPARE_WORKERS = 4  # requests whose media and prompt are built at once
+
+
 def parse_json(raw: bytearray):
-    """The body as JSON (UTF-8, RFC 8259). The raw bytes are released before parsing: a large body
-    is held at most twice (its text, then what is parsed from it)."""
+    """The body as JSON (UTF-8, RFC 8259), its objects and lists counted before parsing (an upper
+    bound: brackets inside strings count too). The raw bytes are released before parsing: a large
+    body is held at most twice (its text, then what is parsed from it)."""
+    items = raw.count(b"{") + raw.count(b"[")
+    if items > MAX_JSON_ITEMS:
+        raise APIError(400, f"the request body holds more than {MAX_JSON_ITEMS} objects and lists; send fewer "
+                       "messages or parts", code="too_many_items")
     try:
         text = raw.decode("utf-8-sig")  # a leading BOM is tolerated, as json.loads(bytes) does
         raw.clear()
@@ -75,14 +100,13 @@ class Service:
         self.agent_history = agent_history  # the earlier steps it replays: --agent-history (None: the format's)
         self.running = set()
         self.stopping = False
+        self.built = 0  # requests whose media and prompt were built (each after its place in the queue)
+        self.parse_pool = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="mlx_qwen3vl-parse")
+        self.prepare_pool = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="mlx_qwen3vl-prepare")
 
     @property
     def processor(self):
         return self.engine.processor
-
-    @functools.cached_property
-    def eos(self) -> set:
-        return eos_token_ids(self.engine.model, self.engine.processor)
 
     def check_auth(self, request: Request):
         """With a key, `Authorization: Bearer KEY` or (Anthropic's clients) `x-api-key: KEY`."""
@@ -98,20 +122,41 @@ class Service:
         raise APIError(401, "missing or wrong API key; send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    async def read_json(self, request: Request):
+    async def _on(self, pool, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+
+    async def read(self, request: Request, parse):
+        """Admission up to the queue: the key, the body (size), then on the parse pool the JSON
+        (nesting, items) and `parse(body)` (the protocol's checks) → what `parse` returns."""
         self.check_auth(request)
         if self.stopping:
             raise shutting_down()
-        return parse_json(await read_body(request, self.max_body_bytes))
+        raw = await read_body(request, self.max_body_bytes)
+        return await self._on(self.parse_pool, lambda: parse(parse_json(raw)))
 
-    async def prepare(self, build, *args):
-        """Run `build(*args)` (media, template, tokens: blocking work) off the event loop."""
-        return await run_in_threadpool(build, *args)
+    async def admit(self, request: Request, parse, build, *, submit: bool = True, then=None):
+        """The whole admission path: `read`, then a place in the queue (a 503 when it is full,
+        before any media is read), then `build(req)` → (Prepared, extra) on the preparation pool
+        (media under the request's budget, template, tokens), then the engine. → (req, prepared,
+        extra, handle); with submit=False (a token count) nothing is queued and handle is None.
+        `then(req)` runs on the event loop after parsing (what only the loop may read: the store)."""
+        req = await self.read(request, parse)
+        if then is not None:
+            then(req)
+        slot = self.engine.reserve()
+        self.built += 1
+        try:
+            prepared, extra = await self._on(self.prepare_pool, build, req)
+            if not submit:
+                return req, prepared, extra, None
+            return req, prepared, extra, self.submit(prepared, slot)
+        finally:
+            slot.release()  # (a submitted request's slot is already its place in the queue)
 
-    def submit(self, prepared):
+    def submit(self, prepared, slot=None):
         if self.stopping:
             raise shutting_down()
-        handle = self.engine.submit(prepared, asyncio.get_running_loop())
+        handle = self.engine.submit(prepared, asyncio.get_running_loop(), slot)
         self.running.add(handle)
         return handle
 
@@ -130,9 +175,55 @@ class Service:
         except asyncio.TimeoutError:
             return None
 
+    async def answer(self, request: Request, handle, writer, encode, stream: bool, **options):
+        """The one answer path: the answer streamed (`stream`, below) or, whole, as the JSON of
+        `writer.result()` once the engine is done (None while the client went away: a 499)."""
+        if stream:
+            return StreamingResponse(self.stream(handle, writer, encode, **options), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        done = await self.collect(request, handle, on_token=writer.token)
+        if done is None:  # the client went away
+            return JSONResponse({}, status_code=499)
+        writer.done(done)
+        if options.get("on_done") is not None:
+            options["on_done"]()
+        return JSONResponse(writer.result())
+
+    async def stream(self, handle, writer, encode, *, ping=None, on_done=None, end: str = ""):
+        """One answer's server-sent events, for every protocol: `writer` (the protocol's) turns the
+        engine's events into its own (start(), token(ev), done(ev), failed(APIError)) and `encode`
+        each into SSE text; `ping` (seconds, event) is sent while nothing comes (a long prefill);
+        `on_done()` runs once the answer is whole; `end` is the stream's last line."""
+        finished = False
+        try:
+            for e in writer.start():
+                yield encode(e)
+            while not finished:
+                ev = await self.next_event(handle, ping[0] if ping else None)
+                if ev is None:
+                    yield encode(ping[1])
+                    continue
+                if isinstance(ev, TokenEvent):
+                    events = writer.token(ev)
+                else:
+                    finished = True
+                    events = writer.failed(ev.error) if isinstance(ev, ErrorEvent) else writer.done(ev)
+                    if isinstance(ev, DoneEvent) and on_done is not None:
+                        on_done()
+                for e in events:
+                    yield encode(e)
+        except Exception as e:  # noqa: BLE001 — the headers are sent: end the stream with an error event
+            finished = True
+            for x in writer.failed(as_api_error(e)):
+                yield encode(x)
+        finally:
+            self.release(handle, finished)
+        if end:
+            yield end
+
     async def collect(self, request: Request, handle, on_token=None):
-        """Wait for the whole answer while watching the client: → the "done" event (with "text"
-        added: the whole answer), or None if the client went away (its slot is then freed). An
+        """Wait for the whole answer while watching the client: → its DoneEvent (with `text`: the
+        whole answer), or None if the client went away (its slot is then freed). An
         engine error is raised. `on_token(event)` sees each token event."""
         watcher = asyncio.ensure_future(disconnected(request))
         text, finished = [], False
@@ -144,16 +235,16 @@ class Service:
                     get.cancel()
                     return None
                 ev = get.result()
-                if ev["type"] == "error":
+                if isinstance(ev, ErrorEvent):
                     finished = True
-                    raise ev["error"]
-                if ev["type"] == "token":
-                    text.append(ev["text"])
+                    raise ev.error
+                if isinstance(ev, TokenEvent):
+                    text.append(ev.text)
                     if on_token is not None:
                         on_token(ev)
                     continue
                 finished = True
-                return {**ev, "text": "".join(text)}
+                return dataclasses.replace(ev, text="".join(text))
         finally:
             watcher.cancel()
             self.release(handle, finished)

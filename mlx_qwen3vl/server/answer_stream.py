@@ -10,7 +10,7 @@ the blank space next to a call is dropped (as chat completions strips content be
 
 from typing import List, Optional, Tuple
 
-from .tools import ToolCallParser
+from .tool_calls import ToolCallParser
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -38,11 +38,12 @@ def split_reasoning(text: str, opened: bool = False, final: bool = True) -> Tupl
 
 class AnswerStream:
     """A streamed answer → segments in order: ("reasoning", text), ("text", text), ("call", call)
-    where a call is tools.ToolCallParser's {"id", "type", "function": {"name", "arguments"}}.
-    `tools`: parse `<tool_call>` blocks out of the text; `opened`: the prompt ends inside <think>."""
+    where a call is tool_calls.ToolCallParser's {"id", "type", "function": {"name", "arguments"}}.
+    `tools`: parse `<tool_call>` blocks out of the text; `opened`: the prompt ends inside <think>;
+    `reasoning=False`: no reasoning is split out (chat completions hands `<think>` text back as content)."""
 
-    def __init__(self, tools: bool = False, opened: bool = False):
-        self.opened, self.tools = opened, tools
+    def __init__(self, tools: bool = False, opened: bool = False, reasoning: bool = True):
+        self.opened, self.tools, self.split = opened, tools, reasoning
         self.whole, self.reasoning, self.text = "", "", ""
         self.has_reasoning = False
         self.parser = ToolCallParser() if tools else None
@@ -51,7 +52,7 @@ class AnswerStream:
 
     def feed(self, piece: str, final: bool = False) -> List[tuple]:
         self.whole += piece
-        reasoning, text = split_reasoning(self.whole, self.opened, final)
+        reasoning, text = split_reasoning(self.whole, self.opened, final) if self.split else (None, self.whole)
         out = []
         if reasoning is not None:
             self.has_reasoning = True
@@ -106,14 +107,3 @@ class AnswerStream:
 def prompt_opens_reasoning(tokenizer, tokens) -> bool:
     """Whether the prompt ends inside a <think> block (a thinking template's generation prompt)."""
     return tokenizer.decode(list(tokens[-4:])).rstrip().endswith(OPEN)
-
-
-def matched_stop(tokenizer, token_ids, text: str, stops) -> Optional[str]:
-    """Which stop string ended an answer whose tokens are `token_ids` and whose text (the stop
-    string and what followed it cut off) is `text`: the one found first after the text."""
-    if not stops:
-        return None
-    whole = tokenizer.decode(list(token_ids))
-    rest = whole[len(text):] if whole.startswith(text) else whole
-    found = [(rest.find(s), i, s) for i, s in enumerate(stops) if s in rest]
-    return min(found)[2] if found else None

@@ -12,54 +12,11 @@ from ..engine import fit_to_context
 from ..errors import ContextLengthError, Qwen3VLError
 from ..media_access import release_memory
 from ..spans import media_keys
-from .prepared import Prepared
+from .conversation import template_messages
 from .fetch import hide_temp_paths, resolve_image, resolve_video
-from .limits import Limits, check_media, check_pixel_options
+from .limits import Limits, check_media, check_pixel_options, check_token_ids
+from .prepared import Prepared
 from .protocol import APIError, ChatRequest
-
-
-def _text_of(content):
-    if isinstance(content, str) or content is None:
-        return content or ""
-    return "".join(p["text"] for p in content if p.get("type") == "text")
-
-
-def convert_messages(messages, policy, temp_files, names=None, budget=None):
-    """OpenAI messages → (template messages with media placeholders, images, videos), in order.
-    `names`: {(i, j): param} naming a part as the client wrote it (another protocol's field);
-    `budget`: the request's media budget (all its media together)."""
-    budget = budget or policy.budget()
-    out, images, videos = [], [], []
-    names = names or {}
-    for i, m in enumerate(messages):
-        role = "system" if m["role"] == "developer" else m["role"]
-        msg = {"role": role}
-        content = m.get("content")
-        if isinstance(content, list) and role in ("user", "tool"):  # a tool result may be a screenshot
-            parts = []
-            for j, part in enumerate(content):
-                kind = part["type"]
-                param = names.get((i, j)) or f"messages[{i}].content[{j}].{kind}.url"
-                if kind == "text":
-                    parts.append({"type": "text", "text": part["text"]})
-                    continue
-                ref = part[kind]
-                url = ref["url"] if isinstance(ref, dict) else ref
-                if kind == "image_url":
-                    images.append(resolve_image(url, policy, param, budget))
-                    parts.append({"type": "image"})
-                else:
-                    videos.append(resolve_video(url, policy, param, temp_files, budget))
-                    parts.append({"type": "video"})
-            msg["content"] = parts
-        else:
-            msg["content"] = _text_of(content)
-        if role == "assistant" and m.get("tool_calls"):
-            msg["tool_calls"] = m["tool_calls"]
-        if role == "tool" and m.get("tool_call_id"):
-            msg["tool_call_id"] = m["tool_call_id"]
-        out.append(msg)
-    return out, images, videos
 
 
 class PromptBuilder:
@@ -73,9 +30,14 @@ class PromptBuilder:
         temp_files = []
         check_pixel_options(req, self.limits)
         budget = self.policy.budget(self.limits.max_request_pixels, self.limits.max_video_frames)
+
+        def resolve(part):  # every medium of the request under one budget of bytes, pixels, frames and time
+            if part.kind == "image":
+                return resolve_image(part.value, self.policy, part.param, budget)
+            return resolve_video(part.value, self.policy, part.param, temp_files, budget)
+
         try:
-            messages, images, videos = convert_messages(req.messages, self.policy, temp_files, req.media_params,
-                                                        budget)
+            messages, images, videos = template_messages(req.turns, resolve, req.merge_system)
             return self.render(req, messages, images, videos)
         except APIError as e:
             # The media read so far live in the traceback's frames until the error is answered:
@@ -94,6 +56,7 @@ class PromptBuilder:
         computer-use prompt (computer.py) and the grounding route's passes (grounding.py: the
         screenshot and its crop) come in here too."""
         check_pixel_options(req, self.limits)
+        check_token_ids(req.sampling, self.grammars.vocab_size)
         check_media(images, videos, req, self.processor, self.limits)  # before any decoding
         tools = req.tools if req.tool_choice != "none" else None
         with self._lock:

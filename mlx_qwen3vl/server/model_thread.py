@@ -3,9 +3,7 @@
 One thread owns the model. Each iteration takes what the HTTP side did since the last (requests
 submitted, clients gone away), hands it to the engine, runs one engine step (one decode token for
 every running row, a bounded share of the waiting requests' prefill) and routes the step's events
-to each request's asyncio queue as the dictionaries app.py reads: {"type": "token", "text",
-"token"[, "logprobs"]}, {"type": "done", "finish_reason", "prompt_tokens", "completion_tokens",
-"cached_tokens"}, {"type": "error", "error": APIError}.
+to each request's asyncio queue as prepared.TokenEvent / DoneEvent / ErrorEvent (the API's error).
 
 Under `mlx.launch` every rank runs this loop on its shard of the model (replica.py): rank 0 takes
 requests from HTTP and broadcasts each iteration's inputs (the requests, the cancellations, the
@@ -21,14 +19,14 @@ import time
 import mlx.core as mx
 
 from ..engine import Done, Failed, Token, token_bytes
-from ..engine import Engine as Runtime
+from ..engine import Engine
 from ..errors import Qwen3VLError
-from .prepared import Handle, Prepared  # noqa: F401  (Prepared: the unit every module here passes)
+from .prepared import DoneEvent, ErrorEvent, Handle, Prepared, TokenEvent  # noqa: F401  (Prepared: the unit)
 from .protocol import APIError
 from .replica import Plan, digest
 
 
-class Engine:
+class ModelThread:
     """The server's side of the engine: a thread, a queue of submitted requests, event routing.
     `core` is the library Engine; `prefix` and `features` its shared caches."""
 
@@ -43,7 +41,7 @@ class Engine:
         self.replicas = replicas  # replica.Leader / Follower on several ranks, else None
         # Several ranks: the step is evaluated before the next exchange (no step queued ahead, whose
         # collectives would meet the exchange's), and rank 0 alone reads the clock for time limits.
-        self.core = Runtime(model, processor, max_batch=max_batch, prefill_step_size=prefill_step_size,
+        self.core = Engine(model, processor, max_batch=max_batch, prefill_step_size=prefill_step_size,
                             prefill_budget=prefill_budget or None, prefix_cache_bytes=prefix_cache_bytes,
                             feature_cache_bytes=feature_cache_bytes, kv_budget_bytes=kv_cache_bytes,
                             max_request_seconds=max_request_seconds,
@@ -56,6 +54,7 @@ class Engine:
         self.prefix, self.features = self.core.prefix, self.core.features
         self.context = self.core.context  # the library engine's: its rule (fit_to_context) caps answers
         self._pending: collections.deque = collections.deque()
+        self._reserved = 0  # slots held by requests being built (Slot)
         self._handles = {}  # engine request id → Handle (or a replica's ghost)
         self._cv = threading.Condition()
         self._stopping = False
@@ -67,14 +66,32 @@ class Engine:
         self._thread.start()
 
     # ------------------------------------------------------------------ called from the HTTP side
-    def submit(self, prepared: Prepared, loop) -> Handle:
+    def _check_room(self):
+        """A 503 when --max-queue requests wait already: submitted, or holding a slot while their
+        media are read and their prompt built (under self._cv)."""
+        waiting = len(self._pending) + len(self.core.waiting) + self._reserved
+        if waiting >= self.max_queue:
+            self.metrics["rejected"] += 1
+            raise APIError(503, f"the server is busy ({waiting} requests waiting); retry shortly",
+                           code="queue_full", headers={"Retry-After": "1"})
+
+    def reserve(self) -> "Slot":
+        """A place in the queue for a request about to be built (before any of its media is read):
+        a full queue refuses it here, before the work."""
+        with self._cv:
+            self._check_room()
+            self._reserved += 1
+        return Slot(self)
+
+    def submit(self, prepared: Prepared, loop, slot: "Slot" = None) -> Handle:
+        """Queue `prepared` in the place `slot` holds (or a new one, if there is room)."""
         handle = Handle(prepared, loop)
         with self._cv:
-            waiting = len(self._pending) + len(self.core.waiting)
-            if waiting >= self.max_queue:
-                self.metrics["rejected"] += 1
-                raise APIError(503, f"the server is busy ({waiting} requests waiting); retry shortly",
-                               code="queue_full", headers={"Retry-After": "1"})
+            if slot is not None and slot.held:
+                slot.held = False
+                self._reserved -= 1
+            else:
+                self._check_room()
             self._pending.append(handle)
             self._cv.notify()
         return handle
@@ -152,7 +169,7 @@ class Engine:
                 self.core.add(handle.prepared.request(handle.id, self.core.kv))
             except Exception as e:  # noqa: BLE001 — the request fails, the server keeps serving
                 self._failed(e)
-                handle.emit({"type": "error", "error": _as_api_error(e)})
+                handle.emit(ErrorEvent(_as_api_error(e)))
                 continue
             self._handles[handle.id] = handle
         for rid in plan.cancel:
@@ -166,20 +183,17 @@ class Engine:
             if handle is None:
                 continue
             if isinstance(ev, Token):
-                event = {"type": "token", "text": ev.text, "token": ev.token}
-                if handle.prepared.sampling.logprobs and handle.listening:
-                    event["logprobs"] = self._logprob_entry(ev)
-                handle.emit(event)
+                lp = self._logprob_entry(ev) if handle.prepared.sampling.logprobs and handle.listening else None
+                handle.emit(TokenEvent(ev.text, ev.token, lp))
             elif isinstance(ev, Done):
                 del self._handles[ev.id]
                 if ev.finish_reason != "cancelled":
-                    handle.emit({"type": "done", "finish_reason": ev.finish_reason,
-                                 "prompt_tokens": ev.prompt_tokens, "completion_tokens": len(ev.token_ids),
-                                 "cached_tokens": ev.cached_tokens})
+                    handle.emit(DoneEvent(ev.finish_reason, ev.prompt_tokens, len(ev.token_ids), ev.cached_tokens,
+                                          ev.stop))
             elif isinstance(ev, Failed):
                 del self._handles[ev.id]
                 self._failed(ev.error)
-                handle.emit({"type": "error", "error": _as_api_error(ev.error)})
+                handle.emit(ErrorEvent(_as_api_error(ev.error)))
 
     def _failed(self, e):
         """On several ranks only the errors every rank raises alike (the inputs' and the grammar's,
@@ -203,6 +217,20 @@ class Engine:
         """A digest of what every rank must agree on before the next iteration."""
         return digest(self._iteration, self.max_batch, self.prefill_step_size, self.default_max_tokens,
                       self.core.fingerprint())
+
+
+class Slot:
+    """A request's place in the queue from before its media are read until it is submitted (or
+    given back: a count, an error)."""
+
+    def __init__(self, engine: ModelThread):
+        self.engine, self.held = engine, True
+
+    def release(self):
+        with self.engine._cv:
+            if self.held:
+                self.held = False
+                self.engine._reserved -= 1
 
 
 def _settle(model):

@@ -1,0 +1,51 @@
+"""Attention in bounded memory: MLX's scaled_dot_product_attention over query chunks wherever its
+fused kernel would not run and the whole score matrix would be materialised.
+
+Metal's fused kernel covers head dims 64, 80 and 128; elsewhere (the CPU device, the 72-wide
+heads of the 4B/8B/30B vision towers on a Mac) MLX computes heads × queries × keys scores and
+their softmax as whole arrays: one 1080p screenshot is 16 × 8160² floats per vision layer. Each
+query's row of the softmax sees the same keys in any split of the queries, so chunking is exact
+up to float summation order.
+"""
+
+import mlx.core as mx
+
+# The most bytes the scores and probabilities of one query chunk may hold (override per call
+# with `budget`, or set this module default).
+SCORE_BUDGET = 1 << 29
+FUSED_HEAD_DIMS = (64, 80, 128)  # mx.fast's Metal kernel for many queries
+
+
+def fused(q) -> bool:
+    """Whether MLX runs its fused kernel for queries q (B, H, L, D), never holding the scores."""
+    return q.shape[-1] in FUSED_HEAD_DIMS and mx.default_device().type == mx.DeviceType.gpu and mx.metal.is_available()
+
+
+def query_chunk(q, k, budget=None) -> int:
+    """Queries per chunk so that one chunk's scores and softmax (float32) fit in `budget` bytes."""
+    B, H, _, _ = q.shape
+    per_query = B * H * k.shape[2] * 4 * 2
+    return max(1, int(SCORE_BUDGET if budget is None else budget) // per_query)
+
+
+def scaled_dot_product_attention(q, k, v, scale, mask=None, budget=None):
+    """mx.fast.scaled_dot_product_attention of q (B, H, L, D), k / v (B, Hkv, S, D) with mask None,
+    "causal" (lower-right aligned, as with a KV cache) or an array (..., L, S), in query chunks
+    holding at most `budget` bytes of scores (default SCORE_BUDGET) where no fused kernel runs."""
+    L, S = q.shape[2], k.shape[2]
+    rows = query_chunk(q, k, budget)
+    if rows >= L or fused(q):
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    outs = []
+    for a in range(0, L, rows):
+        b = min(L, a + rows)
+        if isinstance(mask, str):  # causal: this chunk's last query sees keys up to S - L + b
+            ks, vs, m = k[:, :, : S - L + b], v[:, :, : S - L + b], mask
+        else:
+            ks, vs = k, v
+            m = mask[..., a:b, :] if mask is not None and mask.shape[-2] == L else mask
+        outs.append(mx.fast.scaled_dot_product_attention(q[:, :, a:b], ks, vs, scale=scale, mask=m))
+        # Evaluated one by one: in one lazy graph MLX dispatches several chunks ahead of the
+        # computation and holds all their scores at once.
+        mx.eval(outs[-1])
+    return mx.concatenate(outs, axis=2)

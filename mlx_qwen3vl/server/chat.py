@@ -1,0 +1,355 @@
+"""OpenAI chat completions: POST /v1/chat/completions, its request body, its answer and its
+stream chunks.
+
+The body is validated by pydantic models of the wire format (strict types, every field known:
+OpenAI's, vLLM's extensions and this server's; an unknown one is a 400 naming its path), then read
+into the one internal request (protocol.ChatRequest: turns of parts, sampling, tools, output
+format, KV and pixel settings), built into model inputs (PromptBuilder) and answered from the
+engine's events. The answer goes through answer.AnswerStream whether it streams or not (tool calls
+split out, the blank space beside a call dropped), so a streamed answer's content adds up to the
+plain answer's, whitespace included.
+"""
+
+import json
+import time
+import uuid
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from starlette.routing import Route
+
+from . import protocol as P
+from .answer_stream import AnswerStream
+from .conversation import Call, Part, Turn
+from .protocol import APIError, ChatRequest, invalid
+
+# ------------------------------------------------------------------------------------ the body
+
+
+class Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(Wire):
+    type: Literal["text"]
+    text: str
+
+
+class URL(Wire):
+    url: Annotated[str, Field(min_length=1)]
+    detail: Optional[str] = None  # OpenAI's resolution hint: pixels are this server's min/max_pixels
+
+
+class ImagePart(Wire):
+    type: Literal["image_url"]
+    image_url: Union[URL, Annotated[str, Field(min_length=1)]]
+
+
+class VideoPart(Wire):
+    type: Literal["video_url"]
+    video_url: Union[URL, Annotated[str, Field(min_length=1)]]
+
+
+def _part_type(value):
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return None if kind is None else f"{kind} part"  # a tag no field is named like (error paths skip it)
+
+
+ContentPart = Annotated[Union[Annotated[TextPart, Tag("text part")], Annotated[ImagePart, Tag("image_url part")],
+                              Annotated[VideoPart, Tag("video_url part")]], Discriminator(_part_type)]
+
+
+class CalledFunction(Wire):
+    name: str
+    arguments: Union[str, Dict[str, Any]]
+
+
+class ToolCall(Wire):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class Message(Wire):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, List[ContentPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[List[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+    # what an answer carries and clients send back with it: nothing of it is rendered
+    refusal: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    annotations: Optional[List[Any]] = None
+    audio: None = None
+    function_call: None = None
+
+
+class Function(Wire):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: Optional[str] = None
+    parameters: Optional[Dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(Wire):
+    type: Literal["function"] = "function"
+    function: Function
+
+
+class NamedFunction(Wire):
+    name: str
+
+
+class ToolChoice(Wire):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchema(Wire):
+    name: Optional[str] = None
+    schema_: Dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: Optional[bool] = None
+    description: Optional[str] = None
+
+
+class ResponseFormat(Wire):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchema] = None
+
+
+class StreamOptions(Wire):
+    include_usage: Optional[bool] = None
+
+
+class ProcessorKwargs(Wire):
+    min_pixels: Optional[int] = None
+    max_pixels: Optional[int] = None
+
+
+Number = Optional[float]  # strict: an int or a float, never a bool or a string
+
+
+class ChatBody(Wire):
+    """Every field a chat-completions body may hold (ranges are checked with the field's name when
+    the request is read: protocol.sampling_params)."""
+
+    messages: Annotated[List[Message], Field(min_length=1)]
+    model: Optional[str] = None
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    n: Optional[int] = None
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    stop: Union[str, List[str], None] = None
+    temperature: Number = None
+    top_p: Number = None
+    presence_penalty: Number = None
+    frequency_penalty: Number = None
+    seed: Optional[int] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+    logit_bias: Optional[Dict[str, Any]] = None
+    tools: Optional[List[Tool]] = None
+    tool_choice: Union[Literal["auto", "none", "required"], ToolChoice, None] = None
+    parallel_tool_calls: Optional[Literal[True]] = None  # false: the server does not cut an answer's calls
+    response_format: Optional[ResponseFormat] = None
+    modalities: Optional[List[Literal["text"]]] = None
+    store: Optional[Literal[False]] = None  # completions are not stored here
+    # OpenAI's identifiers and routing hints: no effect on what a local server answers
+    user: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    service_tier: Optional[str] = None
+    # vLLM's extensions (extra_body)
+    top_k: Optional[int] = None
+    min_p: Number = None
+    repetition_penalty: Number = None
+    stop_token_ids: Optional[List[int]] = None
+    min_tokens: Optional[int] = None
+    ignore_eos: Optional[bool] = None
+    chat_template: None = None  # refused by name below: the checkpoint's template renders
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+    mm_processor_kwargs: Optional[ProcessorKwargs] = None
+    # this server's: pixels per image, the KV cache's storage
+    min_pixels: Optional[int] = None
+    max_pixels: Optional[int] = None
+    kv_bits: Optional[int] = None
+    kv_group_size: Optional[int] = None
+    quantized_kv_start: Optional[int] = None
+
+
+REFUSED = {  # fields a client may send that this server cannot honour, and what to send instead
+    "max_new_tokens": "use 'max_tokens' (or 'max_completion_tokens'), as OpenAI and vLLM name it",
+    "functions": "use 'tools'", "function_call": "use 'tool_choice'",
+    "audio": "this model answers in text", "prediction": "predicted outputs are not available here",
+    "reasoning_effort": "this checkpoint's thinking is switched by 'chat_template_kwargs': {'enable_thinking': ...}",
+    "verbosity": "not available here", "web_search_options": "web search is not available here",
+    "metadata": "completions are not stored here",
+    "chat_template": "this server renders with its checkpoint's template (switches go in 'chat_template_kwargs')",
+    "store": "completions are not stored here", "modalities": "this model answers in text only",
+    "parallel_tool_calls": "this model may answer with several calls and the server does not cut them",
+}
+
+
+def parse_chat_request(body) -> ChatRequest:
+    """A chat-completions body → the internal request (every check before any work)."""
+    if not isinstance(body, dict):
+        raise invalid(None, "the request body must be a JSON object", "invalid_type")
+    for key, why in REFUSED.items():
+        if body.get(key) is not None and key not in ChatBody.model_fields:
+            raise invalid(key, f"'{key}' is not supported by this server: {why}", "unsupported_field")
+    wire = P.validate(ChatBody, body, REFUSED)
+    max_tokens = wire.max_completion_tokens if wire.max_completion_tokens is not None else wire.max_tokens
+    P.number(body, "max_completion_tokens" if wire.max_completion_tokens is not None else "max_tokens", 1,
+             integer=True)
+    P.number(body, "n", 1, 1, integer=True)  # one choice per request
+    top_logprobs = P.number(body, "top_logprobs", 0, P.MAX_TOP_LOGPROBS, integer=True, default=0)
+    if top_logprobs and not wire.logprobs:
+        raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    sampling = P.sampling_params(body, P.stop_strings(wire.stop, "stop"), logprobs=bool(wire.logprobs),
+                                 top_logprobs=top_logprobs, **P.stopping(body, max_tokens))
+    tools = [{"type": "function", "function": {**t.function.model_dump(exclude_none=True), "parameters":
+                                               t.function.parameters or {"type": "object", "properties": {}}}}
+             for t in wire.tools or ()]
+    tool_choice = wire.tool_choice if wire.tool_choice is not None else "auto"
+    if isinstance(tool_choice, ToolChoice):
+        if tool_choice.function.name not in {t["function"]["name"] for t in tools}:
+            raise invalid("tool_choice", f"'tool_choice' names function {tool_choice.function.name!r}, which is not "
+                          "in 'tools'")
+        tool_choice = {"type": "function", "function": {"name": tool_choice.function.name}}
+    mm = wire.mm_processor_kwargs or ProcessorKwargs()
+    pixels = P.pixel_options({"min_pixels": wire.min_pixels if wire.min_pixels is not None else mm.min_pixels,
+                              "max_pixels": wire.max_pixels if wire.max_pixels is not None else mm.max_pixels})
+    rf = wire.response_format
+    return ChatRequest(
+        turns=read_messages(wire.messages), sampling=sampling, max_tokens=max_tokens, model=wire.model,
+        stream=bool(wire.stream), include_usage=bool(wire.stream_options and wire.stream_options.include_usage),
+        tools=tools or None, tool_choice=tool_choice if tools else "none",
+        response_format=None if rf is None or rf.type == "text" else (
+            {"type": rf.type} if rf.type == "json_object" else
+            {"type": "json_schema", "json_schema": {"name": (rf.json_schema or JSONSchema()).name or "response",
+                                                    "schema": (rf.json_schema or JSONSchema()).schema_}}),
+        chat_template_kwargs=P.template_switches(wire.chat_template_kwargs), kv=P.kv_settings(body),
+        merge_system=False, **pixels)
+
+
+def read_messages(messages: List[Message]) -> List[Turn]:
+    """Chat messages → turns; each part remembers where the client put it."""
+    turns = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        role = "system" if m.role == "developer" else m.role
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise invalid(f"{where}.content", f"'{where}.content' is missing; send a string or a list of content "
+                          "parts", "missing_field")
+        parts = []
+        if isinstance(m.content, str):
+            parts.append(Part("text", m.content, f"{where}.content"))
+        for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+            p = f"{where}.content[{j}]"
+            if isinstance(part, TextPart):
+                parts.append(Part("text", part.text, f"{p}.text"))
+                continue
+            kind = "image" if isinstance(part, ImagePart) else "video"
+            ref = part.image_url if kind == "image" else part.video_url
+            if role not in ("user", "tool"):  # the chat template renders media only there
+                raise invalid(p, f"'{p}' is {'a video' if kind == 'video' else 'an image'} in a {m.role} message, "
+                              "where the chat template renders no media; send it in a user or tool message")
+            parts.append(Part(kind, ref.url if isinstance(ref, URL) else ref, f"{p}.{part.type}.url"))
+        calls = [Call(c.id, c.function.name, arguments=c.function.arguments, param=f"{where}.tool_calls[{k}]")
+                 for k, c in enumerate(m.tool_calls or ())]
+        turns.append(Turn(role, parts, calls=calls, call_id=m.tool_call_id, param=where,
+                          listed=isinstance(m.content, list)))
+    return turns
+
+
+# ------------------------------------------------------------------------------------ the answer
+
+
+def completion_id() -> str:
+    return "chatcmpl-" + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens, completion_tokens, cached_tokens) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def chat_response(cid, model, message, finish_reason, logprobs, use) -> dict:
+    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
+            "usage": use}
+
+
+def chunk(cid, model, delta=None, finish_reason=None, logprobs=None, use=None, choices=True) -> dict:
+    out = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+           "choices": [{"index": 0, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish_reason}]
+           if choices else []}
+    if use is not None:
+        out["usage"] = use
+    return out
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class Answer:
+    """One chat answer as its token events arrive: content and tool calls, and the chunks a
+    stream sends for each event."""
+
+    def __init__(self, req: ChatRequest, cid: str, model: str):
+        self.req, self.cid, self.model = req, cid, model
+        self.parts = AnswerStream(tools=bool(req.tools) and req.tool_choice != "none", reasoning=False)
+        self.content, self.calls, self.logprobs = [], [], []
+
+    def _chunks(self, segments, lp=None) -> list:
+        text = "".join(v for kind, v in segments if kind == "text")
+        self.content.append(text)
+        out = [chunk(self.cid, self.model, {"content": text}, logprobs=lp)] if text or lp else []
+        for kind, call in segments:
+            if kind == "call":
+                out.append(chunk(self.cid, self.model, {"tool_calls": [{"index": len(self.calls), **call}]}))
+                self.calls.append(call)
+        return out
+
+    def start(self) -> list:
+        return [chunk(self.cid, self.model, {"role": "assistant", "content": ""})]
+
+    def failed(self, error: APIError) -> list:
+        return [error.body()]
+
+    def token(self, ev) -> list:
+        if ev.logprobs is not None:
+            self.logprobs.append(ev.logprobs)
+        return self._chunks(self.parts.feed(ev.text), {"content": [ev.logprobs]} if ev.logprobs is not None else None)
+
+    def done(self, ev) -> list:
+        out = self._chunks(self.parts.finish())
+        self.finish = "tool_calls" if self.calls else ev.finish_reason
+        self.usage = usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
+        out.append(chunk(self.cid, self.model, finish_reason=self.finish))
+        if self.req.include_usage:
+            out.append(chunk(self.cid, self.model, use=self.usage, choices=False))
+        return out
+
+    def result(self) -> dict:
+        content = "".join(self.content)
+        message = {"role": "assistant", "content": content}
+        if self.calls:
+            message = {"role": "assistant", "content": content or None, "tool_calls": self.calls}
+        return chat_response(self.cid, self.model, message, self.finish,
+                             {"content": self.logprobs} if self.logprobs else None, self.usage)
+
+
+def routes(service) -> list:
+    def build(req):
+        return service.builder.build(req), None
+
+    async def create(request):
+        req, _, _, handle = await service.admit(request, parse_chat_request, build)
+        answer = Answer(req, completion_id(), req.model or service.model_id)
+        return await service.answer(request, handle, answer, _sse, req.stream, end="data: [DONE]\n\n")
+
+    return [Route("/v1/chat/completions", create, methods=["POST"])]

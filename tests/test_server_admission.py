@@ -1,0 +1,118 @@
+"""One admission path for every endpoint (service.Service.admit): the key, the body's size, the JSON
+parsed off the event loop with its items bounded, a place in the queue before any media is read,
+then the media and the prompt. Each test reproduces an attack on the order: a full queue answers
+503 before any image is decoded (chat, count_tokens, /v1/ground alike), and /health answers while
+a body of a million parts is read and refused."""
+
+import base64
+import http.client
+import io
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from PIL import Image, ImageDraw
+
+from test_server import Server
+
+pytest.importorskip("starlette")
+
+
+@pytest.fixture(scope="module")
+def busy():
+    s = Server("--max-batch", "1", "--max-queue", "1", "--max-body-bytes", str(48 << 20))
+    yield s
+    s.stop()
+
+
+def big_png() -> bytes:
+    """A 4096x4096 PNG of a few dozen KB: cheap to send, seconds of CPU to decode and resize."""
+    image = Image.new("RGB", (4096, 4096), (200, 30, 30))
+    draw = ImageDraw.Draw(image)
+    for i in range(0, 4096, 64):
+        draw.line([(i, 0), (4095 - i, 4095)], fill=(10, 200, 40), width=3)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _stream(server, body):
+    """A streamed chat request left running: (connection, response)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({**body, "stream": True}),
+                 headers={"Content-Type": "application/json"})
+    return conn, conn.getresponse()
+
+
+def test_a_full_queue_answers_503_before_any_media_is_read(busy):
+    long = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 4000, "ignore_eos": True,
+            "temperature": 0}
+    running, queued = _stream(busy, long), None
+    try:
+        assert running[1].status == 200
+        running[1].read1(1)  # its first chunk: it holds the one batch row
+        queued = _stream(busy, long)  # the one place in the queue (it waits: the row is taken)
+        for _ in range(5000):  # each look is a request: no sleeping
+            if busy.metrics()["waiting"] >= 1:
+                break
+        assert busy.metrics()["waiting"] == 1
+        built = busy.metrics()["requests_built"]
+        png = base64.b64encode(big_png()).decode()
+        count = {"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}},
+            {"type": "text", "text": "What is this?"}]}]}
+        chat = {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + png}},
+            {"type": "text", "text": "What is this?"}]}], "max_tokens": 1}
+        ground = {"image": "data:image/png;base64," + png, "instruction": "the red square"}
+        asks = [("/v1/messages/count_tokens", count)] * 6 + [("/v1/chat/completions", chat),
+                                                            ("/v1/ground", ground), ("/v1/messages", {
+                                                                **count, "max_tokens": 1}),
+                                                            ("/v1/responses", {"input": "Hi", "max_output_tokens": 1})]
+        with ThreadPoolExecutor(len(asks)) as pool:
+            got = list(pool.map(lambda a: busy.request("POST", a[0], a[1], key=None), asks))
+        assert [status for status, _ in got] == [503] * len(asks), got
+        assert all("busy" in json.dumps(body) for _, body in got)
+        assert busy.metrics()["requests_built"] == built  # no request's media was read, none was built
+    finally:
+        for conn in (running, queued):
+            if conn is not None:
+                conn[0].close()
+    for _ in range(5000):  # the two streams' rows are freed once their clients are gone
+        if busy.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 1}, key=None)[0] == 200:
+            break
+    else:
+        raise AssertionError("the server did not free the queue")
+
+
+def test_health_answers_while_a_body_of_a_million_parts_is_read_and_refused(busy):
+    """36 MB of empty parts: counted before JSON parsing (on a worker thread, never the event
+    loop) and refused; /health is answered while it is in flight."""
+    part = b'{"type": "input_text", "text": ""}'
+    body = b'{"model": "m", "input": [{"role": "user", "content": [' + b", ".join([part] * 1_000_000) + b"]}]}"
+    assert len(body) > 35_000_000
+    result, done = {}, threading.Event()
+
+    def send():
+        conn = http.client.HTTPConnection("127.0.0.1", busy.port, timeout=120)
+        conn.request("POST", "/v1/responses", body=body, headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        result["status"], result["body"] = r.status, json.loads(r.read())
+        conn.close()
+        done.set()
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    answered_during, slowest = 0, 0.0
+    while not done.is_set():
+        tic = time.perf_counter()
+        assert busy.request("GET", "/health", key=None)[0] == 200
+        slowest = max(slowest, time.perf_counter() - tic)
+        answered_during += not done.is_set()
+    sender.join()
+    assert result["status"] == 400 and "objects and lists" in result["body"]["error"]["message"], result
+    assert answered_during >= 1
+    assert slowest < 2.0  # a generous bound: before, /health waited 7.9 s behind the parse
