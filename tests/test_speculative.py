@@ -84,7 +84,10 @@ def test_greedy_answers_with_every_drafter_equal_the_plain_run(processor, on_cpu
         assert oracle.draft_proposed > 0 and oracle.draft_accepted == oracle.draft_proposed
         assert wrong.draft_proposed > 0 and wrong.draft_accepted == 0
         assert lookup.draft_accepted <= lookup.draft_proposed and plain.draft_proposed == 0
-        assert oracle.logprobs == pytest.approx(want.logprobs, abs=1e-3)
+        # The verify forward attends to a quantized cache as a prefill chunk does (the CPU path
+        # unpacks a layer's keys for it), a decode step reads it packed: the same values, summed
+        # in another order.
+        assert oracle.logprobs == pytest.approx(want.logprobs, abs=1e-3 if kind == "float" else 2e-2)
 
 
 @pytest.mark.parametrize("backend, seed", [(None, 0), ("mlx", 1)])
