@@ -72,6 +72,12 @@ def build_parser():
                         "model's head dimension is chosen down")
     p.add_argument("--quantized-kv-start", type=int, default=5000,
                    help="cache length (positions) at which the KV cache is quantized")
+    p.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                   help="speculative decoding from the prompt: draft what followed the longest n-gram (n from N "
+                        "down to 1) the prompt and answer already hold; lossless; 0 = off")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="draft tokens checked per step with --prompt-lookup (mlx-lm's name; default 4)")
+    p.add_argument("--draft-model", default=None, help="a smaller checkpoint drafting tokens (not available yet)")
     p.add_argument("--blas-threads", default=None, metavar="auto|N",
                    help="BLAS threads of the CPU path: auto (every core while no other process wants them, fewer "
                         "while others run) or a fixed N; none = $MLX_QWEN3VL_BLAS_THREADS, else auto")
@@ -87,6 +93,8 @@ def _print_stats(last, out=None, kv=None):
     print(f"Prompt: {last.prompt_tokens} tokens ({last.cached_tokens} cached), {last.prompt_tps:.1f} tokens/s"
           f"\nGeneration: {last.generation_tokens} tokens, {last.generation_tps:.2f} tokens/s"
           f"\nPeak memory: {last.peak_memory:.2f} GB", file=out or sys.stderr)  # stderr as it is now
+    if last.draft_proposed:
+        print(f"Drafts: {last.draft_accepted} of {last.draft_proposed} accepted", file=out or sys.stderr)
     if kv is not None:  # --verbose
         print(f"KV cache: {last.kv_cache_bytes / 1e6:.2f} MB in use for "
               f"{last.prompt_tokens + max(last.generation_tokens - 1, 0)} positions ({kv.describe()})",
@@ -109,6 +117,10 @@ def _main(args):
     kv_args = {name: getattr(args, name) for name in kv_flags}
     KVSettings.build(**kv_args, name=kv_flags.get)
     sampling = SamplingParams(**values)
+    from .engine.speculative import drafting
+
+    drafts = dict(prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens)
+    drafting(**drafts, draft_model=args.draft_model)  # checked before the model loads
     if args.blas_threads is not None:
         from .cpu import threads
 
@@ -125,7 +137,7 @@ def _main(args):
     media = dict(min_pixels=args.min_pixels, max_pixels=args.max_pixels, fps=args.fps, source_fps=args.source_fps)
     if args.chat:
         session = ChatSession(model, processor, system=args.system, sampling=sampling,
-                              prefill_step_size=args.prefill_step_size, **kv_args, **media)
+                              prefill_step_size=args.prefill_step_size, **kv_args, **media, **drafts)
         return _chat(session, args)
     prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
     if args.verbose:
@@ -134,7 +146,7 @@ def _main(args):
     last = None
     for last in stream_generate(model, processor, prompt, images=args.image, videos=args.video,
                                 system=args.system, sampling=sampling,
-                                prefill_step_size=args.prefill_step_size, **kv_args, **media):
+                                prefill_step_size=args.prefill_step_size, **kv_args, **media, **drafts):
         print(last.text, end="", flush=True)
     print()
     _print_stats(last, kv=args.kv)

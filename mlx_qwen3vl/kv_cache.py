@@ -95,6 +95,24 @@ class _Rows:
             raise ValueError(f"trim_to({n}) on a cache of {self.offset} positions")
         self.trim(self.offset - n)
 
+    def drop_last(self, counts: Sequence[int]):
+        """Row b loses its last `counts[b]` positions (a speculative step's rejected drafts), in
+        place. The positions all rows lose are trimmed (no copy); a row that loses fewer than the
+        most is shifted right by the difference, its padding growing by it, so rows stay
+        right-aligned (one gather over the buffers, only when the counts differ)."""
+        m = min(counts)
+        shifts = [c - m for c in counts]
+        if any(shifts):
+            cap = _first(self.keys).shape[2]
+            s = mx.array(shifts)[:, None]
+            index = mx.maximum(mx.arange(cap)[None, :] - s, 0)[:, None, :, None]  # (B, 1, cap, 1)
+            shift = lambda a: mx.contiguous(mx.take_along_axis(a, index, axis=2))  # noqa: E731
+            self.keys, self.values = _map(shift, self.keys), _map(shift, self.values)
+            pads = [p + d for p, d in zip(self.padding(), shifts)]
+            self.left_padding = pads if any(pads) else None
+        if m:
+            self.trim(m)
+
     @property
     def nbytes(self) -> int:
         """Bytes of its buffers (their whole capacity)."""

@@ -191,8 +191,16 @@ class Sampler:
         """logprobs (1, V) → token (1,)."""
         if self.greedy:
             return mx.argmax(logprobs, axis=-1)
+        return mx.random.categorical(self.scaled(logprobs), key=self.next_key())
+
+    def scaled(self, logprobs):
+        """logprobs (1, V) → the unnormalized log-distribution a draw uses: filtered, over temperature."""
         for f in self.filters:
             logprobs = f(logprobs)
+        return logprobs * (1.0 / self.temperature)
+
+    def next_key(self):
+        """A fresh key from this request's random stream (one split per draw)."""
         keys = mx.random.split(self.key)
         self.key = keys[0]
-        return mx.random.categorical(logprobs * (1.0 / self.temperature), key=keys[1])
+        return keys[1]

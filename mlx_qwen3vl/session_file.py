@@ -15,6 +15,7 @@ import re
 
 import numpy as np
 
+from .engine.speculative import drafting
 from .errors import InputError
 from .kv_settings import FIELDS as KV_FIELDS
 from .kv_settings import KVSettings, resolve
@@ -25,7 +26,7 @@ from .video import check_fps, smart_resize
 
 TURN_SETTINGS = ("fps", "source_fps", "min_pixels", "max_pixels", "sample_frames")
 ROLES = ("system", "user", "assistant")
-GENERATION = FIELD_NAMES | set(KV_FIELDS) | {"sampling", "prefill_step_size"}
+GENERATION = FIELD_NAMES | set(KV_FIELDS) | {"sampling", "prefill_step_size", "prompt_lookup", "num_draft_tokens"}
 SUFFIX = re.compile(r"(\.[A-Za-z0-9]{1,15})?")  # a video copy's extension: no separator, no ".."
 FORMS = {"image": ("array",), "video": ("array", "frames", "file")}
 
@@ -72,6 +73,7 @@ def check_generation(saved, model) -> dict:
         out["sampling"] = SamplingParams(**fields)
     SamplingParams.build(**{k: v for k, v in out.items() if k in FIELD_NAMES})
     resolve(model, KVSettings.pop_from({k: v for k, v in out.items() if k in KV_FIELDS}))
+    drafting(**{k: out[k] for k in ("prompt_lookup", "num_draft_tokens") if k in out})
     step = out.get("prefill_step_size", 1)
     if not isinstance(step, int) or isinstance(step, bool) or step < 1:
         _fail(f"prefill_step_size = {step!r} is not an integer >= 1")

@@ -365,8 +365,8 @@ def test_logprobs_per_token(loaded):
 
 
 def test_response_fields_are_mlx_lms():
-    """Code written against mlx-lm's stream_generate reads our pieces unchanged (plus cached_tokens
-    and kv_cache_bytes, the KV cache's bytes in use)."""
+    """Code written against mlx-lm's stream_generate reads our pieces unchanged (plus cached_tokens,
+    kv_cache_bytes, the KV cache's bytes in use, and speculative decoding's draft counts)."""
     import dataclasses
     import importlib
 
@@ -374,7 +374,8 @@ def test_response_fields_are_mlx_lms():
 
     theirs = {f.name for f in dataclasses.fields(importlib.import_module("mlx_lm.generate").GenerationResponse)}
     ours = {f.name for f in dataclasses.fields(GenerationResponse)}
-    assert theirs <= ours and ours - theirs == {"cached_tokens", "kv_cache_bytes"}, (theirs - ours, ours - theirs)
+    assert theirs <= ours and ours - theirs == {"cached_tokens", "kv_cache_bytes", "draft_proposed", "draft_accepted"}, (
+        theirs - ours, ours - theirs)
 
 
 # ---------------------------------------------------------------------------------------------

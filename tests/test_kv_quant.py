@@ -506,7 +506,7 @@ def test_server_refuses_the_disk_tier_under_several_ranks_and_a_bad_kv_flag(monk
 
 
 def test_per_request_kv_settings_reach_every_rank(processor):
-    """The request's settings travel in the plan rank 0 broadcasts (server/replica.py)."""
+    """The request's settings travel in the orders rank 0 broadcasts (server/replica.py)."""
     from mlx_qwen3vl.server import replica
     from mlx_qwen3vl.server.fetch import MediaPolicy
     from mlx_qwen3vl.server.grammar import GrammarFactory
@@ -521,7 +521,7 @@ def test_per_request_kv_settings_reach_every_rank(processor):
     grammars = GrammarFactory(tok, 448, tok.eos_token_id)
     req = parse_chat_request({"messages": [{"role": "user", "content": "Hi"}], "kv_bits": 4, "kv_group_size": 32})
     handle = replica._Ghost(PromptBuilder(Engine(), MediaPolicy(), grammars).build(req), 3)
-    got = replica.decode(replica.encode(replica.Plan(admit=[handle])), grammars).admit[0].prepared
+    got = replica.decode(replica.encode(replica.Orders(admit=[handle])), grammars).admit[0].prepared
     assert got.kv == {"kv_bits": 4, "kv_group_size": 32}
     assert got.request(3, KVSettings(8, 64, 100)).kv == KVSettings(4, 32, 100)
     assert got.request(3).kv == KVSettings(4, 32, 5000)

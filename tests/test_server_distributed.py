@@ -249,7 +249,7 @@ def test_concurrent_requests_batch_and_equal_one_process(dense, local):
 
 
 def _seeded(launch, local, checkpoint):
-    """A seeded sampled request (the seed sent with the plan): generate(seed=...)'s tokens."""
+    """A seeded sampled request (the seed sent with the orders): generate(seed=...)'s tokens."""
     messages = [user("Pick a word at random.", png_bytes("img_123x77.png"))]
     want = generate(local, checkpoint, messages, **SEEDED)
     assert want.token_ids != generate(local, checkpoint, messages, SEEDED["max_tokens"]).token_ids
@@ -635,7 +635,7 @@ def test_parallel_flag_reaches_load_and_bad_choices_exit_2(monkeypatch, capsys):
 
 
 # ------------------------------------------------------------------ the wire format, in process
-def test_plan_round_trip_rebuilds_inputs_sampling_and_grammar(local):
+def test_orders_round_trip_rebuilds_inputs_sampling_and_grammar(local):
     from mlx_qwen3vl.server.grammar import GrammarFactory
     from mlx_qwen3vl.server.model_inputs import PromptBuilder
     from mlx_qwen3vl.server.chat import parse_chat_request
@@ -656,10 +656,10 @@ def test_plan_round_trip_rebuilds_inputs_sampling_and_grammar(local):
                               "stop_token_ids": [3], "min_tokens": 2,
                               "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}})
     handle = replica._Ghost(builder.build(req), 7)
-    plan = replica.decode(replica.encode(replica.Plan(admit=[handle], cancel=[3, 5])), grammars)
-    assert plan.cancel == [3, 5] and not plan.stop
-    got, sent = plan.admit[0].prepared, handle.prepared
-    assert plan.admit[0].id == 7 and got.tokens == sent.tokens and got.media == sent.media
+    orders = replica.decode(replica.encode(replica.Orders(admit=[handle], cancel=[3, 5])), grammars)
+    assert orders.cancel == [3, 5] and not orders.stop
+    got, sent = orders.admit[0].prepared, handle.prepared
+    assert orders.admit[0].id == 7 and got.tokens == sent.tokens and got.media == sent.media
     assert got.sampling.logit_bias == ((4, 1), (9, -2.5))
     assert got.sampling == sent.sampling and got.max_tokens == sent.max_tokens and got.grammar == sent.grammar
     assert set(got.inputs) == set(sent.inputs)
@@ -688,15 +688,15 @@ def test_ranks_out_of_step_stop_with_a_clear_error(monkeypatch):
     sums = {"digest": 11}
     monkeypatch.setattr(replica, "_all_sum", lambda v, g: v + np.array([0, 0, 0, sums["digest"]]))
     leader = replica.Leader(Rank0Of2())
-    plan = replica.Plan()
+    orders = replica.Orders()
     sums["digest"] = 11  # rank 1 agrees
-    assert leader.exchange(plan, 11) is plan
+    assert leader.exchange(orders, 11) is orders
     sums["digest"] = 12
     with pytest.raises(replica.OutOfStep, match=r"rank\(s\) \[1\] are out of step"):
-        leader.exchange(plan, 11)
+        leader.exchange(orders, 11)
     sums["digest"] = 0  # rank 1's part never arrived
     with pytest.raises(replica.RankLost, match=r"rank\(s\) \[1\] sent nothing"):
-        leader.exchange(plan, 11)
+        leader.exchange(orders, 11)
 
 
 def test_leader_draws_the_seed_of_an_unseeded_request(monkeypatch):
@@ -706,6 +706,6 @@ def test_leader_draws_the_seed_of_an_unseeded_request(monkeypatch):
     p = Prepared(inputs={"input_ids": np.zeros((1, 3), np.int32)}, tokens=[0, 0, 0], media=[],
                  sampling=SamplingParams(temperature=1.0), max_tokens=4)
     h = replica._Ghost(p, 0)
-    replica.Leader(Rank0Of2()).exchange(replica.Plan(admit=[h]), 5)
+    replica.Leader(Rank0Of2()).exchange(replica.Orders(admit=[h]), 5)
     assert isinstance(h.prepared.sampling.seed, int)
     assert dataclasses.replace(h.prepared.sampling, seed=None) == SamplingParams(temperature=1.0)

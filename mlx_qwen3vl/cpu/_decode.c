@@ -86,6 +86,8 @@ static inline float max_of(const float *a, Py_ssize_t n) {
     return best;
 }
 
+#define MAX_ROWS 10 /* accumulators of rows_block: with the weight's and a row's lanes, 12 of 16 AVX registers */
+
 static inline float dot(const float *a, const float *b, Py_ssize_t n) {
     float s = 0.0f;
     for (Py_ssize_t i = 0; i < n; i++) s += a[i] * b[i];
@@ -492,12 +494,82 @@ fail:
     return finish(b, 3, 0);
 }
 
+/* ---- a few rows against a streamed weight --------------------------------------------- */
+
+/* out[m, n] = a[m] . w[n] for n in [n0, n1), m < mg (a compile-time count where inlined): each
+ * weight row is read once for all mg rows of `a` (which stay in cache), so a verify forward's
+ * few tokens cost about one GEMV's weight traffic, where OpenBLAS's GEMM streams a weight far
+ * slower for a few rows than its GEMV does. */
+static inline __attribute__((always_inline)) void rows_block(const float *a, const float *w, float *out,
+                                                             Py_ssize_t K, Py_ssize_t N, Py_ssize_t n0,
+                                                             Py_ssize_t n1, const int mg) {
+    for (Py_ssize_t n = n0; n < n1; n++) {
+        const float *wr = w + n * K;
+        v8f acc[MAX_ROWS];
+        for (int j = 0; j < mg; j++) acc[j] = splat(0.0f);
+        Py_ssize_t k = 0;
+        for (; k + 8 <= K; k += 8) {
+            v8f wv = load8(wr + k);
+            for (int j = 0; j < mg; j++) acc[j] += wv * load8(a + j * K + k);
+        }
+        for (int j = 0; j < mg; j++) {
+            float s = 0.0f;
+            for (int l = 0; l < 8; l++) s += acc[j][l];
+            for (Py_ssize_t kk = k; kk < K; kk++) s += wr[kk] * a[j * K + kk];
+            out[j * N + n] = s;
+        }
+    }
+}
+
+VECTOR_CLONES
+static void matmul_rows_vec(const float *a, const float *w, float *out, Py_ssize_t M, Py_ssize_t K, Py_ssize_t N,
+                            Py_ssize_t n0, Py_ssize_t n1) {
+    for (Py_ssize_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+        const float *am = a + m0 * K;
+        float *om = out + m0 * N;
+        switch (M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS) {
+        case 1: rows_block(am, w, om, K, N, n0, n1, 1); break;
+        case 2: rows_block(am, w, om, K, N, n0, n1, 2); break;
+        case 3: rows_block(am, w, om, K, N, n0, n1, 3); break;
+        case 4: rows_block(am, w, om, K, N, n0, n1, 4); break;
+        case 5: rows_block(am, w, om, K, N, n0, n1, 5); break;
+        case 6: rows_block(am, w, om, K, N, n0, n1, 6); break;
+        case 7: rows_block(am, w, om, K, N, n0, n1, 7); break;
+        case 8: rows_block(am, w, om, K, N, n0, n1, 8); break;
+        case 9: rows_block(am, w, om, K, N, n0, n1, 9); break;
+        default: rows_block(am, w, om, K, N, n0, n1, MAX_ROWS); break;
+        }
+    }
+}
+
+/* matmul_rows(a (M, K), w (N, K), out (M, N), n0, n1): out[:, n0:n1] = a @ w[n0:n1].T, without
+ * the GIL (cpu/kernels.py runs disjoint column ranges on several threads). */
+static PyObject *py_matmul_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    fbuf b[3];
+    if (nargs != 5) return PyErr_Format(PyExc_TypeError, "matmul_rows takes 5 arguments"), NULL;
+    Py_ssize_t n0 = PyLong_AsSsize_t(args[3]), n1 = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    const char *names[3] = {"a", "w", "out"};
+    if (get_all(args, names, "rrw", 3, b) < 0) return NULL;
+    NEED(b[0].view.ndim == 2 && b[1].view.ndim == 2 && b[2].view.ndim == 2, "matmul_rows: 2-D arrays");
+    Py_ssize_t M = b[0].view.shape[0], K = b[0].view.shape[1], N = b[1].view.shape[0];
+    NEED(b[1].view.shape[1] == K && b[2].view.shape[0] == M && b[2].view.shape[1] == N && 0 <= n0 && n0 <= n1
+         && n1 <= N, "matmul_rows: shapes do not match");
+    Py_BEGIN_ALLOW_THREADS
+    matmul_rows_vec(b[0].data, b[1].data, b[2].data, M, K, N, n0, n1);
+    Py_END_ALLOW_THREADS
+    return finish(b, 3, 1);
+fail:
+    return finish(b, 3, 0);
+}
+
 static PyMethodDef methods[] = {
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, NULL},
     {"qk_norm_rope", (PyCFunction)(void (*)(void))py_qk_norm_rope, METH_FASTCALL, NULL},
     {"attend", (PyCFunction)(void (*)(void))py_attend, METH_FASTCALL, NULL},
     {"silu_mul", (PyCFunction)(void (*)(void))py_silu_mul, METH_FASTCALL, NULL},
     {"attend_quantized", (PyCFunction)(void (*)(void))py_attend_quantized, METH_FASTCALL, NULL},
+    {"matmul_rows", (PyCFunction)(void (*)(void))py_matmul_rows, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 
@@ -505,8 +577,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_decode", NULL, -1, 
 
 /* cpu/decode.py uses the module only when INTERFACE matches its own: an install built from an older
  * _decode.c (an editable checkout pulled without reinstalling) falls back to numpy instead of
- * failing mid-decode. Bump it with any change to the calls above (a call added, attend_quantized,
- * is looked up by name: an older build without it runs that one in numpy). */
+ * failing mid-decode. Bump it with any change to the calls above (a call added, attend_quantized
+ * or matmul_rows, is looked up by name: an older build without it runs that one in numpy). */
 PyMODINIT_FUNC PyInit__decode(void) {
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "INTERFACE", 1) < 0) {

@@ -10,12 +10,21 @@ differs) and hands the result back to MLX. Below the size thresholds MLX's own o
 the sync and runs instead.
 """
 
+import importlib
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
 
 from . import threads
+
+try:  # the C extension's matmul_rows (an older build without it: numpy's GEMVs, as before)
+    _native = importlib.import_module(f"{__package__}._decode")
+    _native = _native if hasattr(_native, "matmul_rows") else None
+except ImportError:
+    _native = None
+_pool = None  # threads for matmul_rows' column ranges, made on first use
 
 # Thresholds (elements) below which MLX's op is cheaper than leaving the graph. A linear's is
 # applied once, when `install` picks which modules to swap; the 2B decoder's smallest weight
@@ -23,14 +32,33 @@ from . import threads
 LINEAR_MIN_WEIGHT = 1 << 20
 ATTENTION_MIN_SCORES = 1 << 12  # heads * queries * keys
 ACTIVATION_MIN_SIZE = 1 << 12
+SMALL_ROWS = 16  # rows up to which `linear` reads the weight once for all rows (C extension)
 CHUNK_SCORES = 1 << 25  # score elements per query chunk of the attention (128 MB in float32)
+
+
+def _rows_in_parallel(a, w, out, n_threads):
+    """The C extension's matmul_rows over `n_threads` disjoint column ranges (it releases the GIL)."""
+    N = w.shape[0]
+    step = -(-N // n_threads)
+    parts = [(s, min(N, s + step)) for s in range(0, N, step)]
+    if len(parts) == 1:
+        _native.matmul_rows(a, w, out, 0, N)
+        return out
+    global _pool
+    if _pool is None or _pool._max_workers < len(parts) - 1:
+        _pool = ThreadPoolExecutor(max_workers=len(parts) - 1, thread_name_prefix="mlx_qwen3vl-rows")
+    futures = [_pool.submit(_native.matmul_rows, a, w, out, s, e) for s, e in parts[1:]]
+    _native.matmul_rows(a, w, out, *parts[0])
+    for f in futures:
+        f.result()
+    return out
 
 
 def matmul_t(a, w, out=None):
     """a @ w.T for a (M, K) in numpy, into `out` (M, N) when given. OpenBLAS's GEMM streams the
     weight far slower for a few rows than its GEMV does, so up to 4 rows (batched decode) are
-    separate GEMVs. Every BLAS call of the CPU path comes through here, so the thread count is
-    set here (threads.apply)."""
+    separate GEMVs (each row's numbers then equal its own decode's). Every BLAS call of the CPU
+    path comes through here, so the thread count is set here (threads.apply)."""
     threads.apply()
     if a.shape[0] > 4:
         if out is None:
@@ -48,7 +76,15 @@ def linear(x, weight, bias=None):
     """x @ weight.T (+ bias), nn.Linear's math, for x (..., K) and weight (N, K). numpy reads the
     evaluated weight in place (np.asarray of an MLX array is zero-copy)."""
     mx.eval(x)
-    y = matmul_t(np.asarray(x).reshape(-1, x.shape[-1]), np.asarray(weight))
+    a, w = np.asarray(x).reshape(-1, x.shape[-1]), np.asarray(weight)
+    if 1 < a.shape[0] <= SMALL_ROWS and _native is not None and a.dtype == w.dtype == np.float32 \
+            and w.flags["C_CONTIGUOUS"]:
+        # A few positions (speculative decoding's verify forward, a short prompt chunk): the
+        # weight read once for all of them, as one GEMV reads it, not once per row.
+        y = _rows_in_parallel(np.ascontiguousarray(a), w, np.empty((a.shape[0], w.shape[0]), np.float32),
+                              threads.apply())
+    else:
+        y = matmul_t(a, w)
     if bias is not None:
         y += np.asarray(bias)
     return mx.array(y.reshape(*x.shape[:-1], weight.shape[0]))

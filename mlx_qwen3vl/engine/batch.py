@@ -7,7 +7,8 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from .step import decode_step, sample
+from .speculative import accept
+from .step import decode_step, sample, verify_step
 
 
 def cache_bytes(cache) -> int:
@@ -27,6 +28,15 @@ class Row:
         self.logprobs: List[float] = []  # of each chosen token
         self.fresh = False  # its token not yet handed out came from its prefill, not a decode step
         self.kv_bytes = 0  # its share of the cache's buffers when its newest token was computed
+        self.drafter = request.drafter  # speculative decoding: proposes its next tokens
+        self.num_draft = request.num_draft_tokens if self.drafter is not None else 0
+        self.proposed = self.accepted = 0  # draft tokens proposed for it, and kept
+        self.made = 0  # tokens computed for it (handed out or not: see `unread`)
+
+    @property
+    def unread(self) -> bool:
+        """Its newest token (y) was computed, possibly queued ahead, and not yet handed out."""
+        return self.made > len(self.answer.tokens)
 
     @property
     def held(self) -> int:
@@ -86,11 +96,45 @@ class Batch:
         """Feed `y` and sample the next token of every row → (y, lp), left lazy."""
         rows = self.rows
         for b, row in enumerate(rows):
+            row.made += 1
             if row.history is not None:
                 row.history = mx.concatenate([row.history, self.y[b:b + 1]])
         logits = decode_step(self.model, self.y, self.cache, self.positions, self.cache[0].key_mask(1))
         self.positions = self.positions + 1
         return sample(logits, [r.sampler for r in rows], [r.history for r in rows], self.log_softmax)
+
+    def verify(self, drafts):
+        """Speculative step: feed each row's `y` and its drafts (drafts[b], possibly empty) in one
+        forward, rows with fewer drafts padded at the end (causal attention keeps the padding out
+        of their real positions) → per row (tokens, logprob rows, drafts accepted), each row's
+        cache holding exactly its fed tokens up to its last accepted draft, `y` / `lp` its last
+        token, left unfed, as after that many decode steps."""
+        rows = self.rows
+        T = 1 + max(len(d) for d in drafts)
+        ys = self.y.tolist()
+        fed = [[y] + list(d) for y, d in zip(ys, drafts)]
+        tokens = mx.array([f + [f[0]] * (T - len(f)) for f in fed])
+        logits = verify_step(self.model, tokens, self.cache, self.positions, self.cache[0].key_mask(T))
+        plain = [i for i, r in enumerate(rows) if r.sampler.greedy and not r.sampler.processors]
+        argmax = None
+        if plain:
+            argmax = mx.argmax(logits[mx.array(plain)] if len(plain) < len(rows) else logits, axis=-1).tolist()
+            argmax = dict(zip(plain, argmax))
+        runs = []
+        for b, row in enumerate(rows):
+            runs.append(accept(row.sampler, row.history, fed[b], logits[b], self.log_softmax,
+                               argmax.get(b) if argmax else None))
+            n = runs[-1][2]
+            row.made += n + 1
+            if row.history is not None:
+                row.history = mx.concatenate([row.history, mx.array(fed[b][:n + 1])])
+        kept = [n + 1 for _, _, n in runs]
+        for c in self.cache:
+            c.drop_last([T - k for k in kept])
+        self.positions = self.positions + mx.array(kept)
+        self.y = mx.array([t[-1] for t, _, _ in runs])
+        self.lp = mx.stack([lp[-1] for _, lp, _ in runs])
+        return runs
 
     def remove(self, indices, keep_caches=()) -> dict:
         """Take rows out → {index: its cache (a list over layers, holding Row.held positions)}

@@ -29,6 +29,7 @@ from .answer import AnswerText, eos_token_ids, stop_token_set, suppress_stops
 from .batch import Batch, Row, cache_bytes
 from .caches import FeatureCache, PrefixCache, pipeline_scale
 from .prefill import Costs, PrefillJob
+from .speculative import DEFAULT_DRAFT, MAX_DRAFT
 from .step import sample
 
 FINISH_REASONS = ("stop", "length", "time_limit", "cancelled")
@@ -49,7 +50,10 @@ class Request:
     cache back holding the prompt and the answer. `time_limit`: seconds from `add` (None: the
     engine's `max_request_seconds`). `tokens` / `media`: the prompt's ids and spans.media_keys,
     when the caller has them already. `kv`: how its KV cache is stored (KVSettings; None: the
-    engine's). `on_vision_done(seconds)`: its vision tower's time, once its media are encoded."""
+    engine's). `on_vision_done(seconds)`: its vision tower's time, once its media are encoded.
+    `drafter` (engine/speculative.py): speculative decoding, up to `num_draft_tokens` proposed
+    tokens checked per step in the same forward as its last one (lossless: its answer is the one
+    it would have had without)."""
 
     inputs: dict
     params: SamplingParams = field(default_factory=SamplingParams)
@@ -62,6 +66,8 @@ class Request:
     media: Optional[list] = None
     kv: Optional[KVSettings] = None
     on_vision_done: Optional[Callable] = None  # called with the vision tower's seconds (a timing hook)
+    drafter: Optional[object] = None
+    num_draft_tokens: int = DEFAULT_DRAFT
 
 
 @dataclass
@@ -79,6 +85,7 @@ class Token:
     top_logprobs: list = field(default_factory=list)
     finish_reason: Optional[str] = None  # "stop" / "length" when this token ended the answer
     kv_bytes: int = 0  # KV bytes in use by its request when it was computed (see Done.kv_bytes)
+    from_draft: bool = False  # a drafter proposed it and the verify forward kept it (mlx-lm's name)
 
 
 @dataclass
@@ -99,6 +106,8 @@ class Done:
     cache: Optional[list] = None
     kv_bytes: int = 0
     stop: Optional[str] = None
+    draft_proposed: int = 0  # draft tokens its drafter proposed (speculative decoding)
+    draft_accepted: int = 0  # of them, kept (its tokens with from_draft)
 
 
 @dataclass
@@ -290,6 +299,12 @@ class Engine:
             request.tokens = ids[0].tolist()
         if request.media is None:
             request.media = media_keys(inputs)
+        if request.drafter is not None and not callable(getattr(request.drafter, "propose", None)):
+            raise InputError("a request's drafter needs a propose(token_ids, k) method")
+        if request.drafter is not None and not (isinstance(request.num_draft_tokens, int)
+                                                and 0 <= request.num_draft_tokens <= MAX_DRAFT):
+            raise InputError(f"num_draft_tokens = {request.num_draft_tokens!r} is not allowed; "
+                             f"use an integer in [0, {MAX_DRAFT}]")
         if request.id is None:
             request.id = next(self._ids)
         elif request.id in self._live_ids():
@@ -404,11 +419,21 @@ class Engine:
         pending = []
         tic = time.perf_counter()
         for batch in self._running():
+            if any(r.num_draft for r in batch.rows):
+                self._speculate(batch, events)
+                continue
             rows = list(batch.rows)
             fresh = [r.fresh for r in rows]
+            queued = len(pending)
             try:
                 if self.lookahead:  # the next step is queued before this one's tokens are read
-                    pending.append((rows, batch.y, batch.lp, fresh))
+                    unread = [i for i, r in enumerate(rows) if r.unread]
+                    if len(unread) == len(rows):
+                        pending.append((rows, batch.y, batch.lp, fresh))
+                    elif unread:  # after a speculative step, only rows joined since are unread
+                        index = mx.array(unread)
+                        pending.append(([rows[i] for i in unread], batch.y[index], batch.lp[index],
+                                        [fresh[i] for i in unread]))
                     batch.measure()  # the cache the pending tokens came from
                     y, lp = batch.decode()
                     mx.async_eval(y, lp)
@@ -422,8 +447,7 @@ class Engine:
                     batch.measure()
                     self._emit(rows, y, lp, [False] * len(rows), events)
             except Exception as e:  # noqa: BLE001 — the batch fails, the engine keeps serving
-                if pending and pending[-1][0] is rows:
-                    pending.pop()
+                del pending[queued:]
                 self._fail_rows(batch.rows, e, events)
         self._requantize()
         self.metrics["decode_s"] += time.perf_counter() - tic
@@ -463,6 +487,88 @@ class Engine:
         return None
 
     # ------------------------------------------------------------------ decode
+    def _speculate(self, batch, events):
+        """A decode step of a batch holding drafting rows, evaluated now (drafters read the tokens
+        so far): tokens queued ahead are handed out first, then each drafting row's last token
+        and drafts, and every other row's last token, go through one forward (Batch.verify)."""
+        rows = list(batch.rows)
+        try:
+            unread = [i for i, r in enumerate(rows) if r.unread]
+            if unread:
+                index = mx.array(unread)
+                self._emit([rows[i] for i in unread], batch.y[index], batch.lp[index],
+                           [rows[i].fresh for i in unread], events)
+            for r in rows:
+                r.fresh = False
+            rows = list(batch.rows)
+            if not rows:
+                return
+            drafts, bad = {}, {}
+            for i, r in enumerate(rows):
+                try:
+                    drafts[i] = self._drafts(batch, i, r)
+                except Exception as e:  # noqa: BLE001 — a drafter's failure is its own request's
+                    bad[i] = e
+            if bad:  # those requests fail; the rest of the batch goes on
+                batch.remove(list(bad))
+                for i, e in bad.items():
+                    self._deadlines.pop(rows[i].id, None)
+                    self.metrics["errors"] += 1
+                    events.append(Failed(rows[i].id, e))
+                rows = [r for i, r in enumerate(rows) if i not in bad]
+                if not rows:
+                    return
+            drafts = [d for _, d in sorted(drafts.items())]
+            if not any(drafts):
+                y, lp = batch.decode()
+                mx.eval(y, lp)
+                batch.y, batch.lp = y, lp
+                batch.measure()
+                self._emit(rows, y, lp, [False] * len(rows), events)
+                return
+            runs = batch.verify(drafts)
+            batch.measure()
+        except Exception as e:  # noqa: BLE001 — the batch fails, the engine keeps serving
+            self._fail_rows(batch.rows, e, events)
+            return
+        self.batch_sizes[len(rows)] += 1
+        self.metrics["decode_steps"] += 1
+        self.metrics["verify_steps"] += 1
+        done = []
+        for row, drafted, (tokens, lps, n) in zip(rows, drafts, runs):
+            row.proposed += len(drafted)
+            self.metrics["draft_proposed"] += len(drafted)
+            for i, (token, lp) in enumerate(zip(tokens, lps)):
+                from_draft = i < n
+                row.accepted += from_draft
+                self.metrics["draft_accepted"] += from_draft
+                self._token(row, token, lp, events, from_draft=from_draft)
+                if row.answer.finish:
+                    done.append(row)
+                    break
+        if done:
+            self._leave(done, events)
+
+    def _drafts(self, batch, i, row) -> list:
+        """Row `i`'s drafts for this step: at most its num_draft_tokens, none past its max_tokens,
+        and none that would go past its quantized_kv_start while its cache is float (the plain
+        run attends to those positions quantized)."""
+        if row.drafter is None or not row.num_draft:
+            return []
+        k = min(row.num_draft, row.request.params.max_tokens - len(row.answer.tokens) - 1)
+        if batch.kind is None and row.kv is not None and row.kv.quantized:
+            k = min(k, row.kv.start - batch.length(i) - 1)
+        if k <= 0:
+            return []
+        vocab = self.model.config.text_config.vocab_size
+        drafts = []
+        for t in list(row.drafter.propose(row.request.tokens + row.answer.tokens, k))[:k]:
+            t = int(t)
+            if not 0 <= t < vocab:
+                raise InputError(f"the drafter proposed token {t}, outside the vocabulary [0, {vocab})")
+            drafts.append(t)
+        return drafts
+
     def _emit(self, rows, y, lp, fresh, events) -> tuple:
         """Hand out tokens y (B,) of `rows` (a batch's rows when y was made); `fresh[b]`: row b's
         token came from its prefill. Rows that finish leave their batch."""
@@ -484,7 +590,7 @@ class Engine:
             self._leave(done, events)
         return tuple(got)
 
-    def _token(self, row: Row, token: int, logprobs, events, logprob=None):
+    def _token(self, row: Row, token: int, logprobs, events, logprob=None, from_draft=False):
         piece = row.answer.add(token)
         logprob = float(logprobs[token]) if logprob is None else logprob
         row.logprobs.append(logprob)
@@ -494,7 +600,8 @@ class Engine:
             lp = np.asarray(logprobs.astype(mx.float32))
             best = np.argsort(-lp, kind="stable")[:k]
             top = [(int(t), float(lp[t])) for t in best]
-        events.append(Token(row.id, token, piece, logprob, logprobs, top, row.answer.finish, row.kv_bytes))
+        events.append(Token(row.id, token, piece, logprob, logprobs, top, row.answer.finish, row.kv_bytes,
+                            from_draft))
 
     def _leave(self, rows, events, reason=None):
         """Rows out of their batches: their caches to the prefix cache (or back to their request)."""
@@ -519,7 +626,7 @@ class Engine:
             self.metrics[reason] += 1
         a = row.answer
         events.append(Done(row.id, reason, a.text, list(a.tokens), list(row.logprobs), row.prompt_tokens,
-                           row.cached, cache, row.kv_bytes, a.stopped_by))
+                           row.cached, cache, row.kv_bytes, a.stopped_by, row.proposed, row.accepted))
 
     def _fail_rows(self, rows, error, events):
         """A failed decode: the batches holding `rows` fail whole (their caches are in doubt)."""
@@ -695,6 +802,7 @@ class Engine:
         y, lp = sample(logits, [w.sampler], [history], self.log_softmax)
         answer = AnswerText(self.tokenizer.detokenizer, self.eos, r.params)
         row = Row(r, w.sampler, answer, j.prompt_tokens, j.cached, history, w.kv)
+        row.made = 1
         cache = j.job.cache
         row.kv_bytes = cache_bytes(cache)  # the cache its first token came from
         batch = self._batch(cache[0].kind)

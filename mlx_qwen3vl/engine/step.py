@@ -1,6 +1,7 @@
 """One decode token and the choice of the next: `decode_step` (tokens through the cache → logits)
 and `sample` (logits → tokens, with each row's processors and random stream), gpt-fast's small
-functions, the engine's (engine/batch.py's decode)."""
+functions, the engine's (engine/batch.py's decode); `verify_step`, decode_step for several tokens
+a row (speculative decoding's verify forward)."""
 
 import mlx.core as mx
 
@@ -13,6 +14,17 @@ def decode_step(model, tokens, cache, positions, key_mask=None):
     mask = None if key_mask is None else model.make_mask(key_mask, 1, key_mask.shape[1])
     hidden = model.language_model(embeds, positions, mask, cache)
     return model.logits(hidden[:, -1, :])
+
+
+def verify_step(model, tokens, cache, positions, key_mask=None):
+    """tokens (B, T) → logits (B, T, V): each row's last token and its drafts (speculative
+    decoding) through the cache at text positions `positions` (B,) onward, as T decode steps
+    would see them (causal, `key_mask` (B, S + T) hiding left padding)."""
+    T = tokens.shape[1]
+    embeds = model.language_model.embed_tokens(tokens)
+    mask = model.make_mask(key_mask, T, key_mask.shape[1]) if key_mask is not None else "causal"
+    hidden = model.language_model(embeds, positions, mask, cache)
+    return model.logits(hidden)
 
 
 def sample(logits, sampler, histories, log_softmax):

@@ -18,6 +18,7 @@ import numpy as np
 from ..backend import backend_of
 from ..engine import (AnswerText, Done, Engine, Failed, Request, Token, decode_step, eos_token_ids,  # noqa: F401
                       fit_to_context, prefill, sample, token_bytes)
+from ..engine.speculative import NAMES as DRAFT_NAMES, pop_drafting
 from ..errors import InputError
 from ..kv_settings import FLOAT, FIELDS as KV_FIELDS, KVSettings, resolve
 from ..processor import renamed_source_fps
@@ -46,6 +47,8 @@ class GenerationResponse:
     from_draft: bool = False
     cached_tokens: int = 0  # prompt tokens reused from a previous turn's cache
     kv_cache_bytes: int = 0  # KV bytes in use: the request's cache buffers as allocated (float or quantized)
+    draft_proposed: int = 0  # draft tokens proposed so far (speculative decoding)
+    draft_accepted: int = 0  # of them, kept so far
 
     @property
     def peak_memory_gb(self):
@@ -65,6 +68,8 @@ class GenerationResult:
     cached_tokens: int = 0
     logprobs: List[float] = field(default_factory=list)  # of each chosen token
     kv_cache_bytes: int = 0  # KV bytes in use at the end: its cache buffers as allocated (a batch row: its share)
+    draft_proposed: int = 0  # draft tokens proposed (speculative decoding)
+    draft_accepted: int = 0  # of them, kept: tokens that came from a draft
 
     @property
     def peak_memory_gb(self):
@@ -267,7 +272,11 @@ def stream_generate(model, processor, prompt=None, *, messages=None, images=None
     `inputs` takes
     processor outputs instead of a prompt. Videos: `fps` is the sampling rate (frames kept per
     second), `source_fps` the rate of frames passed as a list; `video_fps` is `source_fps`'s
-    deprecated name. It runs on an Engine of its own (one request)."""
+    deprecated name. Speculative decoding (lossless: the same answer, or the same distribution when
+    sampling): `prompt_lookup=n` drafts from the longest n-gram (n down to 1) the prompt and answer
+    already hold, `drafter=` takes any object with `propose(token_ids, k)` (engine/speculative.py),
+    `num_draft_tokens` drafts at most per step (default 4); each piece says `from_draft`.
+    It runs on an Engine of its own (one request)."""
     source_fps = renamed_source_fps(source_fps, video_fps)
     for piece, _ in _stream(model, processor, prompt, messages=messages, images=images, videos=videos,
                             fps=fps, source_fps=source_fps, system=system, templated=templated, sampling=sampling,
@@ -285,6 +294,7 @@ def _stream(model, processor, prompt=None, *, messages=None, images=None, videos
     source_fps = renamed_source_fps(source_fps, video_fps, stacklevel=4)
     params = _sampling(sampling, sampling_kwargs)
     kv = resolve(model, KVSettings.pop_from(sampling_kwargs))
+    drafting = pop_drafting(sampling_kwargs)
     if sampling_kwargs:
         raise TypeError(f"stream_generate got unexpected argument(s) {', '.join(sorted(sampling_kwargs))}")
     if inputs is None:
@@ -299,17 +309,19 @@ def _stream(model, processor, prompt=None, *, messages=None, images=None, videos
     start = prompt_cache.reuse(inputs, kv, model.make_cache) if prompt_cache is not None else 0
     engine = Engine(model, processor, max_batch=1, prefill_step_size=prefill_step_size)
     rid = engine.add(Request(inputs, params, cache=prompt_cache.cache if prompt_cache is not None else None,
-                             start=start, kv=kv))
+                             start=start, kv=kv, **drafting))
     mx.reset_peak_memory()
     tic = time.perf_counter()
     prompt_s, n, done = None, 0, None
+    drafted = [0, 0]  # proposed, accepted
 
     def stats(kv_bytes):
         elapsed = time.perf_counter() - tic
         return dict(prompt_tokens=ids.shape[1], cached_tokens=start,
                     prompt_tps=(ids.shape[1] - start) / max(prompt_s, 1e-9), generation_tokens=n,
                     generation_tps=(n - 1) / max(elapsed - prompt_s, 1e-9) if n > 1 else 0.0,
-                    peak_memory=mx.get_peak_memory() / 1e9, kv_cache_bytes=kv_bytes)
+                    peak_memory=mx.get_peak_memory() / 1e9, kv_cache_bytes=kv_bytes,
+                    draft_proposed=drafted[0], draft_accepted=drafted[1])
 
     from mlx_lm.generate import wired_limit
 
@@ -325,8 +337,11 @@ def _stream(model, processor, prompt=None, *, messages=None, images=None, videos
                     if prompt_s is None:
                         prompt_s = time.perf_counter() - tic
                     n += 1
+                    drafted[0] = engine.metrics["draft_proposed"]
+                    drafted[1] += event.from_draft
                     yield GenerationResponse(text=event.text, token=event.token, logprobs=event.logprobs,
-                                             finish_reason=event.finish_reason, **stats(event.kv_bytes)), event
+                                             finish_reason=event.finish_reason, from_draft=event.from_draft,
+                                             **stats(event.kv_bytes)), event
     finally:
         if done is None and engine.busy:  # the caller stopped early: end the request, keep its cache
             engine.cancel(rid)
@@ -356,11 +371,12 @@ def generate(model, processor, prompt=None, **kwargs) -> GenerationResult:
                             generation_tokens=last.generation_tokens, prompt_tps=last.prompt_tps,
                             generation_tps=last.generation_tps, peak_memory=last.peak_memory,
                             finish_reason=last.finish_reason, cached_tokens=last.cached_tokens,
-                            kv_cache_bytes=last.kv_cache_bytes)
+                            kv_cache_bytes=last.kv_cache_bytes, draft_proposed=last.draft_proposed,
+                            draft_accepted=last.draft_accepted)
 
 
 REQUEST_KEYS = {"prompt", "messages", "images", "videos", "fps", "source_fps", "video_fps", "system",
-                "templated"} | FIELD_NAMES | set(KV_FIELDS)
+                "templated"} | FIELD_NAMES | set(KV_FIELDS) | set(DRAFT_NAMES)
 
 
 def batch_generate(model, processor, requests, *, sampling: Optional[SamplingParams] = None, prefill_step_size=2048,
@@ -373,9 +389,13 @@ def batch_generate(model, processor, requests, *, sampling: Optional[SamplingPar
     source_fps (video_fps, deprecated), system, templated (the rules of render_prompt), and any
     sampling field or kv_bits / kv_group_size / quantized_kv_start to override the batch's (seed,
     temperature, max_tokens, stop, ...); rows of different KV cache kinds decode in batches of
-    their own."""
+    their own. Speculative decoding's arguments (prompt_lookup, drafter, num_draft_tokens; see
+    stream_generate) apply to every request, or to one when given in its dict (rows with different
+    drafters and k verify in one forward)."""
     base = _sampling(sampling, sampling_kwargs)
     base_kv = KVSettings.pop_from(sampling_kwargs)
+    base_draft = {k: sampling_kwargs.pop(k) for k in DRAFT_NAMES if k in sampling_kwargs}
+    pop_drafting(dict(base_draft))  # checked once, before any work
     if sampling_kwargs:
         raise TypeError(f"batch_generate got unexpected argument(s) {', '.join(sorted(sampling_kwargs))}")
     prepared = []
@@ -389,15 +409,16 @@ def batch_generate(model, processor, requests, *, sampling: Optional[SamplingPar
                                                system=r.get("system"), templated=r.get("templated", False))
         source_fps = renamed_source_fps(r.get("source_fps"), r.get("video_fps"))
         kv = resolve(model, KVSettings.pop_from({k: r[k] for k in r if k in KV_FIELDS}, base_kv))
-        prepared.append((text, found_i, found_v, r.get("fps"), source_fps, params, kv))
+        drafting = pop_drafting({**base_draft, **{k: r[k] for k in r if k in DRAFT_NAMES}})
+        prepared.append((text, found_i, found_v, r.get("fps"), source_fps, params, kv, drafting))
     if not prepared:
         return []
     engine = Engine(model, processor, max_batch=len(prepared), prefill_step_size=prefill_step_size)
     ids = []
-    for text, found_i, found_v, fps, source_fps, params, kv in prepared:
+    for text, found_i, found_v, fps, source_fps, params, kv, drafting in prepared:
         inputs = processor(text=text, images=found_i or None, videos=found_v or None, fps=fps, source_fps=source_fps,
                            min_pixels=min_pixels, max_pixels=max_pixels)
-        ids.append(engine.add(Request(inputs, params, kv=kv)))
+        ids.append(engine.add(Request(inputs, params, kv=kv, **drafting)))
     mx.reset_peak_memory()
     tic = time.perf_counter()
     first, done = set(), {}
@@ -424,4 +445,5 @@ def batch_generate(model, processor, requests, *, sampling: Optional[SamplingPar
         text=d.text, token_ids=d.token_ids, logprobs=d.logprobs, prompt_tokens=d.prompt_tokens,
         generation_tokens=len(d.token_ids), prompt_tps=prompt_tokens / max(prompt_s, 1e-9),
         generation_tps=generated / max(total - prompt_s, 1e-9), peak_memory=mx.get_peak_memory() / 1e9,
-        finish_reason=d.finish_reason, kv_cache_bytes=d.kv_bytes) for d in results]
+        finish_reason=d.finish_reason, kv_cache_bytes=d.kv_bytes, draft_proposed=d.draft_proposed,
+        draft_accepted=d.draft_accepted) for d in results]

@@ -23,7 +23,7 @@ from ..engine import Engine
 from ..errors import Qwen3VLError
 from .prepared import DoneEvent, ErrorEvent, Handle, Prepared, TokenEvent  # noqa: F401  (Prepared: the unit)
 from .protocol import APIError
-from .replica import Plan, digest
+from .replica import Orders, digest
 
 
 class ModelThread:
@@ -122,15 +122,15 @@ class ModelThread:
         self.core.stream = mx.default_stream(mx.default_device())
         try:
             while True:
-                plan = self._plan()
+                orders = self._orders()
                 if self.replicas is not None:
                     tic = time.perf_counter()
-                    plan = self.replicas.exchange(plan, self._state())
+                    orders = self.replicas.exchange(orders, self._state())
                     self.metrics["exchange_s"] += time.perf_counter() - tic  # includes waiting for the others
-                if plan.stop:
+                if orders.stop:
                     self.core.prefix.flush()
                     return
-                self._apply(plan)
+                self._apply(orders)
                 if self.core.busy:
                     self._route(self.core.step())
                     if not self.core.busy:  # idle: the disk tier's writes, after the answers went out
@@ -141,30 +141,30 @@ class ModelThread:
                 raise
             self.replicas.fail(e)  # ends this rank; mlx.launch stops the others
 
-    def _plan(self):
+    def _orders(self):
         """This iteration's inputs from the HTTP side (rank 0 / one process): the requests to add,
         those whose clients went away or that passed their time limit, or stop. Waits while there
         is nothing to do."""
         if self.replicas is not None and self.replicas.rank != 0:
-            return None  # the others receive rank 0's plan
+            return None  # the others receive rank 0's orders
         with self._cv:
             while not self._pending and not self.core.busy and not self._stopping:
                 self._cv.wait()
             if self._stopping:
-                return Plan(stop=True)
+                return Orders(stop=True)
             admit = list(self._pending)
             self._pending.clear()
-        plan = Plan(cancel=[rid for rid, h in self._handles.items() if h.cancelled])
+        orders = Orders(cancel=[rid for rid, h in self._handles.items() if h.cancelled])
         self.metrics["cancelled"] += sum(h.cancelled for h in admit)
-        plan.admit = [h for h in admit if not h.cancelled]
-        for handle in plan.admit:
+        orders.admit = [h for h in admit if not h.cancelled]
+        for handle in orders.admit:
             handle.id = next(self._ids)
         if self.replicas is not None:  # one clock for every rank: rank 0's
-            plan.expire = [rid for rid in self.core.expired() if rid not in plan.cancel]
-        return plan
+            orders.expire = [rid for rid in self.core.expired() if rid not in orders.cancel]
+        return orders
 
-    def _apply(self, plan):
-        for handle in plan.admit:
+    def _apply(self, orders):
+        for handle in orders.admit:
             try:
                 self.core.add(handle.prepared.request(handle.id, self.core.kv))
             except Exception as e:  # noqa: BLE001 — the request fails, the server keeps serving
@@ -172,9 +172,9 @@ class ModelThread:
                 handle.emit(ErrorEvent(_as_api_error(e)))
                 continue
             self._handles[handle.id] = handle
-        for rid in plan.cancel:
+        for rid in orders.cancel:
             self.core.cancel(rid)
-        for rid in plan.expire:
+        for rid in orders.expire:
             self.core.cancel(rid, "time_limit")
 
     def _route(self, events):

@@ -38,7 +38,7 @@ class RankLost(RuntimeError):
 
 
 @dataclass
-class Plan:
+class Orders:
     """One engine iteration's inputs, as rank 0 decided them."""
 
     admit: list = field(default_factory=list)  # Handles (ghosts on other ranks), ids set
@@ -110,40 +110,40 @@ class _Replicas:
 
 
 class Leader(_Replicas):
-    """Rank 0: sends each plan."""
+    """Rank 0: sends each orders."""
 
-    def exchange(self, plan: Plan, state: int) -> Plan:
-        for handle in plan.admit:
+    def exchange(self, orders: Orders, state: int) -> Orders:
+        for handle in orders.admit:
             p = handle.prepared
             if p.sampling.seed is None:  # drawn here, as the one-process Sampler would draw it
                 p.sampling = dataclasses.replace(p.sampling, seed=int(mx.random.randint(0, 2**31 - 1, ()).item()))
-        data = encode(plan) if plan.admit or plan.cancel or plan.expire else b""
-        self._header(len(data), plan.stop, state)
+        data = encode(orders) if orders.admit or orders.cancel or orders.expire else b""
+        self._header(len(data), orders.stop, state)
         if data:
             self._payload(data, len(data))
-        return plan
+        return orders
 
 
 class Follower(_Replicas):
-    """Ranks 1..N-1: receive each plan; grammars are compiled again here from their description."""
+    """Ranks 1..N-1: receive each orders; grammars are compiled again here from their description."""
 
     def __init__(self, group, grammars):
         super().__init__(group)
         self.grammars = grammars
 
-    def exchange(self, plan, state: int) -> Plan:
+    def exchange(self, orders, state: int) -> Orders:
         length, stop = self._header(0, False, state)
         if stop:
-            return Plan(stop=True)
-        return decode(self._payload(None, length), self.grammars) if length else Plan()
+            return Orders(stop=True)
+        return decode(self._payload(None, length), self.grammars) if length else Orders()
 
 
 # ------------------------------------------------------------------------------------------------
 # Wire format: a JSON line (ids, tokens, media keys, sampling, grammar, cancellations), then one
 # .npz with every admitted request's arrays (pixels, grids, ids) under "<index>/<name>".
-def encode(plan: Plan) -> bytes:
+def encode(orders: Orders) -> bytes:
     requests, arrays = [], {}
-    for i, handle in enumerate(plan.admit):
+    for i, handle in enumerate(orders.admit):
         p = handle.prepared
         inputs = {}
         for k, v in p.inputs.items():
@@ -157,10 +157,11 @@ def encode(plan: Plan) -> bytes:
                          "grammar": p.grammar, "kv": p.kv})
     buf = io.BytesIO()
     np.savez(buf, **arrays)
-    return json.dumps({"admit": requests, "cancel": plan.cancel, "expire": plan.expire}).encode() + b"\n" + buf.getvalue()
+    head = {"admit": requests, "cancel": orders.cancel, "expire": orders.expire}
+    return json.dumps(head).encode() + b"\n" + buf.getvalue()
 
 
-def decode(data: bytes, grammars) -> Plan:
+def decode(data: bytes, grammars) -> Orders:
     head, body = data.split(b"\n", 1)
     info = json.loads(head)
     admit = []
@@ -177,4 +178,4 @@ def decode(data: bytes, grammars) -> Plan:
                          sampling=SamplingParams(**r["sampling"]), max_tokens=r["max_tokens"],
                          grammar=r["grammar"], processors=grammars.build(r["grammar"]), kv=r.get("kv"))
             admit.append(_Ghost(p, r["id"]))
-    return Plan(admit=admit, cancel=info["cancel"], expire=info.get("expire", []))
+    return Orders(admit=admit, cancel=info["cancel"], expire=info.get("expire", []))

@@ -1,0 +1,174 @@
+"""Speculative decoding, lossless: drafters propose tokens, one forward checks them, and each row
+keeps exactly the tokens its own plain run would have chosen (greedy) or drawn from the same
+distribution (sampled).
+
+A drafter is any object with `propose(token_ids, k) -> list of ids`: given a request's prompt
+and answer so far, up to k tokens it guesses come next (fewer, or none, when it has no guess).
+It is asked once per decode step of a row that has one, so it should be cheap. Here:
+PromptLookup (n-grams the sequence already holds), GrammarForced (what a grammar forces), Oracle
+(a known continuation: benchmarks' ceiling) and Wrong (tests' worst case).
+
+`accept` is the rule for one row: greedy rows keep the drafts while they equal the argmax of the
+target's (processed) logits; sampled rows use the speculative sampling rule for a deterministic
+drafter (its q is one-hot): draft d at a position is kept with probability p(d), and on rejection
+the token is drawn from p with d removed (the normalized residual max(0, p - q)), so every token
+has the target's distribution. Either way the first rejected position (or the one after the last
+draft) yields one more token from the target, so a step always makes progress.
+"""
+
+from typing import List, Optional, Protocol, Sequence
+
+import mlx.core as mx
+
+from ..errors import ConfigError, InputError
+
+MAX_DRAFT = 64  # draft tokens per verify forward at most
+
+
+class Drafter(Protocol):
+    def propose(self, token_ids: Sequence[int], k: int) -> List[int]:
+        """Up to `k` token ids guessed to follow `token_ids` (the prompt, then the answer so far)."""
+
+
+class PromptLookup:
+    """Prompt lookup decoding: the longest recent n-gram (n from `max_n` down to `min_n`) that ends
+    the sequence and occurred earlier in it; proposes the tokens that followed its latest earlier
+    occurrence. Costs one scan of the recent `window` tokens per n on the host, no model."""
+
+    def __init__(self, max_n: int = 3, min_n: int = 1, window: int = 4096):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"prompt lookup needs 1 <= min n-gram ({min_n}) <= max n-gram ({max_n})")
+        self.max_n, self.min_n, self.window = max_n, min_n, window
+
+    def propose(self, token_ids, k):
+        ids = list(token_ids[-self.window:])
+        L = len(ids)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            tail = ids[L - n:]
+            for start in range(L - n - 1, -1, -1):  # latest earlier occurrence first
+                if ids[start:start + n] == tail:
+                    return ids[start + n:start + n + k]
+        return []
+
+
+class Oracle:
+    """Proposes from a known sequence (a prompt and its answer, e.g. the plain run's own): while
+    the tokens so far are its beginning, what follows them there; else nothing. With the plain
+    run's answer every draft is right: the mechanism's ceiling, for benchmarks and tests."""
+
+    def __init__(self, sequence: Sequence[int]):
+        self.sequence = [int(t) for t in sequence]
+
+    def propose(self, token_ids, k):
+        n = len(token_ids)
+        tail = min(n, 16)  # the tokens so far are checked by their end: the prompt is the caller's
+        if self.sequence[n - tail:n] != [int(t) for t in token_ids[n - tail:]]:
+            return []
+        return self.sequence[n:n + k]
+
+
+class Wrong:
+    """Always proposes k tokens that are not the next ones (a test's worst drafter): the last token
+    plus one, repeated."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def propose(self, token_ids, k):
+        return [(int(token_ids[-1]) + 1 + i) % self.vocab_size for i in range(k)]
+
+
+class GrammarForced:
+    """The tokens a request's grammar forces next (llguidance's fast-forward tokens: where the
+    grammar admits one continuation, e.g. a JSON schema's fixed keys), proposed as drafts; the
+    grammar's mask then gives them all the probability, so they are always kept. `processor`: the
+    request's grammar processor (server/grammar.py's GrammarProcessor: its llguidance `matcher`
+    and the tokens `seen`), read on a copy of the matcher, never advanced."""
+
+    def __init__(self, processor):
+        self.processor = processor
+
+    def propose(self, token_ids, k):
+        seen = self.processor.seen
+        if seen is None:
+            return []
+        matcher = self.processor.matcher.deep_copy()
+        for t in token_ids[seen:]:
+            if not matcher.consume_token(int(t)):
+                return []
+        return list(matcher.compute_ff_tokens())[:k]
+
+
+NAMES = ("draft_model", "num_draft_tokens", "prompt_lookup", "drafter")  # the surfaces' arguments
+DEFAULT_DRAFT = 4  # num_draft_tokens when a drafter is given without it
+
+
+def drafting(draft_model=None, num_draft_tokens=None, prompt_lookup=0, drafter=None) -> dict:
+    """The surfaces' arguments (mlx-lm's draft_model / num_draft_tokens, and prompt_lookup: the
+    longest n-gram PromptLookup matches, 0 off; drafter: any object with `propose`) → the
+    Request's fields {drafter, num_draft_tokens} (drafter None: no speculation)."""
+    if draft_model is not None:
+        raise ConfigError("draft_model is not available yet: a draft model needs its own prefill and caches in "
+                          "the engine, which are not built; use prompt_lookup= or drafter= instead")
+    if not (isinstance(prompt_lookup, int) and not isinstance(prompt_lookup, bool) and 0 <= prompt_lookup <= 64):
+        raise InputError(f"prompt_lookup = {prompt_lookup!r} is not allowed; use an integer in [0, 64] "
+                         "(the longest n-gram matched; 0 = off)")
+    if num_draft_tokens is not None and not (isinstance(num_draft_tokens, int) and not isinstance(num_draft_tokens, bool)
+                                             and 0 <= num_draft_tokens <= MAX_DRAFT):
+        raise InputError(f"num_draft_tokens = {num_draft_tokens!r} is not allowed; use an integer in [0, {MAX_DRAFT}]")
+    if drafter is not None and not callable(getattr(drafter, "propose", None)):
+        raise InputError("drafter must have a propose(token_ids, k) method")
+    if drafter is None and prompt_lookup:
+        drafter = PromptLookup(max_n=prompt_lookup)
+    if drafter is None:
+        return {}
+    return {"drafter": drafter, "num_draft_tokens": DEFAULT_DRAFT if num_draft_tokens is None else num_draft_tokens}
+
+
+def pop_drafting(kwargs: dict) -> dict:
+    """drafting() of the surfaces' arguments found in `kwargs`, removed from it."""
+    return drafting(**{k: kwargs.pop(k) for k in NAMES if k in kwargs})
+
+
+def accept(sampler, history, fed: List[int], logits, log_softmax, greedy_argmax=None):
+    """One row's verification. `fed`: the tokens fed at the row's positions, its last token then
+    its drafts; `logits` (T, V) of those positions (T >= len(fed)); `history`: the row's tokens
+    before `fed` (for processors; None without them). `greedy_argmax`: the argmax of every
+    position, already computed for a greedy row without processors.
+
+    → (tokens, logprob rows (V,) each, number of drafts accepted): the drafts kept, then the
+    target's own token at the first rejected position (or after the last draft)."""
+    drafts = fed[1:]
+    if greedy_argmax is not None:
+        n = 0
+        while n < len(drafts) and drafts[n] == greedy_argmax[n]:
+            n += 1
+        lp = log_softmax(logits[:n + 1])
+        return drafts[:n] + [greedy_argmax[n]], [lp[i] for i in range(n + 1)], n
+    tokens, lps = [], []
+    for i in range(len(fed)):
+        row = logits[i:i + 1]
+        if sampler.processors:
+            seen = mx.array(fed[:i + 1]) if history is None else mx.concatenate([history, mx.array(fed[:i + 1])])
+            row = sampler.process(seen, row)
+        lp = log_softmax(row)
+        lps.append(lp[0])
+        draft = drafts[i] if i < len(drafts) else None
+        if sampler.greedy:
+            token = int(mx.argmax(lp, axis=-1).item())
+            tokens.append(token)
+            if token != draft:
+                return tokens, lps, i
+            continue
+        scaled = sampler.scaled(lp)
+        if draft is None:
+            tokens.append(int(mx.random.categorical(scaled, key=sampler.next_key()).item()))
+            return tokens, lps, i
+        logq = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+        if mx.random.uniform(key=sampler.next_key()).item() < mx.exp(logq[0, draft]).item():
+            tokens.append(draft)
+            continue
+        residual = mx.where(mx.arange(scaled.shape[-1]) == draft, -mx.inf, scaled)
+        tokens.append(int(mx.random.categorical(residual, key=sampler.next_key()).item()))
+        return tokens, lps, i
+    raise AssertionError("unreachable: the last fed position has no draft")

@@ -1,0 +1,365 @@
+"""Speculative decoding in the engine (engine/speculative.py): every drafter (prompt lookup, the
+oracle, one that is always wrong) leaves greedy answers token for token the plain run's — on the
+dense fixture with an image and on the MoE one, alone and in a batch with rows of different k,
+under float and 8-bit KV (quantized from the start, and from mid-answer), on the CPU path and the
+plain graph (steps queued ahead), under prefix reuse and in a ChatSession across turns; stop
+strings, EOS and max_tokens cut where the plain run does; sampled answers keep the plain
+distribution (chi-square over the exact joint distribution of three tokens); drop_last on every
+cache kind; bad drafters and arguments get one clear line."""
+
+import math
+
+import conftest  # noqa: F401  (first: it loads the optimized BLAS before mlx.core)
+import mlx.core as mx
+import numpy as np
+import pytest
+from PIL import Image
+
+import mlx_qwen3vl as M
+from conftest import FIXTURES, load_fixture_model
+from mlx_qwen3vl.engine import Done, Engine, Failed, Request, Token
+from mlx_qwen3vl.engine.speculative import GrammarForced, Oracle, PromptLookup, Wrong
+from mlx_qwen3vl.errors import ConfigError, InputError
+from mlx_qwen3vl.generate import encode_prompt
+from mlx_qwen3vl.kv_settings import KVSettings
+
+MEDIA = FIXTURES / "media"
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return M.Processor.from_pretrained(FIXTURES / "tiny-a")
+
+
+def user(text, *images):
+    return [{"role": "user", "content": [{"type": "image", "image": i} for i in images] + [{"type": "text", "text": text}]}]
+
+
+def asks():
+    """A picture and a repetitive text (prompt lookup finds matches in both the prompt and the answer)."""
+    return [user("Describe the picture.", Image.open(MEDIA / "img_123x77.png")),
+            user("one two three one two three one two three, and then?")]
+
+
+KV = {"float": {}, "8-bit": dict(kv_bits=8, kv_group_size=32, quantized_kv_start=0),
+      "8-bit mid-answer": "mid"}
+
+
+def kv_args(kind, messages, processor):
+    if KV[kind] == "mid":  # the cache turns quantized a few tokens into the answer
+        n = encode_prompt(processor, messages=messages)["input_ids"].shape[1]
+        return dict(kv_bits=8, kv_group_size=32, quantized_kv_start=n + 5)
+    return dict(KV[kind])
+
+
+@pytest.mark.parametrize("kind", list(KV))
+@pytest.mark.parametrize("fixture, backend", [("tiny-a", "mlx"), ("tiny-a", None), ("tiny-a", "cpu-all"),
+                                              ("tiny-moe", "mlx"), ("tiny-moe", None)])
+def test_greedy_answers_with_every_drafter_equal_the_plain_run(processor, on_cpu, monkeypatch, fixture, backend,
+                                                               kind):
+    """Per prompt, four rows in one batch: the oracle (k=4), prompt lookup (k=2), an always-wrong
+    drafter (k=3) and no drafter; each row's tokens are the plain run's, the oracle's drafts are
+    all kept, the wrong one's none. "cpu-all": the CPU path for every size, as on the 2B model
+    (the verify forward's linears through the C extension's matmul_rows)."""
+    if backend == "cpu-all":
+        from conftest import cpu_path_for_every_size
+
+        cpu_path_for_every_size(monkeypatch)
+    model = load_fixture_model(fixture, backend=backend)
+    prompts = asks() if backend != "mlx" or kind == "float" else asks()[1:]  # the plain graph's vision: seconds
+    for messages in prompts:
+        kv = kv_args(kind, messages, processor)
+        want = M.generate(model, processor, messages=messages, max_tokens=24, ignore_eos=True, **kv)
+        prompt = encode_prompt(processor, messages=messages)["input_ids"][0].tolist()
+        rows = [dict(drafter=Oracle(prompt + want.token_ids), num_draft_tokens=4),
+                dict(prompt_lookup=3, num_draft_tokens=2),
+                dict(drafter=Wrong(model.config.text_config.vocab_size), num_draft_tokens=3),
+                {}]
+        got = M.batch_generate(model, processor, [dict(messages=messages, **r) for r in rows], max_tokens=24,
+                               ignore_eos=True, **kv)
+        for r, g in zip(rows, got):
+            assert g.token_ids == want.token_ids, (r, kind)
+            assert g.text == want.text
+        oracle, lookup, wrong, plain = got
+        assert oracle.draft_proposed > 0 and oracle.draft_accepted == oracle.draft_proposed
+        assert wrong.draft_proposed > 0 and wrong.draft_accepted == 0
+        assert lookup.draft_accepted <= lookup.draft_proposed and plain.draft_proposed == 0
+        # The verify forward attends to a quantized cache as a prefill chunk does (the CPU path
+        # unpacks a layer's keys for it), a decode step reads it packed: the same values, summed
+        # in another order.
+        assert oracle.logprobs == pytest.approx(want.logprobs, abs=1e-3 if kind == "float" else 2e-2)
+
+
+@pytest.mark.parametrize("backend, seed", [(None, 0), ("mlx", 1)])
+def test_random_schedule_with_drafters_each_equal_alone(processor, on_cpu, backend, seed):
+    """A seeded random schedule: requests with random drafters (oracle, prompt lookup, wrong,
+    none) and k, random cache kinds and quantized_kv_start, greedy or sampled, joining at random
+    steps of a batch with a prefix cache; each greedy row's tokens equal the request run alone,
+    each sampled row's are a valid answer of its length (its distribution: the chi-square test)."""
+    import random
+
+    rnd = random.Random(seed)
+    model = load_fixture_model("tiny-a", backend=backend)
+    words = "one two three the cat menu button click open close one two three".split()
+    shot = Image.open(MEDIA / "img_123x77.png")
+    asks = []
+    for i in range(8):
+        messages = user(" ".join(rnd.choice(words) for _ in range(rnd.randrange(2, 14))),
+                        *([shot] if rnd.random() < 0.3 else []))
+        params = dict(max_tokens=rnd.randrange(2, 20), ignore_eos=rnd.random() < 0.7)
+        if rnd.random() < 0.25:
+            params.update(temperature=1.0, seed=rnd.randrange(100))
+        kv = rnd.choice([{}, dict(kv_bits=8, kv_group_size=32, quantized_kv_start=rnd.choice((0, 30, 45)))])
+        asks.append((messages, params, kv, rnd.choice(("oracle", "lookup", "wrong", None)), rnd.randrange(1, 7),
+                     rnd.choice((0, 0, 1, 2))))
+    wants, requests = [], []
+    for messages, params, kv, drafter, k, _ in asks:
+        want = M.generate(model, processor, messages=messages, **params, **kv)
+        wants.append(want)
+        inputs = encode_prompt(processor, messages=messages)
+        prompt = inputs["input_ids"][0].tolist()
+        d = {"oracle": Oracle(prompt + want.token_ids), "lookup": PromptLookup(3),
+             "wrong": Wrong(model.config.text_config.vocab_size), None: None}[drafter]
+        requests.append(Request(inputs, M.SamplingParams(**params), kv=KVSettings.build(**kv) if kv else None,
+                                **({"drafter": d, "num_draft_tokens": k} if d else {})))
+    engine = Engine(model, processor, max_batch=rnd.choice((3, 8)), prefix_cache_bytes=1 << 24)
+    ids, tokens, pending = {}, {}, list(range(len(asks)))
+    while pending or engine.busy:
+        for i in list(pending):
+            if asks[i][5] == 0 or rnd.random() < 0.5:
+                ids[engine.add(requests[i])] = i
+                pending.remove(i)
+        for ev in engine.step():
+            assert not isinstance(ev, Failed), ev
+            if isinstance(ev, Token):
+                tokens.setdefault(ids[ev.id], []).append(ev.token)
+    for i, (messages, params, kv, drafter, k, _) in enumerate(asks):
+        if "temperature" in params:
+            assert len(tokens[i]) == len(wants[i].token_ids) or not params["ignore_eos"]
+        else:
+            assert tokens[i] == wants[i].token_ids, (i, drafter, k, kv)
+
+
+def test_stream_says_which_tokens_came_from_drafts_and_cuts_as_plain(processor, on_cpu):
+    """stream_generate with the oracle: each piece's from_draft, the running counts, and the answer
+    cut where the plain run cuts it: a stop string across a token boundary, max_tokens inside an
+    accepted run of drafts, EOS."""
+    model = load_fixture_model("tiny-a", backend="mlx")
+    messages = asks()[0]
+    prompt = encode_prompt(processor, messages=messages)["input_ids"][0].tolist()
+    full = M.generate(model, processor, messages=messages, max_tokens=30, ignore_eos=True)
+    tok = processor.tokenizer
+    pieces = [tok.decode([t]) for t in full.token_ids]
+    # A stop string made of the end of one token's text and the start of the next one's.
+    i = next(i for i in range(6, len(pieces) - 1) if len(pieces[i]) > 1 and len(pieces[i + 1]) > 1)
+    stop = pieces[i][-2:] + pieces[i + 1][:1]
+    cases = [dict(max_tokens=30, ignore_eos=True, stop=[stop]), dict(max_tokens=7, ignore_eos=True),
+             dict(max_tokens=30)]
+    for params in cases:
+        want = M.generate(model, processor, messages=messages, **params)
+        streamed = list(M.stream_generate(model, processor, messages=messages, drafter=Oracle(prompt + full.token_ids),
+                                          num_draft_tokens=4, **params))
+        assert [p.token for p in streamed] == want.token_ids, params
+        assert "".join(p.text for p in streamed) == want.text
+        assert streamed[-1].finish_reason == want.finish_reason
+        flags = [p.from_draft for p in streamed]
+        assert not flags[0] and any(flags)  # the first token comes from the prefill
+        assert streamed[-1].draft_accepted == sum(flags) <= streamed[-1].draft_proposed
+    assert "stop" == M.generate(model, processor, messages=messages, stop=[stop], max_tokens=30,
+                                ignore_eos=True, prompt_lookup=2).finish_reason
+
+
+@pytest.mark.parametrize("backend", ["mlx", None])
+def test_penalties_apply_at_every_verified_position(processor, on_cpu, backend):
+    """Greedy rows with repetition / presence / frequency penalties (processors over the tokens
+    so far): with drafters, the plain run's tokens."""
+    model = load_fixture_model("tiny-a", backend=backend)
+    messages = asks()[1]
+    prompt = encode_prompt(processor, messages=messages)["input_ids"][0].tolist()
+    for params in (dict(repetition_penalty=1.3), dict(presence_penalty=0.7, frequency_penalty=0.4)):
+        want = M.generate(model, processor, messages=messages, max_tokens=20, ignore_eos=True, **params)
+        for drafting in (dict(drafter=Oracle(prompt + want.token_ids), num_draft_tokens=5), dict(prompt_lookup=2)):
+            got = M.generate(model, processor, messages=messages, max_tokens=20, ignore_eos=True, **params, **drafting)
+            assert got.token_ids == want.token_ids, (params, drafting)
+
+
+def test_prefix_reuse_and_chat_session_across_turns(processor, on_cpu):
+    """The engine's prefix cache holds what a drafting row left (the next request reusing it
+    answers as plain), and a ChatSession with prompt lookup answers every turn as one without."""
+    model = load_fixture_model("tiny-a", backend=None)
+    messages = asks()[0]
+    want = M.generate(model, processor, messages=messages, max_tokens=16, ignore_eos=True)
+    engine = Engine(model, processor, max_batch=2, prefix_cache_bytes=1 << 26)
+    inputs = encode_prompt(processor, messages=messages)
+    prompt = inputs["input_ids"][0].tolist()
+    for turn in range(2):
+        rid = engine.add(Request(inputs, M.SamplingParams(max_tokens=16, ignore_eos=True),
+                                 drafter=Oracle(prompt + want.token_ids), num_draft_tokens=3))
+        events = list(engine.run())
+        assert [e.token for e in events if isinstance(e, Token) and e.id == rid] == want.token_ids
+    assert engine.prefix.reused_tokens > 0
+    # The second request reused the first one's cache, answer included: a longer conversation.
+    follow = messages + [{"role": "assistant", "content": want.text}, {"role": "user", "content": "And then?"}]
+    want2 = M.generate(model, processor, messages=follow, max_tokens=12, ignore_eos=True)
+    rid = engine.add(Request(encode_prompt(processor, messages=follow), M.SamplingParams(max_tokens=12, ignore_eos=True),
+                             drafter=PromptLookup(2), num_draft_tokens=4))
+    assert [e.token for e in engine.run() if isinstance(e, Token) and e.id == rid] == want2.token_ids
+
+    plain = M.ChatSession(model, processor, max_tokens=12, ignore_eos=True)
+    spec = M.ChatSession(model, processor, max_tokens=12, ignore_eos=True, prompt_lookup=3, num_draft_tokens=3)
+    for text, images in (("Describe the picture.", [Image.open(MEDIA / "img_123x77.png")]),
+                         ("Say it again, word for word.", []), ("Once more.", [Image.open(MEDIA / "img_90x260.png")])):
+        assert spec.send(text, images=images) == plain.send(text, images=images)
+        assert spec.last.generation_tokens == plain.last.generation_tokens
+        assert spec.last.cached_tokens == plain.last.cached_tokens
+    assert spec.last.draft_proposed > 0
+
+
+def test_grammar_forced_tokens_are_proposed_and_always_kept(processor, on_cpu):
+    """A JSON-schema answer (llguidance's mask as the request's processor): with GrammarForced
+    drafting the schema's fixed keys, the plain grammar run's tokens; every forced draft is kept."""
+    from mlx_qwen3vl.server.grammar import GrammarFactory
+
+    model = load_fixture_model("tiny-a", backend=None)
+    tok = processor.tokenizer
+    grammars = GrammarFactory(tok, model.config.text_config.vocab_size, tok.eos_token_id)
+    schema = {"type": "object", "properties": {"action": {"const": "left_click"}, "target": {"const": "search box"},
+                                               "x": {"type": "integer"}},
+              "required": ["action", "target", "x"], "additionalProperties": False}
+    inputs = encode_prompt(processor, messages=asks()[1])
+    params = M.SamplingParams(max_tokens=40)
+
+    def run(drafting):
+        engine = Engine(model, processor, max_batch=2)
+        grammar = grammars.json_schema(schema)
+        rid = engine.add(Request(inputs, params, processors=[grammar],
+                                 **({"drafter": GrammarForced(grammar), "num_draft_tokens": 8} if drafting else {})))
+        events = [e for e in engine.run() if e.id == rid]
+        return [e.token for e in events if isinstance(e, Token)], events[-1]
+
+    want, plain = run(False)
+    got, done = run(True)
+    assert got == want and done.text == plain.text
+    assert done.draft_proposed > 5 and done.draft_accepted == done.draft_proposed
+
+
+def _chi_square_bound(df: int, z: float = 3.09) -> float:
+    """The chi-square distribution's upper 0.1% point (Wilson-Hilferty), df degrees of freedom."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_sampled_answers_keep_the_plain_distribution(processor, on_cpu):
+    """Three sampled tokens (temperature 1.5, top_k 3: 27 possible answers) from N seeds, the
+    second and third through the verify forward with a drafter proposing fixed tokens (kept
+    sometimes, rejected sometimes): their frequencies against the exact plain distribution,
+    computed from the model's own forwards, by chi-square at the 0.1% level (cells with expected
+    counts under 5 merged). A rule that always kept drafts, or resampled from p instead of the
+    residual, fails it."""
+    from mlx_lm.sample_utils import apply_top_k
+
+    model = load_fixture_model("tiny-a", backend="mlx")
+    messages = user("one two three one two three")
+    prompt = encode_prompt(processor, messages=messages)["input_ids"][0].tolist()
+    temp, top_k, N = 1.5, 3, 1200
+
+    def dist(prefix):
+        logits = model(mx.array([prompt + prefix]))[0, -1:].astype(mx.float32)
+        lp = apply_top_k(logits - mx.logsumexp(logits, axis=-1, keepdims=True), top_k) / temp
+        p = np.asarray(mx.softmax(lp, axis=-1)[0])
+        return {int(t): float(p[t]) for t in np.nonzero(p > 0)[0]}
+
+    exact = {}
+    for a, pa in dist([]).items():
+        for b, pb in dist([a]).items():
+            for c, pc in dist([a, b]).items():
+                exact[(a, b, c)] = pa * pb * pc
+    d1 = max(dist([max(dist([]), key=dist([]).get)]).items(), key=lambda x: x[1])[0]
+    drafter = type("Fixed", (), {"propose": lambda self, ids, k: [d1, d1][:k]})()
+    engine = Engine(model, processor, max_batch=64, prefix_cache_bytes=1 << 26)
+    inputs = encode_prompt(processor, messages=messages)
+    for seed in range(N):
+        engine.add(Request(inputs, M.SamplingParams(max_tokens=3, temperature=temp, top_k=top_k, seed=seed,
+                                                    ignore_eos=True), drafter=drafter, num_draft_tokens=2))
+    counts, proposed, accepted = {}, 0, 0
+    for ev in engine.run():
+        if isinstance(ev, Done):
+            counts[tuple(ev.token_ids)] = counts.get(tuple(ev.token_ids), 0) + 1
+            proposed, accepted = proposed + ev.draft_proposed, accepted + ev.draft_accepted
+        assert not isinstance(ev, Failed)
+    assert set(counts) <= set(exact) and sum(counts.values()) == N
+    assert 0 < accepted < proposed  # drafts were both kept and rejected
+    cells = sorted(exact, key=exact.get, reverse=True)
+    big = [c for c in cells if exact[c] * N >= 5]
+    small = [c for c in cells if exact[c] * N < 5]
+    observed = [counts.get(c, 0) for c in big] + ([sum(counts.get(c, 0) for c in small)] if small else [])
+    expected = [exact[c] * N for c in big] + ([sum(exact[c] for c in small) * N] if small else [])
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    assert chi2 < _chi_square_bound(len(observed) - 1), (chi2, len(observed))
+
+
+def test_drop_last_on_every_cache_kind():
+    """Rows losing different numbers of positions: each keeps exactly its first positions, rows stay
+    right-aligned (padding grows by the difference), the key mask hides the padding."""
+    from mlx_qwen3vl.cpu.decode import KVCache
+
+    rng = np.random.default_rng(0)
+    for quantized in (False, True):
+        rows = []
+        for n in (9, 6, 8):
+            c = KVCache()
+            c.update_and_fetch(*(mx.array(rng.standard_normal((1, 2, n, 32)).astype(np.float32)) for _ in "kv"))
+            rows.append(c.to_quantized(32, 8) if quantized else c)
+        batch = type(rows[0]).merge(rows)
+        batch.drop_last([3, 1, 2])
+        assert batch.size() == 8 and batch.padding() == [2, 3, 2]
+        first = lambda c: c.keys[0] if quantized else c.keys  # noqa: E731
+        for r, keep in zip(range(3), (6, 5, 6)):
+            assert np.array_equal(np.asarray(first(batch.extract(r))), np.asarray(first(rows[r]))[:, :, :keep])
+        assert np.asarray(batch.key_mask(0)).sum(axis=1).tolist() == [6, 5, 6]
+        batch.drop_last([1, 1, 1])  # the same count for every row: a trim
+        assert batch.size() == 7 and batch.padding() == [2, 3, 2]
+
+
+def test_linear_of_a_few_rows_reads_the_weight_once_with_the_same_result(monkeypatch):
+    """The CPU path's linear for 2..SMALL_ROWS rows (the C extension's matmul_rows over column
+    ranges on several threads, rows in groups of 10) equals numpy's matmul; one row and many rows
+    keep numpy's."""
+    from mlx_qwen3vl.cpu import kernels
+
+    if kernels._native is None:
+        pytest.skip("the C extension is not built")
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((1003, 300)).astype(np.float32)  # K not a multiple of 8, N odd
+    for m in (1, 2, 5, 10, 13, 16, 17):
+        a = rng.standard_normal((m, 300)).astype(np.float32)
+        for n_threads in (1, 2, 3):
+            monkeypatch.setattr(kernels.threads, "apply", lambda: n_threads)
+            got = np.asarray(kernels.linear(mx.array(a), mx.array(w)))
+            np.testing.assert_allclose(got, a @ w.T, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_drafters_and_arguments_get_one_line(processor, on_cpu):
+    model = load_fixture_model("tiny-a", backend=None)
+    messages = asks()[1]
+    with pytest.raises(ConfigError, match="draft_model is not available"):
+        M.generate(model, processor, messages=messages, draft_model="some/checkpoint")
+    for bad in (dict(prompt_lookup=-1), dict(num_draft_tokens=1000, prompt_lookup=2), dict(drafter=object())):
+        with pytest.raises(InputError):
+            M.generate(model, processor, messages=messages, **bad)
+    out = type("PastVocabulary", (), {"propose": lambda self, ids, k: [10**6] * k})()
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        M.generate(model, processor, messages=messages, max_tokens=5, drafter=out)
+    # A drafter that fails fails its own request only; the batch's other row answers as plain.
+    boom = type("Boom", (), {"propose": lambda self, ids, k: 1 / 0})()
+    want = M.generate(model, processor, messages=messages, max_tokens=8, ignore_eos=True)
+    engine = Engine(model, processor, max_batch=2)
+    inputs = encode_prompt(processor, messages=messages)
+    bad = engine.add(Request(inputs, M.SamplingParams(max_tokens=8, ignore_eos=True), drafter=boom))
+    good = engine.add(Request(inputs, M.SamplingParams(max_tokens=8, ignore_eos=True), drafter=PromptLookup(2)))
+    events = list(engine.run())
+    assert [type(e.error) for e in events if isinstance(e, Failed)] == [ZeroDivisionError]
+    assert all(e.id == bad for e in events if isinstance(e, Failed))
+    assert [e.token for e in events if isinstance(e, Token) and e.id == good] == want.token_ids
+    from mlx_qwen3vl.__main__ import main
+
+    assert main(["--model", str(FIXTURES / "tiny-a"), "--draft-model", "x"]) == 2
