@@ -22,17 +22,17 @@ BODIES = {
 }
 
 
-def parsed_turns(items, store, measure=True):
+def parsed_turns(items, measure=True):
     """The turns of a Responses body as the server parses them → (turns, the bytes they hold as
     tracemalloc measures them, or None)."""
     raw = json.dumps({"model": "m", "input": items}).encode()
     if not measure:
-        return R.parse_request(json.loads(raw), store, "qwen").history, None
+        return R.parse_request(json.loads(raw), "qwen").history, None
     gc.collect()
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
-        req = R.parse_request(json.loads(raw), store, "qwen")
+        req = R.parse_request(json.loads(raw), "qwen")
         turns = req.history
         del req
         gc.collect()
@@ -44,7 +44,7 @@ def parsed_turns(items, store, measure=True):
 @pytest.mark.parametrize("case", list(BODIES))
 def test_the_store_counts_what_an_entry_takes(case):
     store = S.ResponseStore(8, 1 << 30)
-    turns, measured = parsed_turns(BODIES[case], store)
+    turns, measured = parsed_turns(BODIES[case])
     assert store.put("resp_1", turns, {"id": "resp_1", "object": "response", "output": []})
     counted = store.bytes
     assert measured / FACTOR <= counted <= measured * FACTOR, (case, counted, measured)
@@ -59,14 +59,14 @@ def test_the_flag_bounds_what_the_store_holds_in_memory():
     try:
         base = tracemalloc.get_traced_memory()[0]
         for i in range(8):
-            turns, _ = parsed_turns(BODIES["a 2 MiB call_id"], store, measure=False)
+            turns, _ = parsed_turns(BODIES["a 2 MiB call_id"], measure=False)
             assert not store.put(f"big_{i}", turns, {"id": f"big_{i}", "output": []})
             del turns
         assert len(store) == 0 and store.bytes == 0
         small = [{"type": "function_call", "call_id": f"call_{i}", "name": "lookup", "arguments": "{\"q\": 1}"}
                  for i in range(200)]
         for i in range(30):
-            turns, _ = parsed_turns(small, store, measure=False)
+            turns, _ = parsed_turns(small, measure=False)
             store.put(f"small_{i}", turns, {"id": f"small_{i}", "output": [{"type": "message", "content": "x" * 100}]})
             del turns
         gc.collect()
