@@ -80,7 +80,7 @@ def test_the_flag_bounds_what_the_store_holds_in_memory():
 def test_an_entry_of_too_many_objects_is_not_kept(monkeypatch):
     monkeypatch.setattr(S, "MAX_ENTRY_OBJECTS", 1000)
     store = S.ResponseStore(8, 1 << 30)
-    turns, _ = parsed_turns([{"role": "user", "content": [{"type": "input_text", "text": ""}] * 2000}], store)
+    turns, _ = parsed_turns([{"role": "user", "content": [{"type": "input_text", "text": ""}] * 2000}])
     assert not store.put("resp_1", turns, {"id": "resp_1", "output": []}) and len(store) == 0
-    turns, _ = parsed_turns([{"role": "user", "content": [{"type": "input_text", "text": "hi"}] * 10}], store)
+    turns, _ = parsed_turns([{"role": "user", "content": [{"type": "input_text", "text": "hi"}] * 10}])
     assert store.put("resp_2", turns, {"id": "resp_2", "output": []}) and len(store) == 1
