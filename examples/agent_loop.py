@@ -26,30 +26,14 @@ sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 
 from mlx_qwen3vl import ChatSession, ContextLengthError, InputError, load, resolve_model_path  # noqa: E402
 from mlx_qwen3vl.agent import computer_use_system_prompt, parse_action  # noqa: E402
+from mlx_qwen3vl.agent.runner import OMITTED, keep_last_images  # noqa: E402
 from mlx_qwen3vl.media import image_size  # noqa: E402
 from mlx_qwen3vl.cli import run as run_cli  # noqa: E402
 
 DEFAULT_MODEL = HERE.parent / "tests" / "fixtures" / "tiny-a"
 DEFAULT_SCREENSHOTS = [HERE / "screenshot.png"] * 3
 NEXT_STEP = "This is the screen after your last action. Continue the task."
-OMITTED = {"type": "text", "text": "(an earlier screenshot, omitted)"}
 AGENT_MAX_PIXELS = 1280 * 28 * 28
-
-
-def keep_last_images(messages, n):
-    """Replace all but the last `n` images in the conversation with a short text. The session's
-    cache is reused up to the first changed turn, so trimming costs a re-read of the turns after
-    the dropped image; keeping more images trades memory for less of that."""
-    seen = 0
-    for message in reversed(messages):
-        content = message.get("content")
-        if not isinstance(content, list):
-            continue
-        for i in reversed(range(len(content))):
-            if content[i].get("type") == "image":
-                seen += 1
-                if seen > n:
-                    content[i] = dict(OMITTED)
 
 
 def fitting_max_pixels(model, processor, task, steps, keep_images, max_tokens):

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Tuple
 
+from ...errors import InputError
 from ..computer_tools import ComputerAction
 
 
@@ -43,6 +44,15 @@ def to_env_pixel(point, obs: Observation) -> Tuple[int, int]:
     ex, ey = to_env((point[0] + 0.5, point[1] + 0.5), obs)
     return math.floor(ex), math.floor(ey)
 
+
+
+def input_pixel(point, obs: Observation) -> Tuple[int, int]:
+    """to_env_pixel for a point an environment is asked to act at; InputError outside `obs.image`
+    (a point past the screenshot is on no screen the model saw)."""
+    x, y = point
+    if not (0 <= x < obs.image.width and 0 <= y < obs.image.height):
+        raise InputError(f"point ({x}, {y}) is outside the {obs.image.width}x{obs.image.height} screenshot")
+    return to_env_pixel(point, obs)
 
 class Environment(abc.ABC):
     """A place an agent acts. reset() gives the first screenshot and the task text; act() executes a

@@ -24,7 +24,7 @@ from PIL import Image
 
 from ...errors import InputError
 from ..computer_tools import ACTION_TYPES, SCROLL_CLICK_PIXELS, ComputerAction, check_display
-from .base import Environment, Observation, to_env_pixel
+from .base import Environment, Observation, input_pixel
 
 log = logging.getLogger(__name__)
 
@@ -143,11 +143,7 @@ class BrowserEnv(Environment):
         """An image pixel of the last screenshot → the CSS pixel that holds it (to_env_pixel: integer,
         since Chromium's hit test rounds a fractional position, which at dpr 2 lands half the time
         on the next CSS pixel); InputError outside the image."""
-        obs = self._last or self.screenshot()
-        x, y = point
-        if not (0 <= x < obs.image.width and 0 <= y < obs.image.height):
-            raise InputError(f"point ({x}, {y}) is outside the {obs.image.width}x{obs.image.height} screenshot")
-        return to_env_pixel(point, obs)
+        return input_pixel(point, self._last or self.screenshot())
 
     def act(self, action: ComputerAction) -> None:
         kind = action.type

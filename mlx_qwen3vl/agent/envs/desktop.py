@@ -24,7 +24,7 @@ from PIL import Image
 
 from ...errors import InputError, Qwen3VLError
 from ..computer_tools import ACTION_TYPES, ComputerAction
-from .base import Environment, Observation, to_env_pixel
+from .base import Environment, Observation, input_pixel
 
 log = logging.getLogger(__name__)
 
@@ -162,11 +162,7 @@ class DesktopEnv(Environment):
     # -- input
     def to_screen(self, point) -> Tuple[int, int]:
         """An image pixel of the last screenshot → the screen point holding it; InputError outside."""
-        obs = self._last or self.screenshot()
-        x, y = point
-        if not (0 <= x < obs.image.width and 0 <= y < obs.image.height):
-            raise InputError(f"point ({x}, {y}) is outside the {obs.image.width}x{obs.image.height} screenshot")
-        return to_env_pixel(point, obs)
+        return input_pixel(point, self._last or self.screenshot())
 
     def act(self, action: ComputerAction) -> None:
         if action.type not in ACTION_TYPES:
