@@ -44,6 +44,7 @@ _CHECKS = {
     "stop_token_ids": (lambda v: isinstance(v, tuple) and all(_int(t) and t >= 0 for t in v),
                        "a list of token ids (integers >= 0)"),
     "min_tokens": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
+    "thinking_budget": (lambda v: v is None or (_int(v) and v >= 0), "an integer >= 0 (none = off)"),
     "logit_bias": (lambda v: v is None or isinstance(v, tuple) and all(
         isinstance(p, tuple) and len(p) == 2 and _int(p[0]) and p[0] >= 0 and _finite(p[1]) for p in v),
         "{token id: bias} with integer ids >= 0 and finite biases"),
@@ -91,6 +92,9 @@ class SamplingParams:
     # ignore_eos), and a floor under the answer's length before EOS, these ids or a stop string may end it.
     stop_token_ids: Tuple[int, ...] = ()
     min_tokens: int = 0
+    # Anthropic's thinking.budget_tokens: when the prompt opens a <think> block (a Thinking
+    # checkpoint's template), the answer's token after this many inside it is forced to be </think>.
+    thinking_budget: Optional[int] = None
     # OpenAI's / mlx-lm's: {token id: bias} added to the logits before every other processor;
     # held as sorted (id, bias) pairs, so a saved or broadcast copy reads back the same.
     logit_bias: Optional[Mapping[int, float]] = None

@@ -925,3 +925,30 @@ def test_max_tool_calls_cuts_the_calls(scripted):
     assert calls(r) == ["rain"] and r.max_tool_calls == 1
     with oai(s).responses.stream(**ask, max_tool_calls=1) as stream:
         assert calls(stream.get_final_response()) == ["rain"]
+
+
+def test_thinking_budget_closes_the_thinking_block(tmp_path):
+    """A Thinking template (its generation prompt opens <think>) and a script that thinks 12 tokens:
+    thinking_budget=B closes the block after exactly B of them and the answer goes on; without a
+    budget (or one it stays under) the answer is the script's. The Messages field is the same rule."""
+    thoughts = " ".join(f"w{i}" for i in range(12))
+    folder = write_scripted_checkpoint(tmp_path / "think", f"<think>\n{thoughts}</think>\n\nDone.")
+    template = folder / "chat_template.jinja"
+    template.write_text(template.read_text().replace("'<|im_start|>assistant\\n'",
+                                                     "'<|im_start|>assistant\\n<think>\\n'"))
+    model, processor = M.load(folder)
+    tok = processor.tokenizer
+    messages = [{"role": "user", "content": "think"}]
+    plain = M.generate(model, processor, messages=messages, max_tokens=64, temperature=0.0)
+    ids = tok.encode(thoughts, add_special_tokens=False)
+    assert plain.text == f"{thoughts}</think>\n\nDone." and len(ids) > 8
+    assert M.generate(model, processor, messages=messages, max_tokens=64, thinking_budget=64).text == plain.text
+    for budget in (0, 3, 8):
+        out = M.generate(model, processor, messages=messages, max_tokens=64, thinking_budget=budget)
+        assert out.text == tok.decode(ids[:budget]) + "</think>\n\nDone.", budget
+    # Messages: budget_tokens reaches the request's SamplingParams (the script cannot think 1024 tokens)
+    from mlx_qwen3vl.server.messages import parse_request
+    body = {"model": "m", "max_tokens": 2000, "messages": messages,
+            "thinking": {"type": "enabled", "budget_tokens": 1500}}
+    assert parse_request(body, "qwen")[1].sampling.thinking_budget == 1500
+    assert parse_request({**body, "thinking": None}, "qwen")[1].sampling.thinking_budget is None

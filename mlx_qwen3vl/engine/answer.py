@@ -57,6 +57,29 @@ def suppress_stops(ids, prompt_tokens: int, min_tokens: int):
     return processor
 
 
+def prompt_opens_thinking(tokenizer, tokens) -> bool:
+    """Whether the prompt ends inside a <think> block (a thinking template's generation prompt)."""
+    return tokenizer.decode(list(tokens[-4:])).rstrip().endswith("<think>")
+
+
+def close_thinking(close_id: int, prompt_tokens: int, budget: int):
+    """A logits processor (mlx-lm's form) that forces `close_id` (</think>) as the answer's token
+    number budget + 1 unless the answer has closed its thinking by then (Anthropic's budget_tokens)."""
+    closed = False
+
+    def processor(history, logits):
+        nonlocal closed
+        if closed or history.shape[-1] - prompt_tokens < budget:
+            return logits
+        if (history[..., prompt_tokens:] == close_id).any().item():
+            closed = True
+            return logits
+        closed = True  # the forced token closes it
+        return mx.where(mx.arange(logits.shape[-1]) == close_id, logits, -float("inf"))
+
+    return processor
+
+
 class AnswerText:
     """One request's answer as it streams: mlx-lm's streaming detokenizer (multi-byte characters
     never break), EOS tokens (unless `ignore_eos`), `stop_token_ids` and stop strings end it, none

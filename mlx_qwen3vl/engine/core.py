@@ -25,7 +25,7 @@ from ..errors import ConfigError, ContextLengthError, InputError
 from ..kv_settings import KVSettings, bytes_per_position, quantize_if_due, resolve
 from ..sampling import Sampler, SamplingParams
 from ..spans import media_keys
-from .answer import AnswerText, eos_token_ids, stop_token_set, suppress_stops
+from .answer import AnswerText, close_thinking, eos_token_ids, prompt_opens_thinking, stop_token_set, suppress_stops
 from .batch import Batch, Row, cache_bytes
 from .caches import FeatureCache, PrefixCache, pipeline_scale
 from .prefill import Costs, PrefillJob
@@ -317,6 +317,9 @@ class Engine:
         processors = list(request.processors)
         if params.min_tokens and stop_token_set(self.eos, params):
             processors.append(suppress_stops(stop_token_set(self.eos, params), len(request.tokens), params.min_tokens))
+        if params.thinking_budget is not None and prompt_opens_thinking(self.tokenizer, request.tokens):
+            close = self.tokenizer.convert_tokens_to_ids("</think>")
+            processors.append(close_thinking(close, len(request.tokens), params.thinking_budget))
         # The sampler now: an unseeded one draws its seed from MLX's global stream in add order.
         sampler = Sampler(params, processors=processors)
         limit = request.time_limit if request.time_limit is not None else self.max_request_seconds

@@ -10,6 +10,7 @@ the blank space next to a call is dropped (as chat completions strips content be
 
 from typing import List, Optional, Tuple
 
+from ..engine.answer import prompt_opens_thinking
 from .tool_calls import ToolCallParser
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -104,6 +105,4 @@ class AnswerStream:
         return (self.has_reasoning or self.opened) and CLOSE not in self.whole
 
 
-def prompt_opens_reasoning(tokenizer, tokens) -> bool:
-    """Whether the prompt ends inside a <think> block (a thinking template's generation prompt)."""
-    return tokenizer.decode(list(tokens[-4:])).rstrip().endswith(OPEN)
+prompt_opens_reasoning = prompt_opens_thinking  # the engine's test, for the server's callers

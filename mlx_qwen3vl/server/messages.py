@@ -279,7 +279,7 @@ def parse_request(body, agent_format: str, count=False):
     rf = _output_format(body.get("output_config"))
     if tool is not None and rf is not None:
         raise P.invalid("output_config.format", "a computer-use answer cannot be constrained; leave it out")
-    thinking = _thinking(body)
+    thinking, budget = _thinking(body)
     if body.get("metadata") is not None:
         P.check_fields(body["metadata"], {"user_id"}, "metadata")
     defaults = computer.sampling_defaults(agent_format) if tool is not None else {}
@@ -291,7 +291,7 @@ def parse_request(body, agent_format: str, count=False):
     if body.get("temperature") is not None:
         P.number(body, "temperature", 0, 1)  # Anthropic's range
     sampling = P.sampling_params(body, P.stop_strings(body.get("stop_sequences"), "stop_sequences"),
-                                 defaults=defaults)
+                                 defaults=defaults, thinking_budget=budget)
     pixels = P.pixel_options(body)
     for k in ("min_pixels", "max_pixels"):
         pixels[k] = pixels[k] or defaults.get(k)
@@ -303,12 +303,13 @@ def parse_request(body, agent_format: str, count=False):
     return turns, chat, tool, P.flag(body, "stream", None), thinking
 
 
-def _thinking(body) -> Optional[str]:
-    """thinking.type, checked (None when not sent); whether the checkpoint can is checked once its
-    prompt is rendered (check_thinking)."""
+def _thinking(body):
+    """(thinking.type, budget_tokens), checked (None when not sent); whether the checkpoint can is
+    checked once its prompt is rendered (check_thinking)."""
     thinking = body.get("thinking")
+    budget = None
     if thinking is None:
-        return None
+        return None, None
     P.check_fields(thinking, {"type", "budget_tokens", "display"}, "thinking")
     kind = thinking.get("type")
     if kind not in ("enabled", "disabled", "adaptive"):
@@ -323,7 +324,7 @@ def _thinking(body) -> Optional[str]:
     if thinking.get("display") not in (None, "summarized"):  # the whole reasoning is sent: no summary is shorter
         raise P.invalid("thinking.display", "'thinking.display' must be 'summarized' here: thinking blocks carry "
                         "the model's whole reasoning (nothing is omitted or signed)", "unsupported_field")
-    return kind
+    return kind, budget
 
 
 def check_thinking(kind, thinks: bool):
