@@ -64,17 +64,14 @@ def prompt_opens_thinking(tokenizer, tokens) -> bool:
 
 def close_thinking(close_id: int, prompt_tokens: int, budget: int):
     """A logits processor (mlx-lm's form) that forces `close_id` (</think>) as the answer's token
-    number budget + 1 unless the answer has closed its thinking by then (Anthropic's budget_tokens)."""
-    closed = False
+    number budget + 1 unless the answer has closed its thinking by then (Anthropic's budget_tokens).
+    It reads only the history, no state of its own: a verify forward of speculative decoding calls
+    it at positions that may be rejected."""
 
     def processor(history, logits):
-        nonlocal closed
-        if closed or history.shape[-1] - prompt_tokens < budget:
+        answer = history[..., prompt_tokens:]
+        if answer.shape[-1] != budget or (answer == close_id).any().item():
             return logits
-        if (history[..., prompt_tokens:] == close_id).any().item():
-            closed = True
-            return logits
-        closed = True  # the forced token closes it
         return mx.where(mx.arange(logits.shape[-1]) == close_id, logits, -float("inf"))
 
     return processor
