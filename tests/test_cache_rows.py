@@ -85,8 +85,9 @@ def _every_step_schedule(processor, kind):
     return out
 
 
-def _run_schedule(engine, processor, asks, join_at, cancel=None):
-    """Add asks[i] before step join_at[i]; cancel (index, after that many tokens) → {index: tokens}."""
+def _run_schedule(engine, processor, asks, join_at, cancels=None, max_steps=200):
+    """Add asks[i] before step join_at[i]; cancels {index: after that many tokens} → {index: tokens}."""
+    cancels = cancels or {}
     tokens, ids, step = {}, {}, 0
     while len(ids) < len(asks) or engine.busy:
         for i, at in enumerate(join_at):
@@ -96,13 +97,14 @@ def _run_schedule(engine, processor, asks, join_at, cancel=None):
         index = {rid: i for i, rid in ids.items()}
         for ev in engine.step():
             if isinstance(ev, Token):
-                tokens.setdefault(index[ev.id], []).append(ev.token)
-                if cancel and index[ev.id] == cancel[0] and len(tokens[cancel[0]]) == cancel[1]:
+                i = index[ev.id]
+                tokens.setdefault(i, []).append(ev.token)
+                if cancels.get(i) == len(tokens[i]):
                     engine.cancel(ev.id)
             elif not isinstance(ev, Done):
-                raise AssertionError(f"request {index[ev.id]}: {ev}")
+                raise AssertionError(f"request {index[ev.id]}: {ev!r}")
         step += 1
-        assert step < 200
+        assert step < max_steps
     return tokens
 
 
@@ -120,7 +122,7 @@ def test_rows_join_finish_and_leave_at_every_step_each_equal_alone(processor, on
     model = model_for(fixture, backend, monkeypatch)
     asks = _every_step_schedule(processor, kind)
     engine = Engine(model, processor, max_batch=8)
-    got = _run_schedule(engine, processor, asks, join_at=range(len(asks)), cancel=(3, 4))
+    got = _run_schedule(engine, processor, asks, join_at=range(len(asks)), cancels={3: 4})
     for i, (m, params, kv) in enumerate(asks):
         want = alone(model, processor, m, params, kv)
         assert got[i] == (want[:4] if i == 3 else want), (i, kind)
@@ -182,22 +184,7 @@ def fuzz(model, processor, seed, count, backend_kinds=("float", "8", "4")):
             cancels[i] = rnd.randrange(1, 4)
     engine = Engine(model, processor, max_batch=rnd.choice((2, 4, 8)), prefill_budget=rnd.choice((None, 16, 64)),
                     prefix_cache_bytes=rnd.choice((0, 1 << 24)))
-    tokens, ids, step = {}, {}, 0
-    while len(ids) < len(asks) or engine.busy:
-        for i, at in enumerate(join_at):
-            if at == step and i not in ids:
-                m, params, kv = asks[i]
-                ids[i] = engine.add(Request(encode_prompt(processor, messages=m), M.SamplingParams(**params), kv=kv))
-        index = {rid: i for i, rid in ids.items()}
-        for ev in engine.step():
-            if isinstance(ev, Token):
-                i = index[ev.id]
-                tokens.setdefault(i, []).append(ev.token)
-                if cancels.get(i) == len(tokens[i]):
-                    engine.cancel(ev.id)
-            elif not isinstance(ev, Done):
-                raise AssertionError(f"request {index[ev.id]}: {ev.error!r}")
-        step += 1
+    tokens = _run_schedule(engine, processor, asks, join_at, cancels, max_steps=10_000)
     differ = []
     for i, (m, params, kv) in enumerate(asks):
         want = alone(model, processor, m, params, kv)
