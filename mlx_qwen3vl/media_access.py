@@ -37,8 +37,6 @@ from .errors import InputError
 # Defaults of a request's totals (the server's flags; docs/server.md lists them).
 DEFAULT_MAX_REQUEST_MEDIA_BYTES = 128 << 20  # all of one request's fetched, read and decoded media
 DEFAULT_REQUEST_MEDIA_TIMEOUT_S = 30.0  # every fetch and read of one request together
-DEFAULT_MAX_REQUEST_PIXELS = 32 << 20
-DEFAULT_MAX_REQUEST_FRAMES = 3600
 
 _CHUNK = 1 << 20
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -63,22 +61,16 @@ def _bad(label, message, **kw):
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class MediaBudget:
-    """One request's media totals and its single deadline, shared by all its URLs, files and data
+    """One request's media bytes and its single deadline, shared by all its URLs, files and data
     URLs (thread-safe: they may be read in parallel). Create one per request; call `take_bytes`
-    as bytes arrive (before keeping them), `take_pixels` / `take_frames` once sizes are known, and
-    `left()` for the time a blocking step may still take."""
+    as bytes arrive (before keeping them) and `left()` for the time a blocking step may still take.
+    The request's pixels and frames are totalled from the headers by server/limits.check_media."""
 
     max_bytes: int = DEFAULT_MAX_REQUEST_MEDIA_BYTES
     timeout_s: float = DEFAULT_REQUEST_MEDIA_TIMEOUT_S
-    max_pixels: int = DEFAULT_MAX_REQUEST_PIXELS
-    max_frames: int = DEFAULT_MAX_REQUEST_FRAMES
     bytes_flag: str = "--max-request-media-bytes"  # named in the refusals
     timeout_flag: str = "--request-media-timeout"
-    pixels_flag: str = "--max-request-pixels"
-    frames_flag: str = "--max-video-frames"
     bytes: int = field(default=0, init=False)
-    pixels: int = field(default=0, init=False)
-    frames: int = field(default=0, init=False)
 
     def __post_init__(self):
         self.deadline = time.monotonic() + self.timeout_s
@@ -108,20 +100,6 @@ class MediaBudget:
                 raise _bad(label, f"{label}: the request's media come to more than {self.max_bytes} bytes "
                            f"({self.bytes_flag}); send fewer or smaller media", status=413, code="media_too_large")
             self.bytes += n
-
-    def take_pixels(self, n: int, label="media"):
-        with self._lock:
-            if self.pixels + n > self.max_pixels:
-                raise _bad(label, f"{label}: the request's media come to more than {self.max_pixels} pixels "
-                           f"({self.pixels_flag}); send fewer or smaller media", code="over_budget")
-            self.pixels += n
-
-    def take_frames(self, n: int, label="media"):
-        with self._lock:
-            if self.frames + n > self.max_frames:
-                raise _bad(label, f"{label}: the request's videos come to more than {self.max_frames} frames "
-                           f"({self.frames_flag}); send shorter clips", code="over_budget")
-            self.frames += n
 
 
 def _too_large(label, max_bytes, flag):

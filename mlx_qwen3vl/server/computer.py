@@ -148,7 +148,7 @@ def prepare(builder, req: ChatRequest, turns: List[Turn], tool: ComputerTool, ag
         raise APIError(400, "a computer-use request needs its task as text in the first user message",
                        param="messages", code="missing_task")
     cap = builder.limits.max_request_pixels
-    budget = builder.policy.budget(cap, builder.limits.max_video_frames)  # all of this request's screenshots
+    budget = builder.policy.budget()  # all of this request's screenshots
     current, size = _read(shot, builder, cap, budget)
     display = tool.display_size(size)
     keep = history_length if history_length is not None else (

@@ -12,8 +12,8 @@ policy (no loopback, private, link-local, multicast or reserved address, in any 
 cannot move it), redirects are followed here and checked the same way, and one deadline covers the
 whole fetch (DNS, connect, TLS, every byte), enforced by closing the socket when it passes.
 
-All of one request's media share one budget (media_access.MediaBudget: total bytes, pixels,
-frames and one deadline for the request): pass the request's `policy.budget()` to each call.
+All of one request's media share one budget (media_access.MediaBudget: total bytes and one
+deadline for the request): pass the request's `policy.budget()` to each call.
 Local files and data URLs are read by media_access (race-free opens, one decoder).
 """
 
@@ -62,11 +62,9 @@ class MediaPolicy:
                 self.host_names.add(entry.lower().rstrip("."))
         self._fetches = threading.BoundedSemaphore(max(1, self.max_fetches))
 
-    def budget(self, max_pixels: int = media_access.DEFAULT_MAX_REQUEST_PIXELS,
-               max_frames: int = media_access.DEFAULT_MAX_REQUEST_FRAMES) -> MediaBudget:
+    def budget(self) -> MediaBudget:
         """A new request's media budget (its deadline starts now)."""
-        return MediaBudget(max_bytes=self.max_request_media_bytes, timeout_s=self.request_media_timeout_s,
-                           max_pixels=max_pixels, max_frames=max_frames)
+        return MediaBudget(max_bytes=self.max_request_media_bytes, timeout_s=self.request_media_timeout_s)
 
     def address_allowed(self, host: str, address: str) -> bool:
         """Whether http media may be fetched from `address` (what `host` resolved to)."""

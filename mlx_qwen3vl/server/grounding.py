@@ -173,7 +173,7 @@ class GroundJob:
         processor, limits = builder.processor, builder.limits
         check_pixel_options(self.chat, limits)
         data = resolve_image(req.image, builder.policy, "image",
-                             builder.policy.budget(limits.max_request_pixels, limits.max_video_frames))
+                             builder.policy.budget())
         try:  # from the header, before ground_with decodes it
             check_media([data], (), self.chat, processor, limits)
         except APIError as e:

@@ -48,7 +48,7 @@ class PromptBuilder:
     def build(self, req: ChatRequest) -> Prepared:
         temp_files = []
         check_pixel_options(req, self.limits)
-        budget = self.policy.budget(self.limits.max_request_pixels, self.limits.max_video_frames)
+        budget = self.policy.budget()
 
         def resolve(part):  # every medium of the request under one budget of bytes, pixels, frames and time
             if part.kind == "image":
