@@ -5,7 +5,9 @@ watching the client. app.py builds one; chat.py, responses.py, messages.py and g
 Admission, in this order, for every endpoint: the API key; the body, read up to --max-body-bytes;
 then, on a small parse pool (never the event loop), the JSON with its nesting and item count
 bounded and the protocol's own checks; a place in the queue (503 when --max-queue requests wait,
-before any media is read); the media and the prompt built on a bounded preparation pool; the engine.
+before any media is read); the media and the prompt built on the preparation pool (a thread per
+queued request; media work limited to model_inputs.MEDIA_WORKERS at once, text-only requests
+never behind it); the engine.
 """
 
 import asyncio
@@ -57,7 +59,10 @@ async def read_body(request: Request, limit: int) -> bytearray:
 
 MAX_JSON_ITEMS = 200_000  # objects and lists in one body (counted before parsing, as brackets)
 PARSE_WORKERS = 2  # bodies parsed at once
-PREPARE_WORKERS = 4  # requests whose media and prompt are built at once
+# Requests being built at once: each holds a place in the queue, so there are at most --max-queue;
+# one thread each, so that a text-only request never waits for a thread behind requests waiting
+# for one of model_inputs.MEDIA_WORKERS media places (threads start only as requests come).
+MAX_PREPARE_THREADS = 256
 
 
 def parse_json(raw: bytearray):
@@ -102,7 +107,8 @@ class Service:
         self.stopping = False
         self.built = 0  # requests whose media and prompt were built (each after its place in the queue)
         self.parse_pool = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="mlx_qwen3vl-parse")
-        self.prepare_pool = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="mlx_qwen3vl-prepare")
+        threads = min(max(getattr(engine, "max_queue", 1), 1) + 1, MAX_PREPARE_THREADS)
+        self.prepare_pool = ThreadPoolExecutor(threads, thread_name_prefix="mlx_qwen3vl-prepare")
 
     @property
     def processor(self):
