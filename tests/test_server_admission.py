@@ -8,6 +8,7 @@ import base64
 import http.client
 import io
 import json
+import os
 import socket
 import threading
 import time
@@ -159,7 +160,7 @@ class InProcess:
 
 @pytest.fixture(scope="module")
 def inproc():
-    s = InProcess(max_queue=16, max_batch=2)
+    s = InProcess(max_queue=16, max_batch=2, responses_store_bytes=1 << 20)
     assert s.request("GET", "/health")[0] == 200
     yield s
     s.stop()
@@ -209,3 +210,51 @@ def test_a_text_request_is_answered_while_image_requests_are_preprocessed(inproc
         results = [f.result(timeout=120) for f in pending]
         pool.shutdown()
     assert [s for s, _ in results] == [200] * len(images)
+
+
+def rss() -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS:")).split()[1]) << 10
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RSS from /proc")
+def test_the_responses_store_stays_within_its_flag_in_measured_rss(inproc, monkeypatch):
+    """--responses-store-mb 1 and eight responses whose call ids are 8 MiB (the finding: 20 MiB
+    ids, the store said 10 KB while RSS grew 190 MB and stayed): none is kept, the store's count
+    stays under the flag, this process's RSS grows far less than one entry would hold; small
+    responses are kept up to the flag. The walk over an entry runs off the event loop."""
+    from mlx_qwen3vl.server import store as S
+
+    walked_on, footprint = set(), S.footprint
+
+    def watched(obj, budget):
+        walked_on.add(threading.current_thread())
+        return footprint(obj, budget)
+
+    monkeypatch.setattr(S, "footprint", watched)
+
+    def respond(call_id):
+        body = {"model": "m", "max_output_tokens": 1, "input": [
+            {"role": "user", "content": "Look it up."},
+            {"type": "function_call", "call_id": call_id, "name": "lookup", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": call_id, "output": "found"}]}
+        status, out = inproc.request("POST", "/v1/responses", body)
+        assert status == 200, out
+        return out["id"]
+
+    def stored():
+        return inproc.request("GET", "/metrics")[1]
+
+    respond("w" * (8 << 20))  # one-off costs (buffers, the first big parse) before measuring
+    before, kept = rss(), stored()["responses_stored"]
+    for i in range(8):
+        respond(str(i) * (8 << 20))
+    grown = rss() - before
+    m = stored()
+    assert m["responses_stored"] == kept and m["responses_store_bytes"] <= 1 << 20
+    assert grown < 64 << 20, grown  # kept, the eight would hold 128 MiB of ids (allocator slack aside)
+    ids = [respond(f"call_{i}_" + "x" * (64 << 10)) for i in range(30)]  # ~130 KB each
+    m = stored()
+    assert m["responses_evicted"] > 0 and 0 < m["responses_store_bytes"] <= 1 << 20
+    assert inproc.request("GET", f"/v1/responses/{ids[-1]}")[0] == 200  # the newest is kept
+    assert walked_on and inproc.thread not in walked_on

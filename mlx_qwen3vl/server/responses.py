@@ -560,9 +560,9 @@ def routes(service, store: ResponseStore) -> list:
         req.chat.turns = req.turns
         return service.builder.build(req.chat), None
 
-    def keep(req: ResponsesRequest, writer: Writer):
+    def keep(req: ResponsesRequest, writer: Writer):  # (awaited before the answer's end is sent)
         if req.store and writer.turn is not None:
-            store.put(writer.id, req.history + [writer.turn], writer.response)
+            return store.keep(writer.id, req.history + [writer.turn], writer.response, service.prepare_pool)
 
     async def create(request):
         req, prepared, computer_request, handle = await service.admit(

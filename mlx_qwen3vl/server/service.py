@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import functools
 import hmac
+import inspect
 import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
@@ -84,6 +85,11 @@ def parse_json(raw: bytearray):
                        code="too_deep") from None
     P.check_json(body)
     return body
+
+
+async def _completed(result):
+    if inspect.isawaitable(result):
+        await result
 
 
 async def disconnected(request: Request):
@@ -192,14 +198,15 @@ class Service:
             return JSONResponse({}, status_code=499)
         writer.done(done)
         if options.get("on_done") is not None:
-            options["on_done"]()
+            await _completed(options["on_done"]())
         return JSONResponse(writer.result())
 
     async def stream(self, handle, writer, encode, *, ping=None, on_done=None, end: str = ""):
         """One answer's server-sent events, for every protocol: `writer` (the protocol's) turns the
         engine's events into its own (start(), token(ev), done(ev), failed(APIError)) and `encode`
         each into SSE text; `ping` (seconds, event) is sent while nothing comes (a long prefill);
-        `on_done()` runs once the answer is whole; `end` is the stream's last line."""
+        `on_done()` runs once the answer is whole (awaited, if it returns an awaitable, before the
+        last events go out); `end` is the stream's last line."""
         finished = False
         try:
             for e in writer.start():
@@ -215,7 +222,7 @@ class Service:
                     finished = True
                     events = writer.failed(ev.error) if isinstance(ev, ErrorEvent) else writer.done(ev)
                     if isinstance(ev, DoneEvent) and on_done is not None:
-                        on_done()
+                        await _completed(on_done())
                 for e in events:
                     yield encode(e)
         except Exception as e:  # noqa: BLE001 — the headers are sent: end the stream with an error event
