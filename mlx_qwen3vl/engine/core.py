@@ -28,6 +28,7 @@ from ..spans import media_keys
 from .answer import AnswerText, close_thinking, eos_token_ids, prompt_opens_thinking, stop_token_set, suppress_stops
 from .batch import Batch, Row, cache_bytes
 from .caches import FeatureCache, PrefixCache, pipeline_scale
+from .draft_model import DraftModel, DraftRow, WithDraft
 from .prefill import Costs, PrefillJob
 from .speculative import DEFAULT_DRAFT, MAX_DRAFT
 from .step import sample
@@ -299,7 +300,9 @@ class Engine:
             request.tokens = ids[0].tolist()
         if request.media is None:
             request.media = media_keys(inputs)
-        if request.drafter is not None and not callable(getattr(request.drafter, "propose", None)):
+        if isinstance(request.drafter, DraftModel):
+            request.drafter.check(self.model, self.processor.tokenizer)
+        elif request.drafter is not None and not callable(getattr(request.drafter, "propose", None)):
             raise InputError("a request's drafter needs a propose(token_ids, k) method")
         if request.drafter is not None and not (isinstance(request.num_draft_tokens, int)
                                                 and 0 <= request.num_draft_tokens <= MAX_DRAFT):
@@ -529,7 +532,7 @@ class Engine:
                 batch.measure()
                 self._emit(rows, y, lp, [False] * len(rows), events)
                 return
-            runs = batch.verify(drafts)
+            runs = batch.verify(drafts, [r.draft_q for r in rows])
             batch.measure()
         except Exception as e:  # noqa: BLE001 — the batch fails, the engine keeps serving
             self._fail_rows(batch.rows, e, events)
@@ -556,6 +559,7 @@ class Engine:
         """Row `i`'s drafts for this step: at most its num_draft_tokens, none past its max_tokens,
         and none that would go past its quantized_kv_start while its cache is float (the plain
         run attends to those positions quantized)."""
+        row.draft_q = None
         if row.drafter is None or not row.num_draft:
             return []
         k = min(row.num_draft, row.request.params.max_tokens - len(row.answer.tokens) - 1)
@@ -570,6 +574,8 @@ class Engine:
             if not 0 <= t < vocab:
                 raise InputError(f"the drafter proposed token {t}, outside the vocabulary [0, {vocab})")
             drafts.append(t)
+        q = getattr(row.drafter, "q", None)  # a sampling drafter's q (DraftRow), for the rule
+        row.draft_q = q[:len(drafts)] if q is not None and not row.sampler.greedy else None
         return drafts
 
     def _emit(self, rows, y, lp, fresh, events) -> tuple:
@@ -624,6 +630,8 @@ class Engine:
 
     def _finish(self, row: Row, reason: str, cache, events):
         self._deadlines.pop(row.id, None)
+        if isinstance(row.drafter, DraftRow):  # its draft cache to the draft model's prefix cache
+            row.drafter.close(row.request.tokens + row.answer.tokens[:-1])
         self.metrics["completion_tokens"] += len(row.answer.tokens)
         if reason in ("cancelled", "time_limit"):
             self.metrics[reason] += 1
@@ -754,6 +762,9 @@ class Engine:
                          features=self.features if self.features.max_bytes else None,
                          item_budget=item_budget, prefill_step_size=self.prefill_step_size, costs=self.costs,
                          kv=w.kv, on_vision_done=r.on_vision_done)
+        if isinstance(r.drafter, DraftModel):  # the draft model's own prefill, after this one's
+            job = WithDraft(job, r.drafter.start(r, w.kv, item_budget=item_budget,
+                                                 prefill_step_size=self.prefill_step_size))
         n = len(r.tokens)
         self.metrics["prompt_tokens"] += n
         self.metrics["prompt_tokens_computed"] += n - start
@@ -805,6 +816,9 @@ class Engine:
         y, lp = sample(logits, [w.sampler], [history], self.log_softmax)
         answer = AnswerText(self.tokenizer.detokenizer, self.eos, r.params)
         row = Row(r, w.sampler, answer, j.prompt_tokens, j.cached, history, w.kv)
+        if isinstance(j.job, WithDraft):
+            row.drafter = j.job.draft
+            row.drafter.begin(w.sampler, self.log_softmax)
         row.made = 1
         cache = j.job.cache
         row.kv_bytes = cache_bytes(cache)  # the cache its first token came from
