@@ -341,9 +341,8 @@ def test_linear_of_a_few_rows_reads_the_weight_once_with_the_same_result(monkeyp
 def test_bad_drafters_and_arguments_get_one_line(processor, on_cpu):
     model = load_fixture_model("tiny-a", backend=None)
     messages = asks()[1]
-    with pytest.raises(ConfigError, match="draft_model is not available"):
-        M.generate(model, processor, messages=messages, draft_model="some/checkpoint")
-    for bad in (dict(prompt_lookup=-1), dict(num_draft_tokens=1000, prompt_lookup=2), dict(drafter=object())):
+    for bad in (dict(prompt_lookup=-1), dict(num_draft_tokens=1000, prompt_lookup=2), dict(drafter=object()),
+                dict(prompt_lookup=2, draft_model=model)):
         with pytest.raises(InputError):
             M.generate(model, processor, messages=messages, **bad)
     out = type("PastVocabulary", (), {"propose": lambda self, ids, k: [10**6] * k})()
@@ -363,3 +362,83 @@ def test_bad_drafters_and_arguments_get_one_line(processor, on_cpu):
     from mlx_qwen3vl.__main__ import main
 
     assert main(["--model", str(FIXTURES / "tiny-a"), "--draft-model", "x"]) == 2
+    assert main(["--model", str(FIXTURES / "tiny-a"), "--draft-model", str(FIXTURES / "tiny-b"),
+                 "--prompt-lookup", "2"]) == 2
+
+
+def video(n=8):
+    return np.load(MEDIA / "video_16x72x100.npy")[:n, :64, :96]
+
+
+def test_draft_model_greedy_answers_equal_the_plain_run(processor, on_cpu):
+    """A draft model (its own prefill of the prompt, image or video, its own caches): tiny-b (a
+    different random checkpoint of the same tokenizer: its drafts are rejected) and the target
+    itself (every draft kept: its prefill, positions and trimmed cache are right), in one batch
+    with prompt lookup and plain rows of other k; float and 8-bit KV (quantized from mid-answer);
+    the dense and the MoE target; each row's tokens are the plain run's."""
+    target = load_fixture_model("tiny-a", backend=None)
+    other = load_fixture_model("tiny-b", backend=None)
+    shot = Image.open(MEDIA / "img_123x77.png")
+    clip = [{"role": "user", "content": [{"type": "video", "video": video()}, {"type": "text", "text": "What happens?"}]}]
+    for messages in (user("Describe the picture, then describe it again.", shot), clip):
+        for kv in ({}, "mid"):
+            kv = kv_args("8-bit mid-answer", messages, processor) if kv == "mid" else kv
+            want = M.generate(target, processor, messages=messages, max_tokens=20, ignore_eos=True, source_fps=8, **kv)
+            rows = [dict(draft_model=other, num_draft_tokens=3), dict(draft_model=target, num_draft_tokens=4),
+                    dict(prompt_lookup=2, num_draft_tokens=2), {}]
+            got = M.batch_generate(target, processor, [dict(messages=messages, source_fps=8, **r) for r in rows],
+                                   max_tokens=20, ignore_eos=True, **kv)
+            for r, g in zip(rows, got):
+                assert g.token_ids == want.token_ids, (r, kv)
+            wrong, right = got[0], got[1]
+            assert wrong.draft_proposed > 0 and wrong.draft_accepted < wrong.draft_proposed
+            assert right.draft_proposed > 0 and right.draft_accepted == right.draft_proposed, kv
+    moe = load_fixture_model("tiny-moe", backend=None)
+    messages = user("one two three one two three")
+    want = M.generate(moe, processor, messages=messages, max_tokens=16, ignore_eos=True)
+    for draft in (target, moe):
+        got = M.generate(moe, processor, messages=messages, max_tokens=16, ignore_eos=True, draft_model=draft)
+        assert got.token_ids == want.token_ids
+    assert got.draft_accepted == got.draft_proposed > 0
+
+
+def test_draft_model_prefix_reuse_chat_session_and_plain_graph(processor, on_cpu):
+    """The draft model's own prefix cache: a ChatSession's later turns prefill only what is new for
+    the draft too (its entries reused), answers every turn as the plain session; on the plain graph
+    (steps queued ahead) a drafting request answers as plain."""
+    from mlx_qwen3vl.engine.draft_model import DraftModel
+
+    target = load_fixture_model("tiny-a", backend=None)
+    draft = DraftModel(target)
+    plain = M.ChatSession(target, processor, max_tokens=10, ignore_eos=True)
+    spec = M.ChatSession(target, processor, max_tokens=10, ignore_eos=True, draft_model=draft, num_draft_tokens=3)
+    for text, images in (("Describe the picture.", [Image.open(MEDIA / "img_123x77.png")]), ("Again.", []),
+                         ("And this one?", [Image.open(MEDIA / "img_90x260.png")])):
+        assert spec.send(text, images=images) == plain.send(text, images=images)
+        assert spec.last.cached_tokens == plain.last.cached_tokens
+        assert spec.last.draft_accepted == spec.last.draft_proposed > 0
+    assert draft.prefix.hits == 2 and draft.prefix.reused_tokens >= spec.last.cached_tokens
+    graph = load_fixture_model("tiny-a", backend="mlx")
+    messages = asks()[1]
+    want = M.generate(graph, processor, messages=messages, max_tokens=12, ignore_eos=True)
+    got = M.generate(graph, processor, messages=messages, max_tokens=12, ignore_eos=True,
+                     draft_model=load_fixture_model("tiny-b", backend="mlx"))
+    assert got.token_ids == want.token_ids and got.draft_proposed > 0
+
+
+def test_draft_model_with_another_vocabulary_is_refused_in_one_line(processor, on_cpu):
+    import dataclasses
+    import types
+
+    from mlx_qwen3vl.engine.draft_model import DraftModel
+
+    target = load_fixture_model("tiny-a", backend=None)
+    c = target.config
+    small = types.SimpleNamespace(config=dataclasses.replace(c, text_config=dataclasses.replace(c.text_config,
+                                                                                              vocab_size=300)),
+                                  language_model=None, make_cache=None)
+    with pytest.raises(ConfigError, match=r"^the draft model's vocab_size \(300\) is not the model's \(448\)"):
+        M.generate(target, processor, messages=asks()[1], max_tokens=3, draft_model=small)
+    other = type("Tok", (), {"get_vocab": lambda self: {"a": 0}})()
+    with pytest.raises(ConfigError, match="tokenizer is not the model's"):
+        M.generate(target, processor, messages=asks()[1], max_tokens=3, draft_model=(target, other))

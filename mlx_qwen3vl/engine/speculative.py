@@ -25,6 +25,7 @@ import mlx.core as mx
 from ..errors import ConfigError, InputError
 
 MAX_DRAFT = 64  # draft tokens per verify forward at most
+MAX_PROMPT_LOOKUP = 64  # the longest n-gram prompt lookup matches
 
 
 class Drafter(Protocol):
@@ -110,8 +111,9 @@ def drafting(draft_model=None, num_draft_tokens=None, prompt_lookup=0, drafter=N
     of the same tokenizer, loaded or a path, engine/draft_model.py; prompt_lookup: the longest
     n-gram PromptLookup matches, 0 off; drafter: any object with `propose`) → the Request's fields
     {drafter, num_draft_tokens} (drafter None: no speculation). One drafter per request."""
-    if not (isinstance(prompt_lookup, int) and not isinstance(prompt_lookup, bool) and 0 <= prompt_lookup <= 64):
-        raise InputError(f"prompt_lookup = {prompt_lookup!r} is not allowed; use an integer in [0, 64] "
+    if not (isinstance(prompt_lookup, int) and not isinstance(prompt_lookup, bool)
+            and 0 <= prompt_lookup <= MAX_PROMPT_LOOKUP):
+        raise InputError(f"prompt_lookup = {prompt_lookup!r} is not allowed; use an integer in [0, {MAX_PROMPT_LOOKUP}] "
                          "(the longest n-gram matched; 0 = off)")
     if num_draft_tokens is not None and not (isinstance(num_draft_tokens, int) and not isinstance(num_draft_tokens, bool)
                                              and 0 <= num_draft_tokens <= MAX_DRAFT):
