@@ -248,19 +248,21 @@ def _chi_square_bound(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def test_sampled_answers_keep_the_plain_distribution(processor, on_cpu):
+@pytest.mark.parametrize("drafting", ["fixed", "draft model"])
+def test_sampled_answers_keep_the_plain_distribution(processor, on_cpu, drafting):
     """Three sampled tokens (temperature 1.5, top_k 3: 27 possible answers) from N seeds, the
-    second and third through the verify forward with a drafter proposing fixed tokens (kept
-    sometimes, rejected sometimes): their frequencies against the exact plain distribution,
+    second and third through the verify forward with a drafter proposing fixed tokens (q one-hot)
+    or a draft model (the 4-bit tiny-a) drawing its drafts from its own distribution (q its probabilities),
+    kept sometimes, rejected sometimes: their frequencies against the exact plain distribution,
     computed from the model's own forwards, by chi-square at the 0.1% level (cells with expected
-    counts under 5 merged). A rule that always kept drafts, or resampled from p instead of the
-    residual, fails it."""
+    counts under 5 merged). A rule that always kept drafts, resampled from p instead of the
+    residual, or ignored q, fails it."""
     from mlx_lm.sample_utils import apply_top_k
 
     model = load_fixture_model("tiny-a", backend="mlx")
     messages = user("one two three one two three")
     prompt = encode_prompt(processor, messages=messages)["input_ids"][0].tolist()
-    temp, top_k, N = 1.5, 3, 1200
+    temp, top_k, N = 1.5, 3, 1200 if drafting == "fixed" else 600  # the draft model's: 13 s at 1200
 
     def dist(prefix):
         logits = model(mx.array([prompt + prefix]))[0, -1:].astype(mx.float32)
@@ -275,6 +277,10 @@ def test_sampled_answers_keep_the_plain_distribution(processor, on_cpu):
                 exact[(a, b, c)] = pa * pb * pc
     d1 = max(dist([max(dist([]), key=dist([]).get)]).items(), key=lambda x: x[1])[0]
     drafter = type("Fixed", (), {"propose": lambda self, ids, k: [d1, d1][:k]})()
+    if drafting == "draft model":
+        from mlx_qwen3vl.engine.draft_model import DraftModel
+
+        drafter = DraftModel(load_fixture_model("mlxvlm-q4", backend="mlx"))  # tiny-a in 4 bits: q near p
     engine = Engine(model, processor, max_batch=64, prefix_cache_bytes=1 << 26)
     inputs = encode_prompt(processor, messages=messages)
     for seed in range(N):
@@ -442,3 +448,49 @@ def test_draft_model_with_another_vocabulary_is_refused_in_one_line(processor, o
     other = type("Tok", (), {"get_vocab": lambda self: {"a": 0}})()
     with pytest.raises(ConfigError, match="tokenizer is not the model's"):
         M.generate(target, processor, messages=asks()[1], max_tokens=3, draft_model=(target, other))
+
+
+def test_server_drafts_with_its_draft_model_and_per_request_settings(processor):
+    """A server with --draft-model (tiny-b drafting for tiny-a) through the real openai client:
+    greedy answers (an image, streamed or not) are the plain run's; a request's own prompt_lookup
+    replaces the server's drafter and num_draft_tokens 0 turns drafting off; usage says proposed and
+    kept drafts (completion_tokens_details), /metrics their totals; a bad value is a 400 naming it."""
+    import base64
+    import io
+
+    pytest.importorskip("openai")
+    from test_server import KEY, Server
+
+    server = Server("--api-key", KEY, "--draft-model", str(FIXTURES / "tiny-b"), "--num-draft-tokens", "3")
+    try:
+        model = load_fixture_model("tiny-a", backend=None)
+        buf = io.BytesIO()
+        Image.open(MEDIA / "img_123x77.png").save(buf, "PNG")
+        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                 {"type": "text", "text": "one two three one two three"}]}]
+        want = M.generate(model, processor, messages=user("one two three one two three",
+                                                          Image.open(MEDIA / "img_123x77.png")),
+                          max_tokens=14, ignore_eos=True)
+        client = server.client()
+        ask = dict(model="m", messages=messages, max_tokens=14, temperature=0)
+        totals = [0, 0]
+        for extra in ({}, {"prompt_lookup": 2, "num_draft_tokens": 2}, {"num_draft_tokens": 0}):
+            r = client.chat.completions.create(**ask, extra_body={"ignore_eos": True, **extra})
+            assert r.choices[0].message.content == want.text, extra
+            details = r.usage.completion_tokens_details
+            if extra.get("num_draft_tokens") == 0:
+                assert details is None
+                continue
+            kept, rejected = details.accepted_prediction_tokens, details.rejected_prediction_tokens
+            assert kept + rejected > 0 and kept <= r.usage.completion_tokens
+            totals = [totals[0] + kept + rejected, totals[1] + kept]
+        pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            **ask, stream=True, extra_body={"ignore_eos": True}) if c.choices]
+        assert "".join(pieces) == want.text
+        stats = server.metrics()
+        assert stats["draft_proposed"] > totals[0] and stats["draft_accepted"] >= totals[1]
+        status, body = server.request("POST", "/v1/chat/completions", {**ask, "num_draft_tokens": 1000})
+        assert status == 400 and body["error"]["param"] == "num_draft_tokens"
+    finally:
+        server.stop()

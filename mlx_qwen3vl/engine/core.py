@@ -385,6 +385,8 @@ class Engine:
                 "max_batch": self.max_batch, "kv_budget_bytes": self.kv_budget, "kv_bytes_needed": self._kv_need(),
                 "kv_cache": {**self.kv_bytes(), "settings": self.kv.as_dict()},
                 **dict(self.metrics),
+                # speculative decoding: draft tokens proposed and kept, present (0) when none ran
+                "draft_proposed": self.metrics["draft_proposed"], "draft_accepted": self.metrics["draft_accepted"],
                 "decode_steps_by_batch_size": {str(k): v for k, v in sorted(self.batch_sizes.items())},
                 "prefix_cache": self.prefix.stats(), "vision_feature_cache": self.features.stats()}
 

@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from ..engine import Done, Failed, Token, token_bytes
 from ..engine import Engine
+from ..engine.draft_model import DraftModel
 from ..errors import Qwen3VLError
 from .prepared import DoneEvent, ErrorEvent, Handle, Prepared, TokenEvent  # noqa: F401  (Prepared: the unit)
 from .protocol import APIError
@@ -63,6 +64,8 @@ class ModelThread:
         self._iteration = 0
         self.metrics = collections.Counter()
         _settle(model)
+        if isinstance(self.drafting.get("drafter"), DraftModel):
+            _settle(self.drafting["drafter"].model)
         self._thread = threading.Thread(target=self._run, name="mlx_qwen3vl-model", daemon=True)
         self._thread.start()
 
