@@ -408,10 +408,12 @@ def test_draft_model_greedy_answers_equal_the_plain_run(processor, on_cpu):
     assert got.draft_accepted == got.draft_proposed > 0
 
 
-def test_draft_model_prefix_reuse_chat_session_and_plain_graph(processor, on_cpu):
+def test_draft_model_prefix_reuse_chat_session_and_plain_graph(processor, on_cpu, tmp_path):
     """The draft model's own prefix cache: a ChatSession's later turns prefill only what is new for
-    the draft too (its entries reused), answers every turn as the plain session; on the plain graph
-    (steps queued ahead) a drafting request answers as plain."""
+    the draft too (its entries reused), answers every turn as the plain session (and saves without
+    the draft model, which changes no answer); an engine's prefix cache and the draft's both serve
+    a repeated request, answered as plain; on the plain graph (steps queued ahead) a drafting
+    request answers as plain."""
     from mlx_qwen3vl.engine.draft_model import DraftModel
 
     target = load_fixture_model("tiny-a", backend=None)
@@ -424,6 +426,17 @@ def test_draft_model_prefix_reuse_chat_session_and_plain_graph(processor, on_cpu
         assert spec.last.cached_tokens == plain.last.cached_tokens
         assert spec.last.draft_accepted == spec.last.draft_proposed > 0
     assert draft.prefix.hits == 2 and draft.prefix.reused_tokens >= spec.last.cached_tokens
+    spec.save(tmp_path / "chat.safetensors")
+    assert "draft_model" not in M.ChatSession.load(tmp_path / "chat.safetensors", target, processor).generation_kwargs
+    engine = Engine(target, processor, max_batch=2, prefix_cache_bytes=1 << 26)
+    inputs = encode_prompt(processor, messages=asks()[0])
+    want = M.generate(target, processor, messages=asks()[0], max_tokens=10, ignore_eos=True).token_ids
+    hits = draft.prefix.hits
+    for _ in range(2):
+        rid = engine.add(Request(inputs, M.SamplingParams(max_tokens=10, ignore_eos=True), drafter=draft,
+                                 num_draft_tokens=2))
+        assert [e.token for e in engine.run() if isinstance(e, Token) and e.id == rid] == want
+    assert engine.prefix.hits == 1 and draft.prefix.hits == hits + 2  # the session left this prompt too
     graph = load_fixture_model("tiny-a", backend="mlx")
     messages = asks()[1]
     want = M.generate(graph, processor, messages=messages, max_tokens=12, ignore_eos=True)
@@ -490,7 +503,7 @@ def test_server_drafts_with_its_draft_model_and_per_request_settings(processor):
         assert "".join(pieces) == want.text
         stats = server.metrics()
         assert stats["draft_proposed"] > totals[0] and stats["draft_accepted"] >= totals[1]
-        status, body = server.request("POST", "/v1/chat/completions", {**ask, "num_draft_tokens": 1000})
+        status, body = server.request("POST", "/v1/chat/completions", {**ask, "num_draft_tokens": 17})
         assert status == 400 and body["error"]["param"] == "num_draft_tokens"
     finally:
         server.stop()

@@ -54,7 +54,8 @@ class Request:
     engine's). `on_vision_done(seconds)`: its vision tower's time, once its media are encoded.
     `drafter` (engine/speculative.py): speculative decoding, up to `num_draft_tokens` proposed
     tokens checked per step in the same forward as its last one (lossless: its answer is the one
-    it would have had without)."""
+    it would have had without); a DraftModel (engine/draft_model.py) gets its own prefill and
+    caches here."""
 
     inputs: dict
     params: SamplingParams = field(default_factory=SamplingParams)

@@ -18,7 +18,6 @@ from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from starlette.routing import Route
 
-from ..engine.speculative import MAX_DRAFT, MAX_PROMPT_LOOKUP
 from . import protocol as P
 from .answer_stream import AnswerStream
 from .conversation import Call, Part, Turn
@@ -239,10 +238,14 @@ def parse_chat_request(body) -> ChatRequest:
         merge_system=False, drafting=drafting_settings(body), **pixels)
 
 
+MAX_REQUEST_DRAFT = 16  # a request's num_draft_tokens and prompt_lookup at most: a batch's verify forward
+# is as long as its longest row's drafts, and a lookup scans the history once per n each step
+
+
 def drafting_settings(body) -> Optional[dict]:
     """The request's speculative decoding settings, each checked with its name (None: the server's)."""
     out = {}
-    for name, hi in (("prompt_lookup", MAX_PROMPT_LOOKUP), ("num_draft_tokens", MAX_DRAFT)):
+    for name, hi in (("prompt_lookup", MAX_REQUEST_DRAFT), ("num_draft_tokens", MAX_REQUEST_DRAFT)):
         value = P.number(body, name, 0, hi, integer=True)
         if value is not None:
             out[name] = value
