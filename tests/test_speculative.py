@@ -446,6 +446,8 @@ def test_draft_model_prefix_reuse_chat_session_and_plain_graph(processor, on_cpu
 
 
 def test_draft_model_with_another_vocabulary_is_refused_in_one_line(processor, on_cpu):
+    """A draft model that would read the prompt's ids otherwise, or whose caches do not fit the
+    KV budget beside the request's own: one line, before any work."""
     import dataclasses
     import types
 
@@ -461,6 +463,16 @@ def test_draft_model_with_another_vocabulary_is_refused_in_one_line(processor, o
     other = type("Tok", (), {"get_vocab": lambda self: {"a": 0}})()
     with pytest.raises(ConfigError, match="tokenizer is not the model's"):
         M.generate(target, processor, messages=asks()[1], max_tokens=3, draft_model=(target, other))
+    # The KV budget counts the draft's caches: a request that fits alone but not with its draft's.
+    from mlx_qwen3vl.engine.draft_model import DraftModel
+    from mlx_qwen3vl.kv_settings import FLOAT
+
+    inputs = encode_prompt(processor, messages=asks()[1])
+    alone = Engine(target, processor)._kv_bytes(FLOAT, inputs["input_ids"].shape[1] + 8)
+    engine = Engine(target, processor, kv_budget_bytes=alone)
+    engine.add(Request(inputs, M.SamplingParams(max_tokens=8)))
+    with pytest.raises(InputError, match="KV cache"):
+        engine.add(Request(inputs, M.SamplingParams(max_tokens=8), drafter=DraftModel(target)))
 
 
 def test_server_drafts_with_its_draft_model_and_per_request_settings(processor):

@@ -261,6 +261,7 @@ class Engine:
         self.features = FeatureCache(feature_cache_bytes, keep=not isinstance(model.visual, FeatureCounter))
         self.kv_per_token = kv_bytes_per_token(model)
         self._kv_per_kind = {None: self.kv_per_token}
+        self._draft_kv = {}  # id(draft model) → its KV bytes per position (requests with a DraftModel)
         self.kv_budget = auto_kv_budget(model) if kv_budget_bytes == "auto" else kv_budget_bytes
         self.max_request_seconds = max_request_seconds
         self.check_time_limits, self.clock = check_time_limits, clock
@@ -292,7 +293,9 @@ class Engine:
         if max_tokens < request.params.max_tokens:  # the answer stops at the context
             request.params = dataclasses.replace(request.params, max_tokens=max_tokens)
         kv = self.kv if request.kv is None else resolve(self.model, request.kv)
-        need = self._kv_bytes(kv, n + request.params.max_tokens)
+        if isinstance(request.drafter, DraftModel):
+            request.drafter.check(self.model, self.processor.tokenizer)
+        need = int(self._kv_bytes(kv, n + request.params.max_tokens) * self._with_draft(request))
         if self.kv_budget is not None and need > self.kv_budget:
             raise InputError(f"this request needs {_size(need)} of KV cache ({n} prompt tokens + "
                              f"max_tokens {request.params.max_tokens}) but the engine's KV budget is "
@@ -301,9 +304,8 @@ class Engine:
             request.tokens = ids[0].tolist()
         if request.media is None:
             request.media = media_keys(inputs)
-        if isinstance(request.drafter, DraftModel):
-            request.drafter.check(self.model, self.processor.tokenizer)
-        elif request.drafter is not None and not callable(getattr(request.drafter, "propose", None)):
+        if request.drafter is not None and not isinstance(request.drafter, DraftModel) \
+                and not callable(getattr(request.drafter, "propose", None)):
             raise InputError("a request's drafter needs a propose(token_ids, k) method")
         if request.drafter is not None and not (isinstance(request.num_draft_tokens, int)
                                                 and 0 <= request.num_draft_tokens <= MAX_DRAFT):
@@ -709,23 +711,34 @@ class Engine:
             self._kv_per_kind[kv.kind] = kv_bytes_per_token(self.model, kv.kind)
         return max(kv.start * f, length * self._kv_per_kind[kv.kind])
 
+    def _with_draft(self, request) -> float:
+        """A request's KV bytes over its own cache's: 1, or with a draft model's caches beside it
+        (the draft's bytes per position over the model's: counted as growing alike)."""
+        draft = request.drafter
+        if not isinstance(draft, DraftModel):
+            return 1.0
+        if id(draft.model) not in self._draft_kv:
+            self._draft_kv[id(draft.model)] = kv_bytes_per_token(draft.model)
+        return 1.0 + self._draft_kv[id(draft.model)] / self.kv_per_token
+
     def _kv_need(self, extra=None) -> int:
         """Bytes the batches' caches can reach: every row (running, prefilling, `extra`) padded to
         the longest row of the kind its cache ends as, until the row with the most tokens left
         there ends."""
-        members = collections.defaultdict(list)  # final kind → [(kv, width, tokens left)]
+        members = collections.defaultdict(list)  # final kind → [(kv, width, tokens left, _with_draft)]
         for batch in self._running():
             width = batch.cache[0].size()
             for row in batch.rows:
                 n, left = row.prompt_tokens + len(row.answer.tokens), row.request.params.max_tokens - len(row.answer.tokens)
-                members[_final_kind(row.kv, n + left)].append((row.kv, max(width, n), left))
+                members[_final_kind(row.kv, n + left)].append((row.kv, max(width, n), left,
+                                                               self._with_draft(row.request)))
         for w in [j.waiting for j in self.jobs] + ([extra] if extra is not None else []):
             n, left = len(w.request.tokens), w.request.params.max_tokens
-            members[_final_kind(w.kv, n + left)].append((w.kv, n, left))
+            members[_final_kind(w.kv, n + left)].append((w.kv, n, left, self._with_draft(w.request)))
         total = 0
         for group in members.values():
-            length = max(width for _, width, _ in group) + max(left for _, _, left in group)
-            total += sum(self._kv_bytes(kv, length) for kv, _, _ in group)
+            length = max(m[1] for m in group) + max(m[2] for m in group)
+            total += sum(int(self._kv_bytes(kv, length) * share) for kv, _, _, share in group)
         return total
 
     def _admit(self, events) -> Optional[_Job]:
