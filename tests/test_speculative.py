@@ -519,3 +519,16 @@ def test_server_drafts_with_its_draft_model_and_per_request_settings(processor):
         assert status == 400 and body["error"]["param"] == "num_draft_tokens"
     finally:
         server.stop()
+
+
+def test_cli_draft_model_answers_as_plain(capsys):
+    """`--draft-model` on the command line: the same answer as without, and a Drafts line."""
+    from mlx_qwen3vl.__main__ import main
+
+    args = ["--model", str(FIXTURES / "tiny-a"), "--prompt", "one two three one two three", "--max-tokens", "8",
+            "--ignore-eos"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main(args + ["--draft-model", str(FIXTURES / "tiny-b"), "--num-draft-tokens", "2"]) == 0
+    out = capsys.readouterr()
+    assert out.out == plain and "Drafts: " in out.err
