@@ -29,6 +29,10 @@ MAX_PROMPT_LOOKUP = 64  # the longest n-gram prompt lookup matches
 
 
 class Drafter(Protocol):
+    """Optionally, a drafter that draws its drafts at random sets `q` after each `propose`: per
+    draft, the log-probabilities (V,) it was drawn from (DraftRow does, for sampled requests); the
+    rule then keeps a draft with min(1, p/q) instead of p."""
+
     def propose(self, token_ids: Sequence[int], k: int) -> List[int]:
         """Up to `k` token ids guessed to follow `token_ids` (the prompt, then the answer so far)."""
 
@@ -185,6 +189,8 @@ def accept(sampler, history, fed: List[int], logits, log_softmax, greedy_argmax=
             residual = mx.where(mx.arange(scaled.shape[-1]) == draft, -mx.inf, scaled)
         else:
             residual = mx.log(mx.maximum(mx.exp(logp[0]) - mx.exp(q[i]), 0.0))[None]
+            # p == q to the last bit leaves no residual (a rejection then has probability ~0): draw from p
+            residual = mx.where(mx.all(mx.isinf(residual)), logp, residual)
         tokens.append(int(mx.random.categorical(residual, key=sampler.next_key()).item()))
         return tokens, lps, i
     raise AssertionError("unreachable: the last fed position has no draft")
