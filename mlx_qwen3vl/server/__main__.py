@@ -183,6 +183,7 @@ def main(argv=None):
         import uvicorn  # noqa: F401
 
         from .. import load
+        from ..engine.core import auto_kv_budget, kv_bytes_per_token, weight_bytes
         from ..engine.draft_model import DraftModel
         from ..engine.speculative import drafting
         from ..errors import InputError, Qwen3VLError
@@ -244,9 +245,14 @@ def main(argv=None):
         path = resolve_model_path(args.model, "--model")
         model, processor = load(path, dtype=args.dtype, parallel=args.parallel)
         drafts = drafting(prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens)
+        kv_cache = "auto"
         if draft_path is not None:
             draft = DraftModel.of(load(draft_path, dtype=args.dtype, parallel=args.parallel))
             draft.check(model, processor.tokenizer)
+            # its prefix cache holds as many positions as the model's; its weights leave less for KV caches
+            draft.prefix.max_bytes = int(args.prefix_cache_gb * GB * kv_bytes_per_token(draft.model)
+                                         / kv_bytes_per_token(model))
+            kv_cache = max(0, auto_kv_budget(model) - weight_bytes(draft.model))
             drafts = drafting(draft_model=draft, num_draft_tokens=args.num_draft_tokens)
     except Qwen3VLError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -255,7 +261,7 @@ def main(argv=None):
                          prefix_cache_bytes=int(args.prefix_cache_gb * GB),
                          feature_cache_bytes=int(args.vision_cache_gb * GB), prefill_step_size=args.prefill_step_size,
                          prefill_budget=args.prefill_budget,
-                         kv_cache_bytes="auto" if args.kv_cache_gb is None else int(args.kv_cache_gb * GB),
+                         kv_cache_bytes=kv_cache if args.kv_cache_gb is None else int(args.kv_cache_gb * GB),
                          max_request_seconds=args.max_request_seconds or None, kv_bits=args.kv_bits,
                          kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start, drafting=drafts)
     if args.prefix_cache_dir is not None:
