@@ -76,7 +76,8 @@ def build_parser():
                    help="speculative decoding from the prompt: draft what followed the longest n-gram (n from N "
                         "down to 1) the prompt and answer already hold; lossless; 0 = off")
     p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="draft tokens checked per step with --prompt-lookup or --draft-model (mlx-lm's name; default 4)")
+                   help="draft tokens checked per step with --prompt-lookup or --draft-model (mlx-lm's name; "
+                        "default 4)")
     p.add_argument("--draft-model", default=None, metavar="PATH",
                    help="speculative decoding by a smaller checkpoint with the same tokenizer (e.g. the 2B for the "
                         "8B): it prefills the same prompt and media and drafts tokens the model checks; lossless")

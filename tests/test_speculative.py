@@ -385,7 +385,8 @@ def test_draft_model_greedy_answers_equal_the_plain_run(processor, on_cpu):
     target = load_fixture_model("tiny-a", backend=None)
     other = load_fixture_model("tiny-b", backend=None)
     shot = Image.open(MEDIA / "img_123x77.png")
-    clip = [{"role": "user", "content": [{"type": "video", "video": video()}, {"type": "text", "text": "What happens?"}]}]
+    clip = [{"role": "user", "content": [{"type": "video", "video": video()},
+                                         {"type": "text", "text": "What happens?"}]}]
     for messages in (user("Describe the picture, then describe it again.", shot), clip):
         for kv in ({}, "mid"):
             kv = kv_args("8-bit mid-answer", messages, processor) if kv == "mid" else kv

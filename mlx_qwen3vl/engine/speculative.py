@@ -14,15 +14,17 @@ target's (processed) logits; sampled rows use the speculative sampling rule: dra
 position is kept with probability min(1, p(d) / q(d)), and on rejection the token is drawn from
 the normalized residual max(0, p - q), so every token has the target's distribution. q is the
 distribution the drafter drew d from (a DraftModel of a sampled request gives it, `q`), one-hot
-for a deterministic drafter: d kept with probability p(d), else drawn from p with d removed. Either way the first rejected position (or the one after the last
-draft) yields one more token from the target, so a step always makes progress.
+for a deterministic drafter: d kept with probability p(d), else drawn from p with d removed (also
+exact for drafts drawn at random, only keeping fewer). Either way the first rejected position (or
+the one after the last draft) yields one more token from the target, so a step always makes
+progress.
 """
 
-from typing import List, Optional, Protocol, Sequence
+from typing import List, Protocol, Sequence
 
 import mlx.core as mx
 
-from ..errors import ConfigError, InputError
+from ..errors import InputError
 
 MAX_DRAFT = 64  # draft tokens per verify forward at most
 MAX_PROMPT_LOOKUP = 64  # the longest n-gram prompt lookup matches
@@ -117,8 +119,8 @@ def drafting(draft_model=None, num_draft_tokens=None, prompt_lookup=0, drafter=N
     {drafter, num_draft_tokens} (drafter None: no speculation). One drafter per request."""
     if not (isinstance(prompt_lookup, int) and not isinstance(prompt_lookup, bool)
             and 0 <= prompt_lookup <= MAX_PROMPT_LOOKUP):
-        raise InputError(f"prompt_lookup = {prompt_lookup!r} is not allowed; use an integer in [0, {MAX_PROMPT_LOOKUP}] "
-                         "(the longest n-gram matched; 0 = off)")
+        raise InputError(f"prompt_lookup = {prompt_lookup!r} is not allowed; use an integer in "
+                         f"[0, {MAX_PROMPT_LOOKUP}] (the longest n-gram matched; 0 = off)")
     if num_draft_tokens is not None and not (isinstance(num_draft_tokens, int) and not isinstance(num_draft_tokens, bool)
                                              and 0 <= num_draft_tokens <= MAX_DRAFT):
         raise InputError(f"num_draft_tokens = {num_draft_tokens!r} is not allowed; use an integer in [0, {MAX_DRAFT}]")
