@@ -177,6 +177,10 @@ class ChatBody(Wire):
     kv_bits: Optional[int] = None
     kv_group_size: Optional[int] = None
     quantized_kv_start: Optional[int] = None
+    # speculative decoding (lossless: only the speed changes): prompt lookup's longest n-gram (0 off,
+    # replacing the server's drafter), draft tokens per step (0 off)
+    prompt_lookup: Optional[int] = None
+    num_draft_tokens: Optional[int] = None
 
 
 REFUSED = {  # fields a client may send that this server cannot honour, and what to send instead
@@ -231,7 +235,21 @@ def parse_chat_request(body) -> ChatRequest:
             {"type": "json_schema", "json_schema": {"name": (rf.json_schema or JSONSchema()).name or "response",
                                                     "schema": (rf.json_schema or JSONSchema()).schema_}}),
         chat_template_kwargs=P.template_switches(wire.chat_template_kwargs), kv=P.kv_settings(body),
-        merge_system=False, **pixels)
+        merge_system=False, drafting=drafting_settings(body), **pixels)
+
+
+MAX_REQUEST_DRAFT = 16  # a request's num_draft_tokens and prompt_lookup at most: a batch's verify forward
+# is as long as its longest row's drafts, and a lookup scans the history once per n each step
+
+
+def drafting_settings(body) -> Optional[dict]:
+    """The request's speculative decoding settings, each checked with its name (None: the server's)."""
+    out = {}
+    for name, hi in (("prompt_lookup", MAX_REQUEST_DRAFT), ("num_draft_tokens", MAX_REQUEST_DRAFT)):
+        value = P.number(body, name, 0, hi, integer=True)
+        if value is not None:
+            out[name] = value
+    return out or None
 
 
 def read_messages(messages: List[Message]) -> List[Turn]:
@@ -287,10 +305,16 @@ def completion_id() -> str:
     return "chatcmpl-" + uuid.uuid4().hex[:24]
 
 
-def usage(prompt_tokens, completion_tokens, cached_tokens) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens, completion_tokens, cached_tokens, draft_proposed=0, draft_accepted=0) -> dict:
+    """OpenAI's usage; speculative decoding's draft tokens as its predicted outputs' counts: kept
+    (accepted_prediction_tokens, among completion_tokens) and proposed but rejected."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if draft_proposed:
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": draft_accepted,
+                                            "rejected_prediction_tokens": draft_proposed - draft_accepted}
+    return out
 
 
 def chat_response(cid, model, message, finish_reason, logprobs, use) -> dict:
@@ -345,7 +369,8 @@ class Answer:
     def done(self, ev) -> list:
         out = self._chunks(self.parts.finish())
         self.finish = "tool_calls" if self.calls else ev.finish_reason
-        self.usage = usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
+        self.usage = usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, ev.draft_proposed,
+                           ev.draft_accepted)
         out.append(chunk(self.cid, self.model, finish_reason=self.finish))
         if self.req.include_usage:
             out.append(chunk(self.cid, self.model, use=self.usage, choices=False))

@@ -67,6 +67,7 @@ class ChatRequest:
     chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
     kv: Optional[dict] = None  # kv_bits / kv_group_size / quantized_kv_start the request set (extra_body)
     merge_system: bool = True  # system turns must lead and become one (Responses, Messages); chat keeps them
+    drafting: Optional[dict] = None  # prompt_lookup / num_draft_tokens the request set (speculative decoding)
 
 
 def _number(body, name, lo=None, hi=None, *, integer=False, lo_open=False, default=None):
