@@ -77,6 +77,16 @@ def start(server, model, port, max_batch, root=ROOT, extra=()):
     return proc, log
 
 
+def stop(proc):
+    """End a server `start` began (its whole session: mlx.launch's ranks too)."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
 def screenshot(rng, size):
     """A GUI-like screenshot: flat panels and a few buttons, different every turn, same size."""
     w, h = size
@@ -146,12 +156,7 @@ def run(server, args):
 
             metrics = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read())
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+        stop(proc)
     by_turn = [[r["latency_s"] for r in turns if r["turn"] == t] for t in range(args.turns)]
     gaps = sum((r["gaps_s"] for r in turns), [])
     ttft = [r["ttft_s"] for r in turns if r["ttft_s"] is not None]
@@ -292,12 +297,7 @@ def refused_requests(args):
             status, code, seconds = _send(port, body)
             mem = _memory(proc.pid)
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
+            stop(proc)
         rows.append({"case": name, "status": status, "code": code, "seconds": seconds, "baseline": base, **mem,
                      "peak_rise_mb": (mem["VmHWM"] - base["VmHWM"]) / 2**20})
         print(f"{name:42s} {status} {code or '':26s} {seconds:6.2f} s  peak {base['VmHWM'] / 2**20:5.0f} -> "
@@ -422,12 +422,7 @@ def contention(args, images=6):
                 loaded.append(seconds)
                 statuses.append([status] + [f.result()[0] for f in counts])
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+        stop(proc)
     result = {"server_root": args.server_root, "idle_s": idle, "with_images_s": loaded, "statuses": statuses,
               "idle_best_s": min(idle), "with_images_best_s": min(loaded),
               "with_images_median_s": statistics.median(loaded), "load_avg": os.getloadavg()}
