@@ -950,5 +950,5 @@ def test_thinking_budget_closes_the_thinking_block(tmp_path):
     from mlx_qwen3vl.server.messages import parse_request
     body = {"model": "m", "max_tokens": 2000, "messages": messages,
             "thinking": {"type": "enabled", "budget_tokens": 1500}}
-    assert parse_request(body, "qwen")[1].sampling.thinking_budget == 1500
-    assert parse_request({**body, "thinking": None}, "qwen")[1].sampling.thinking_budget is None
+    assert parse_request(body, "qwen").sampling.thinking_budget == 1500
+    assert parse_request({**body, "thinking": None}, "qwen").sampling.thinking_budget is None

@@ -10,24 +10,20 @@ split out, the blank space beside a call dropped), so a streamed answer's conten
 plain answer's, whitespace included.
 """
 
-import json
 import time
 import uuid
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import Field
 from starlette.routing import Route
 
 from . import protocol as P
 from .answer_stream import AnswerStream
 from .conversation import Call, Part, Turn
-from .protocol import APIError, ChatRequest, invalid
+from .endpoint import sse
+from .protocol import APIError, ChatRequest, Rendering, Sampling, Wire, invalid, one_of
 
 # ------------------------------------------------------------------------------------ the body
-
-
-class Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TextPart(Wire):
@@ -50,13 +46,7 @@ class VideoPart(Wire):
     video_url: Union[URL, Annotated[str, Field(min_length=1)]]
 
 
-def _part_type(value):
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return None if kind is None else f"{kind} part"  # a tag no field is named like (error paths skip it)
-
-
-ContentPart = Annotated[Union[Annotated[TextPart, Tag("text part")], Annotated[ImagePart, Tag("image_url part")],
-                              Annotated[VideoPart, Tag("video_url part")]], Discriminator(_part_type)]
+ContentPart = one_of(TextPart, ImagePart, VideoPart)
 
 
 class CalledFunction(Wire):
@@ -127,10 +117,7 @@ class ProcessorKwargs(Wire):
     max_pixels: Optional[int] = None
 
 
-Number = Optional[float]  # strict: an int or a float, never a bool or a string
-
-
-class ChatBody(Wire):
+class ChatBody(Sampling, Rendering):
     """Every field a chat-completions body may hold (ranges are checked with the field's name when
     the request is read: protocol.sampling_params)."""
 
@@ -142,11 +129,6 @@ class ChatBody(Wire):
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     stop: Union[str, List[str], None] = None
-    temperature: Number = None
-    top_p: Number = None
-    presence_penalty: Number = None
-    frequency_penalty: Number = None
-    seed: Optional[int] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
     logit_bias: Optional[Dict[str, Any]] = None
@@ -161,19 +143,13 @@ class ChatBody(Wire):
     safety_identifier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     service_tier: Optional[str] = None
-    # vLLM's extensions (extra_body)
-    top_k: Optional[int] = None
-    min_p: Number = None
-    repetition_penalty: Number = None
+    # vLLM's extensions (extra_body; top_k, min_p, repetition_penalty are Sampling's)
     stop_token_ids: Optional[List[int]] = None
     min_tokens: Optional[int] = None
     ignore_eos: Optional[bool] = None
     chat_template: None = None  # refused by name below: the checkpoint's template renders
-    chat_template_kwargs: Optional[Dict[str, Any]] = None
     mm_processor_kwargs: Optional[ProcessorKwargs] = None
-    # this server's: pixels per image, the KV cache's storage
-    min_pixels: Optional[int] = None
-    max_pixels: Optional[int] = None
+    # this server's: the KV cache's storage (pixels and template switches are Rendering's)
     kv_bits: Optional[int] = None
     kv_group_size: Optional[int] = None
     quantized_kv_start: Optional[int] = None
@@ -194,11 +170,6 @@ REFUSED = {  # fields a client may send that this server cannot honour, and what
 
 def parse_chat_request(body) -> ChatRequest:
     """A chat-completions body → the internal request (every check before any work)."""
-    if not isinstance(body, dict):
-        raise invalid(None, "the request body must be a JSON object", "invalid_type")
-    for key, why in REFUSED.items():
-        if body.get(key) is not None and key not in ChatBody.model_fields:
-            raise invalid(key, f"'{key}' is not supported by this server: {why}", "unsupported_field")
     wire = P.validate(ChatBody, body, REFUSED)
     max_tokens = wire.max_completion_tokens if wire.max_completion_tokens is not None else wire.max_tokens
     P.number(body, "max_completion_tokens" if wire.max_completion_tokens is not None else "max_tokens", 1,
@@ -226,10 +197,8 @@ def parse_chat_request(body) -> ChatRequest:
         turns=read_messages(wire.messages), sampling=sampling, max_tokens=max_tokens, model=wire.model,
         stream=bool(wire.stream), include_usage=bool(wire.stream_options and wire.stream_options.include_usage),
         tools=tools or None, tool_choice=tool_choice if tools else "none",
-        response_format=None if rf is None or rf.type == "text" else (
-            {"type": rf.type} if rf.type == "json_object" else
-            {"type": "json_schema", "json_schema": {"name": (rf.json_schema or JSONSchema()).name or "response",
-                                                    "schema": (rf.json_schema or JSONSchema()).schema_}}),
+        response_format=rf and P.output_format(rf.type, (rf.json_schema or JSONSchema()).schema_,
+                                               (rf.json_schema or JSONSchema()).name),
         chat_template_kwargs=P.template_switches(wire.chat_template_kwargs), kv=P.kv_settings(body),
         merge_system=False, **pixels)
 
@@ -308,10 +277,6 @@ def chunk(cid, model, delta=None, finish_reason=None, logprobs=None, use=None, c
     return out
 
 
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
 class Answer:
     """One chat answer as its token events arrive: content and tool calls, and the chunks a
     stream sends for each event."""
@@ -367,6 +332,7 @@ def routes(service) -> list:
     async def create(request):
         req, _, _, handle = await service.admit(request, parse_chat_request, build)
         answer = Answer(req, completion_id(), req.model or service.model_id)
-        return await service.answer(request, handle, answer, _sse, req.stream, end="data: [DONE]\n\n")
+        return await service.answer(request, handle, answer, lambda e: sse(e, named=False), req.stream,
+                                    end="data: [DONE]\n\n")
 
     return [Route("/v1/chat/completions", create, methods=["POST"])]
