@@ -18,10 +18,9 @@ from pydantic import Field
 from starlette.routing import Route
 
 from . import protocol as P
-from .answer_stream import AnswerStream
 from .conversation import Call, Part, Turn
-from .endpoint import sse
-from .protocol import APIError, ChatRequest, Rendering, Sampling, Wire, invalid, one_of
+from .endpoint import Writer, respond, tools
+from .protocol import APIError, ChatRequest, OpenAIHints, Rendering, Sampling, Wire, invalid, one_of
 
 # ------------------------------------------------------------------------------------ the body
 
@@ -117,7 +116,7 @@ class ProcessorKwargs(Wire):
     max_pixels: Optional[int] = None
 
 
-class ChatBody(Sampling, Rendering):
+class ChatBody(Sampling, Rendering, OpenAIHints):
     """Every field a chat-completions body may hold (ranges are checked with the field's name when
     the request is read: protocol.sampling_params)."""
 
@@ -138,11 +137,6 @@ class ChatBody(Sampling, Rendering):
     response_format: Optional[ResponseFormat] = None
     modalities: Optional[List[Literal["text"]]] = None
     store: Optional[Literal[False]] = None  # completions are not stored here
-    # OpenAI's identifiers and routing hints: no effect on what a local server answers
-    user: Optional[str] = None
-    safety_identifier: Optional[str] = None
-    prompt_cache_key: Optional[str] = None
-    service_tier: Optional[str] = None
     # vLLM's extensions (extra_body; top_k, min_p, repetition_penalty are Sampling's)
     stop_token_ids: Optional[List[int]] = None
     min_tokens: Optional[int] = None
@@ -180,15 +174,12 @@ def parse_chat_request(body) -> ChatRequest:
         raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
     sampling = P.sampling_params(body, P.stop_strings(wire.stop, "stop"), logprobs=bool(wire.logprobs),
                                  top_logprobs=top_logprobs, **P.stopping(body, max_tokens))
-    tools = [{"type": "function", "function": {**t.function.model_dump(exclude_none=True), "parameters":
-                                               t.function.parameters or {"type": "object", "properties": {}}}}
-             for t in wire.tools or ()]
-    tool_choice = wire.tool_choice if wire.tool_choice is not None else "auto"
-    if isinstance(tool_choice, ToolChoice):
-        if tool_choice.function.name not in {t["function"]["name"] for t in tools}:
-            raise invalid("tool_choice", f"'tool_choice' names function {tool_choice.function.name!r}, which is not "
-                          "in 'tools'")
-        tool_choice = {"type": "function", "function": {"name": tool_choice.function.name}}
+    choice = wire.tool_choice or "auto"
+    functions, _, tool_choice = tools(
+        [{"type": "function", "function": {**t.function.model_dump(exclude_none=True), "parameters":
+                                           t.function.parameters or {"type": "object", "properties": {}}}}
+         for t in wire.tools or ()], [], "function" if isinstance(choice, ToolChoice) else choice,
+        choice.function.name if isinstance(choice, ToolChoice) else None)
     mm = wire.mm_processor_kwargs or ProcessorKwargs()
     pixels = P.pixel_options({"min_pixels": wire.min_pixels if wire.min_pixels is not None else mm.min_pixels,
                               "max_pixels": wire.max_pixels if wire.max_pixels is not None else mm.max_pixels})
@@ -196,7 +187,7 @@ def parse_chat_request(body) -> ChatRequest:
     return ChatRequest(
         turns=read_messages(wire.messages), sampling=sampling, max_tokens=max_tokens, model=wire.model,
         stream=bool(wire.stream), include_usage=bool(wire.stream_options and wire.stream_options.include_usage),
-        tools=tools or None, tool_choice=tool_choice if tools else "none",
+        tools=functions, tool_choice=tool_choice,
         response_format=rf and P.output_format(rf.type, (rf.json_schema or JSONSchema()).schema_,
                                                (rf.json_schema or JSONSchema()).name),
         chat_template_kwargs=P.template_switches(wire.chat_template_kwargs), kv=P.kv_settings(body),
@@ -252,87 +243,71 @@ def read_messages(messages: List[Message]) -> List[Turn]:
 # ------------------------------------------------------------------------------------ the answer
 
 
-def completion_id() -> str:
-    return "chatcmpl-" + uuid.uuid4().hex[:24]
+class Answer(Writer):
+    """A chat completion and its stream chunks: the answer's content and tool calls (its `<think>`
+    text stays content), a token's logprobs in the chunk of its text."""
 
+    named = False  # chunks are data-only events, and the stream ends with [DONE]
 
-def usage(prompt_tokens, completion_tokens, cached_tokens) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    def __init__(self, req: ChatRequest, model: str, prepared=None, computer_request=None, opened: bool = False):
+        super().__init__(req, model, prepared, reasoning=False)
+        self.id, self.content, self.tool_calls, self.logprobs = "chatcmpl-" + uuid.uuid4().hex[:24], [], [], []
 
-
-def chat_response(cid, model, message, finish_reason, logprobs, use) -> dict:
-    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
-            "usage": use}
-
-
-def chunk(cid, model, delta=None, finish_reason=None, logprobs=None, use=None, choices=True) -> dict:
-    out = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-           "choices": [{"index": 0, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish_reason}]
-           if choices else []}
-    if use is not None:
-        out["usage"] = use
-    return out
-
-
-class Answer:
-    """One chat answer as its token events arrive: content and tool calls, and the chunks a
-    stream sends for each event."""
-
-    def __init__(self, req: ChatRequest, cid: str, model: str):
-        self.req, self.cid, self.model = req, cid, model
-        self.parts = AnswerStream(tools=bool(req.tools) and req.tool_choice != "none", reasoning=False)
-        self.content, self.calls, self.logprobs = [], [], []
-
-    def _chunks(self, segments, lp=None) -> list:
-        text = "".join(v for kind, v in segments if kind == "text")
-        self.content.append(text)
-        out = [chunk(self.cid, self.model, {"content": text}, logprobs=lp)] if text or lp else []
-        for kind, call in segments:
-            if kind == "call":
-                out.append(chunk(self.cid, self.model, {"tool_calls": [{"index": len(self.calls), **call}]}))
-                self.calls.append(call)
-        return out
+    def chunk(self, delta=None, finish_reason=None, logprobs=None, use=None) -> dict:
+        out = {"id": self.id, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model,
+               "choices": [] if use else [{"index": 0, "delta": delta or {}, "logprobs": logprobs,
+                                           "finish_reason": finish_reason}]}
+        return {**out, "usage": use} if use else out
 
     def start(self) -> list:
-        return [chunk(self.cid, self.model, {"role": "assistant", "content": ""})]
+        return [self.chunk({"role": "assistant", "content": ""})]
+
+    def token(self, ev) -> list:
+        if ev.logprobs is None:
+            return super().token(ev)
+        self.logprobs.append(ev.logprobs)  # one chunk: the token's text (maybe none yet) and its logprobs
+        segments = self.parts.feed(ev.text)
+        text = "".join(v for kind, v in segments if kind == "text")
+        self.content.append(text)
+        return [self.chunk({"content": text}, logprobs={"content": [ev.logprobs]})] + self._segments(
+            (kind, v) for kind, v in segments if kind == "call")
+
+    def opened(self, kind) -> list:
+        return []
+
+    def delta(self, kind, value) -> list:
+        self.content.append(value)
+        return [self.chunk({"content": value})]
+
+    def closed(self, kind, status) -> list:
+        return []
+
+    def call(self, call) -> list:
+        self.tool_calls.append(call)
+        return [self.chunk({"tool_calls": [{"index": len(self.tool_calls) - 1, **call}]})]
+
+    def finished(self, ev, cut) -> list:
+        self.finish = "tool_calls" if self.tool_calls else ev.finish_reason
+        self.usage = {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
+                      "total_tokens": ev.prompt_tokens + ev.completion_tokens,
+                      "prompt_tokens_details": {"cached_tokens": ev.cached_tokens}}
+        return [self.chunk(finish_reason=self.finish)] + ([self.chunk(use=self.usage)] if self.req.include_usage
+                                                          else [])
 
     def failed(self, error: APIError) -> list:
         return [error.body()]
 
-    def token(self, ev) -> list:
-        if ev.logprobs is not None:
-            self.logprobs.append(ev.logprobs)
-        return self._chunks(self.parts.feed(ev.text), {"content": [ev.logprobs]} if ev.logprobs is not None else None)
-
-    def done(self, ev) -> list:
-        out = self._chunks(self.parts.finish())
-        self.finish = "tool_calls" if self.calls else ev.finish_reason
-        self.usage = usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
-        out.append(chunk(self.cid, self.model, finish_reason=self.finish))
-        if self.req.include_usage:
-            out.append(chunk(self.cid, self.model, use=self.usage, choices=False))
-        return out
-
     def result(self) -> dict:
         content = "".join(self.content)
-        message = {"role": "assistant", "content": content}
-        if self.calls:
-            message = {"role": "assistant", "content": content or None, "tool_calls": self.calls}
-        return chat_response(self.cid, self.model, message, self.finish,
-                             {"content": self.logprobs} if self.logprobs else None, self.usage)
+        message = {"role": "assistant", "content": content or None, "tool_calls": self.tool_calls} \
+            if self.tool_calls else {"role": "assistant", "content": content}
+        return {"id": self.id, "object": "chat.completion", "created": int(time.time()), "model": self.model,
+                "choices": [{"index": 0, "message": message, "logprobs": {"content": self.logprobs} if self.logprobs
+                             else None, "finish_reason": self.finish}], "usage": self.usage}
 
 
 def routes(service) -> list:
-    def build(req):
-        return service.builder.build(req), None
-
     async def create(request):
-        req, _, _, handle = await service.admit(request, parse_chat_request, build)
-        answer = Answer(req, completion_id(), req.model or service.model_id)
-        return await service.answer(request, handle, answer, lambda e: sse(e, named=False), req.stream,
-                                    end="data: [DONE]\n\n")
+        return await respond(service, request, parse_chat_request, Answer, end="data: [DONE]\n\n")
 
     return [Route("/v1/chat/completions", create, methods=["POST"])]

@@ -1,7 +1,7 @@
-"""What the Responses and Messages endpoints share around their wire formats: their tools in the
-one request's form, the request built into model inputs (the chat template, or with a computer-use
-tool the trained prompt), the writer skeleton that turns the engine's events into a protocol's
-events, and the route that admits a request and answers it.
+"""What the protocol endpoints (chat.py, responses.py, messages.py) share around their wire
+formats: their tools in the one request's form, the request built into model inputs (the chat
+template, or with a computer-use tool the trained prompt), the writer skeleton that turns the
+engine's events into a protocol's events, and the route that admits a request and answers it.
 
 The writer skeleton splits the answer (answer_stream.AnswerStream: reasoning, text, tool calls,
 the same pieces whether it streams or not), keeps one block open at a time, caps the calls
@@ -13,10 +13,13 @@ import json
 import uuid
 from typing import List, Optional
 
+from ..agent.computer_tools import find_computer_tool
+from ..agent.computer_use import AGENT_SAMPLING
+from ..errors import InputError
 from . import computer
 from .answer_stream import AnswerStream, prompt_opens_reasoning
 from .conversation import Call, Part, Turn
-from .protocol import APIError, ChatRequest, invalid
+from .protocol import ChatRequest, invalid
 
 
 def new_id(prefix: str, digits: int = 32) -> str:
@@ -41,23 +44,33 @@ def function_tool(name: str, description: Optional[str], parameters: Optional[di
 
 
 def tools(functions: List[dict], declarations, choice: str, name: Optional[str] = None, *,
-          choice_param: str = "tool_choice", output=None, output_param: str = ""):
+          output=None, output_param: str = ""):
     """→ (function tools or None, the computer-use tool or None, tool choice): `choice` is auto,
     none, required or function (then `name`), as the protocol spells them; `declarations` the raw
-    `tools` (computer.find_tool reads computer tools from them). A computer-use answer is neither
-    forced nor constrained (`output`: the request's output format)."""
-    tool = computer.find_tool(declarations, "tools", others=functions)
-    if tool is not None:
-        if choice != "auto":
-            raise invalid(choice_param, f"with a computer-use tool '{choice_param}' must be auto (the model's "
-                          "computer-use answers are not constrained)")
-        if output is not None:
-            raise invalid(output_param, f"'{output_param}' cannot constrain a computer-use answer; leave it out")
+    `tools`, where agent.computer_tools finds the one computer-use tool. Its prompt has only the
+    computer, and its answer is neither forced nor constrained (`output`: the output format)."""
+    try:
+        tool = find_computer_tool(declarations, "tools")
+    except InputError as e:
+        raise invalid("tools", str(e)) from None
+    if tool is not None and functions:
+        raise invalid("tools", "a request with a computer-use tool may declare no other tools: this model's "
+                      "computer-use prompt has only the computer", "unsupported_tool")
+    if tool is not None and choice != "auto":
+        raise invalid("tool_choice", "with a computer-use tool 'tool_choice' must be auto (the model's computer-use "
+                      "answers are not constrained)")
+    if tool is not None and output is not None:
+        raise invalid(output_param, f"'{output_param}' cannot constrain a computer-use answer; leave it out")
     if choice == "function":
         if name not in {f["function"]["name"] for f in functions}:
-            raise invalid(choice_param, f"'{choice_param}' names {name!r}, which is not in 'tools'")
+            raise invalid("tool_choice", f"'tool_choice' names {name!r}, which is not in 'tools'")
         choice = {"type": "function", "function": {"name": name}}
     return functions or None, tool, choice if functions else "none"
+
+
+def computer_sampling(tool, agent_format: str) -> dict:
+    """What a computer-use request samples with unless it says otherwise (agent.AGENT_SAMPLING)."""
+    return dict(AGENT_SAMPLING[agent_format]) if tool is not None else {}
 
 
 # ------------------------------------------------------------------------------------ the request
@@ -103,20 +116,27 @@ async def respond(service, request, parse, writer_type, *, then=None, on_done=No
 
 class Writer:
     """One answer as the engine's events arrive → a protocol's events (a plain request takes
-    `result()` at the end); `turn` is the answer's own turn once it is done."""
+    `result()` at the end); `turn` is the answer's own turn once it is done.
+
+    A protocol's writer says what each step is on its wire, each method → a list of its events:
+    start(); opened(kind), delta(kind, text), closed(kind, status) for a block of reasoning or text;
+    call(call) for a function call ({"id", "function": {"name", "arguments"}}); computer_call(action)
+    → (events, Call) for one computer-use call (an action, or a batch of them); finished(DoneEvent,
+    cut); failed(APIError); and result(), the whole answer's object."""
 
     named = True  # its SSE events carry their type as the event name
 
-    def __init__(self, req: ChatRequest, model: str, prepared, computer_request=None, opened: bool = False):
+    def __init__(self, req: ChatRequest, model: str, prepared, computer_request=None, opened: bool = False,
+                 reasoning: bool = True):
         self.req, self.model, self.computer = req, model, computer_request
-        self.parts = AnswerStream(tools=bool(req.tools) and req.tool_choice != "none", opened=opened)
+        self.parts = AnswerStream(tools=bool(req.tools) and req.tool_choice != "none", opened=opened,
+                                  reasoning=reasoning)
         self.raw: List[str] = []
         self.open: Optional[str] = None  # the block being written: "reasoning", "text" or None
         self.calls: List[Call] = []  # the calls the answer carries
         self.reasoning_tokens = 0
         self.turn: Optional[Turn] = None
 
-    # -- the skeleton
     def token(self, ev) -> list:
         self.raw.append(ev.text)
         if self.computer is not None:  # the whole answer is mapped at the end
@@ -180,33 +200,3 @@ class Writer:
         self.computer.issued(answer, self.calls)
         self.turn = Turn("assistant", [Part("text", turn.text)], self.calls, turn.reasoning, answer=answer)
         return events
-
-    # -- a protocol's encoder
-    def start(self) -> list:
-        return []
-
-    def opened(self, kind: str) -> list:
-        raise NotImplementedError
-
-    def delta(self, kind: str, value: str) -> list:
-        raise NotImplementedError
-
-    def closed(self, kind: str, status: str) -> list:
-        raise NotImplementedError
-
-    def call(self, call: dict) -> list:
-        """A function call ({"id", "function": {"name", "arguments"}}) the answer made."""
-        raise NotImplementedError
-
-    def computer_call(self, action) -> tuple:
-        """→ (events, Call) for one computer-use call (an action, or a batch of them)."""
-        raise NotImplementedError
-
-    def finished(self, ev, cut: bool) -> list:
-        raise NotImplementedError
-
-    def failed(self, error: APIError) -> list:
-        raise NotImplementedError
-
-    def result(self) -> dict:
-        raise NotImplementedError

@@ -25,10 +25,9 @@ from pydantic import Field
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from . import computer
 from . import protocol as P
 from .conversation import Call, Part, Turn
-from .endpoint import Writer, build, function_tool, new_id, respond, tools
+from .endpoint import Writer, computer_sampling, build, function_tool, new_id, respond, tools
 from .protocol import APIError, ChatRequest, Rendering, Sampling, Wire, invalid, one_of
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -293,7 +292,7 @@ def parse_request(body, agent_format: str, count: bool = False) -> ChatRequest:
         if max_tokens is not None and budget >= max_tokens:
             raise invalid("thinking.budget_tokens", "'thinking.budget_tokens' must be less than 'max_tokens'")
     P.number(body, "temperature", 0, 1)  # Anthropic's range
-    defaults = computer.sampling_defaults(agent_format) if tool is not None else {}
+    defaults = computer_sampling(tool, agent_format)
     sampling = P.sampling_params(body, P.stop_strings(body.get("stop_sequences"), "stop_sequences"),
                                  defaults=defaults, thinking_budget=budget)
     return ChatRequest(

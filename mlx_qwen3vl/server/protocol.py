@@ -265,6 +265,15 @@ class Rendering(Wire):
     chat_template_kwargs: Optional[Dict[str, Any]] = None
 
 
+class OpenAIHints(Wire):
+    """OpenAI's identifiers and routing hints: accepted, with no effect on what a local server answers."""
+
+    user: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    service_tier: Optional[str] = None
+
+
 def one_of(*models, key: str = "type", default=None):
     """The wire models as one field, told apart by the value of their `key` (each model's Literal):
     pydantic's tagged union, so an error names the member's own field, and an unknown value is a 400
@@ -301,12 +310,14 @@ def _path(loc, extra: bool) -> str:
     return out
 
 
-def _refusal(refused, path: str, tag: Optional[str]) -> Optional[str]:
+def _refusal(refused, path: str, tag: Optional[str]):
+    """→ (the refused field's path, why) where `refused` names `path` (or what holds it), else None."""
     plain = re.sub(r"\[\d+\]", "", path)  # indices left out
     for key, why in refused.items():
-        if (plain == key or plain.startswith(key + ".") or (key[0] == "." and plain.endswith(key))
-                or (tag is not None and key == f"{plain}={tag}")):
-            return why
+        if key[0] == "." and plain.endswith(key) or tag is not None and key == f"{plain}={tag}":
+            return path, why
+        if plain == key or plain.startswith(key + "."):  # the field itself, not what it holds
+            return re.sub(r"(\[\d+\])+$", "", ".".join(path.split(".")[:key.count(".") + 1])), why
     return None
 
 
@@ -331,10 +342,10 @@ def validate(model, body, refused=None):
             tag = ctx.get("tag", "<?>")[1:-1] if kind == "union_tag_invalid" else None
         found.append((_refusal(refused or {}, path, tag) is None, -len(path), err, path, tag))
     _, _, first, path, tag = min(found, key=lambda f: f[:2])
-    kind = first["type"]
-    why = _refusal(refused or {}, path, tag)
-    if why is not None:
-        raise _invalid(path, f"'{path}'{f' {tag!r}' if tag else ''} is not supported by this server: {why}",
+    kind, refusal = first["type"], _refusal(refused or {}, path, tag)
+    if refusal is not None:
+        where, why = refusal
+        raise _invalid(where, f"'{where}'{f' {tag!r}' if tag else ''} is not supported by this server: {why}",
                        "unsupported_field")
     if kind == "extra_forbidden":
         raise _invalid(path, f"'{path}' is not a field this server accepts here", "unknown_field")

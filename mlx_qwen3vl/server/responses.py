@@ -22,11 +22,10 @@ from pydantic import Field
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from . import computer
 from . import protocol as P
 from .conversation import Call, Part, Turn
-from .endpoint import Writer, function_tool, new_id, respond, tools
-from .protocol import APIError, ChatRequest, Rendering, Sampling, Wire, invalid, one_of
+from .endpoint import Writer, computer_sampling, function_tool, new_id, respond, tools
+from .protocol import APIError, ChatRequest, OpenAIHints, Rendering, Sampling, Wire, invalid, one_of
 from .store import ResponseStore
 
 MAX_METADATA = 16
@@ -62,40 +61,39 @@ class Refusal(Wire):
 Content = Union[str, List[one_of(InputText, OutputText, InputImage, Refusal)]]
 
 
-class Message(Wire):
+class Stored(Wire):
+    """What an output item sent back as input carries besides its content."""
+
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+
+class Message(Stored):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: Content
-    id: Optional[str] = None
-    status: Optional[str] = None
     phase: Optional[str] = None
 
 
-class FunctionCall(Wire):
+class FunctionCall(Stored):
     type: Literal["function_call"]
     call_id: NonEmpty
     name: NonEmpty
     arguments: str
-    id: Optional[str] = None
-    status: Optional[str] = None
     namespace: Optional[str] = None
 
 
-class FunctionCallOutput(Wire):
+class FunctionCallOutput(Stored):
     type: Literal["function_call_output"]
     call_id: NonEmpty
     output: Content
-    id: Optional[str] = None
-    status: Optional[str] = None
 
 
-class ComputerCall(Wire):
+class ComputerCall(Stored):
     type: Literal["computer_call"]
     call_id: NonEmpty
     action: Optional[Dict[str, Any]] = None
     actions: Optional[List[Any]] = None  # the batched `computer` tool's
-    id: Optional[str] = None
-    status: Optional[str] = None
     pending_safety_checks: NoChecks = None
 
 
@@ -105,12 +103,10 @@ class Screenshot(Wire):
     file_id: None = None
 
 
-class ComputerCallOutput(Wire):
+class ComputerCallOutput(Stored):
     type: Literal["computer_call_output"]
     call_id: NonEmpty
     output: Screenshot
-    id: Optional[str] = None
-    status: Optional[str] = None
     acknowledged_safety_checks: NoChecks = None
 
 
@@ -119,13 +115,11 @@ class ReasoningText(Wire):
     text: str
 
 
-class Reasoning(Wire):
+class Reasoning(Stored):
     type: Literal["reasoning"]
-    id: Optional[str] = None
     summary: Optional[List[ReasoningText]] = None
     content: Optional[List[ReasoningText]] = None
     encrypted_content: Optional[str] = None
-    status: Optional[str] = None
 
 
 Item = one_of(Message, FunctionCall, FunctionCallOutput, ComputerCall, ComputerCallOutput, Reasoning,
@@ -175,7 +169,7 @@ class StreamOptions(Wire):
     include_obfuscation: Optional[Literal[False]] = None
 
 
-class Body(Sampling, Rendering):
+class Body(Sampling, Rendering, OpenAIHints):
     input: Union[str, List[Item]]
     model: Optional[str] = None
     instructions: Optional[str] = None
@@ -189,7 +183,7 @@ class Body(Sampling, Rendering):
     store: Optional[bool] = None
     metadata: Optional[Annotated[Dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
                                  Field(max_length=MAX_METADATA)]] = None
-    include: Optional[List[Literal["reasoning.encrypted_content"]]] = None
+    include: Optional[List[Literal["reasoning.encrypted_content"]]] = None  # reasoning items carry their text
     top_logprobs: Optional[Literal[0]] = None
     truncation: Optional[Literal["disabled"]] = None
     reasoning: Optional[ReasoningConfig] = None
@@ -197,11 +191,6 @@ class Body(Sampling, Rendering):
     max_tool_calls: Optional[int] = None
     prompt_cache_retention: Optional[Literal["in-memory", "in_memory"]] = None
     stop: Union[str, List[str], None] = None  # this server's, as chat completions takes it (extra_body)
-    # accepted, with no effect on a local server's output (docs/protocols.md says why each)
-    user: Optional[str] = None
-    safety_identifier: Optional[str] = None
-    prompt_cache_key: Optional[str] = None
-    service_tier: Optional[str] = None
 
 
 NO_FILES = "files are not available on this server; send the image as image_url (a data URL or an http(s) URL)"
@@ -211,8 +200,6 @@ REFUSED = {  # what a client may send that this server cannot honour, and why
     "background": "responses are answered while the request waits",
     "conversation": "conversations are not stored here; use previous_response_id",
     "prompt": "stored prompts are not available here", "context_management": "the context is not managed here",
-    "include": "it may list only reasoning.encrypted_content (reasoning items carry their text as content; "
-               "nothing is encrypted)",
     "top_logprobs": "log probabilities are not given here",
     "truncation": "only 'disabled': a prompt past the context is refused here, never truncated",
     "parallel_tool_calls": "only true: this model may answer with several calls and the server does not cut them",
@@ -307,7 +294,7 @@ def parse_request(body, agent_format: str) -> ChatRequest:
         for call in (c for t in turns for c in t.calls if c.action is not None):
             raise invalid(call.param, f"'{call.param}' is a computer call, but the request declares no "
                           "computer-use tool; declare the one the conversation uses")
-    defaults = computer.sampling_defaults(agent_format) if tool is not None else {}
+    defaults = computer_sampling(tool, agent_format)
     sampling = P.sampling_params(body, P.stop_strings(wire.stop), defaults=defaults)
     pixels = {k: v or defaults.get(k) for k, v in P.pixel_options(body).items()}
     max_tool_calls = P.number(body, "max_tool_calls", 1, integer=True)
