@@ -68,8 +68,8 @@ class Message(Wire):
     # what an answer carries and clients send back with it: a refusal is the assistant's text;
     # this server never answers with reasoning_content or annotations, so only empty ones pass
     refusal: Optional[str] = None
-    reasoning_content: Optional[str] = None
-    annotations: Optional[List[Any]] = None
+    reasoning_content: Optional[Annotated[str, Field(max_length=0)]] = None
+    annotations: Optional[Annotated[List[Any], Field(max_length=0)]] = None
     audio: None = None
     function_call: None = None
 
@@ -159,6 +159,8 @@ REFUSED = {  # fields a client may send that this server cannot honour, and what
     "chat_template": "this server renders with its checkpoint's template (switches go in 'chat_template_kwargs')",
     "store": "completions are not stored here", "modalities": "this model answers in text only",
     "parallel_tool_calls": "this model may answer with several calls and the server does not cut them",
+    "messages.reasoning_content": "its answers carry <think> text in 'content'; send it back there",
+    "messages.annotations": "its answers carry no annotations",
 }
 
 
@@ -206,13 +208,6 @@ def read_messages(messages: List[Message]) -> List[Turn]:
         if m.name and role != "tool":  # a tool result's name is its function's, which the call already names
             raise invalid(f"{where}.name", f"'{where}.name' is not supported by this server: the chat template has no "
                           "participant names; put the name in the message's text", "unsupported_field")
-        if m.reasoning_content:
-            raise invalid(f"{where}.reasoning_content", f"'{where}.reasoning_content' is not supported by this "
-                          "server: its answers carry <think> text in 'content'; send it back there",
-                          "unsupported_field")
-        if m.annotations:
-            raise invalid(f"{where}.annotations", f"'{where}.annotations' is not supported by this server: its "
-                          "answers carry no annotations", "unsupported_field")
         if m.refusal and (m.role != "assistant" or (m.content and m.content != m.refusal)):
             raise invalid(f"{where}.refusal", f"'{where}.refusal' is an assistant's answer instead of content; "
                           "send one or the other", "invalid_value")

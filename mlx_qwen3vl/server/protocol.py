@@ -138,10 +138,6 @@ def output_format(kind: Optional[str], schema=None, name: Optional[str] = None) 
     return {"type": "json_object"} if kind == "json_object" else None
 
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "seed")
-
-
 def stop_strings(stop, name="stop") -> List[str]:
     """A request's stop strings (a string or a list), checked against the limits."""
     if stop is None:
@@ -156,7 +152,7 @@ def stop_strings(stop, name="stop") -> List[str]:
 
 
 def sampling_params(body, stop=(), *, defaults=None, logprobs=False, top_logprobs=0, **more) -> SamplingParams:
-    """The sampling fields of a request body (SAMPLING_FIELDS) → SamplingParams; a field the body
+    """The sampling fields of a request body (the Sampling model's) → SamplingParams; a field the body
     leaves out takes `defaults`' value, else OpenAI's default temperature (1.0), not the library's
     greedy one."""
     d = defaults or {}
@@ -190,8 +186,6 @@ def stopping(body, max_tokens) -> dict:
     out = {}
     bias = body.get("logit_bias")
     if bias is not None:
-        if not isinstance(bias, dict):
-            raise _invalid("logit_bias", "'logit_bias' must be an object {\"token id\": bias}", "invalid_type")
         if len(bias) > MAX_LOGIT_BIAS:
             raise _invalid("logit_bias", f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens")
         pairs = {}
@@ -203,8 +197,7 @@ def stopping(body, max_tokens) -> dict:
         out["logit_bias"] = pairs or None
     ids = body.get("stop_token_ids")
     if ids is not None:
-        if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in ids):
+        if len(ids) > MAX_STOP_TOKEN_IDS or not all(0 <= t < 2**31 for t in ids):  # ints: the wire model's
             raise _invalid("stop_token_ids", f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token "
                            "ids (integers >= 0)")
         out["stop_token_ids"] = tuple(ids)

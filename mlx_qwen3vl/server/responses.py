@@ -340,6 +340,18 @@ def continue_stored(req: ChatRequest, store: ResponseStore):
 # ------------------------------------------------------------------------------------ the response
 
 
+_TEXT = {"reasoning": "reasoning_text", "text": "output_text"}  # a block's text events
+
+
+def _item(kind: str, text: str, status: str) -> dict:
+    """A reasoning item or an assistant message holding `text`."""
+    if kind == "reasoning":
+        return {"type": "reasoning", "id": new_id("rs"), "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": text}]}
+    return {"type": "message", "id": new_id("msg"), "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
 class ResponseWriter(Writer):
     """The response object and OpenAI's stream events: an output item per reasoning block, message,
     function call or computer call."""
@@ -375,59 +387,48 @@ class ResponseWriter(Writer):
         return self.event("response.output_item.added", output_index=len(self.output) - 1,
                           item=shown or json.loads(json.dumps(item)))
 
+    def _on(self, kind, **fields) -> dict:
+        """An event about the last output item."""
+        return self.event(kind, item_id=self.output[-1]["id"], output_index=len(self.output) - 1, **fields)
+
     def _whole(self, item) -> list:
         return [self._add(item, {**item, "status": "in_progress"}),
                 self.event("response.output_item.done", output_index=len(self.output) - 1, item=dict(item))]
 
     def opened(self, kind) -> list:
-        if kind == "reasoning":
-            item = {"type": "reasoning", "id": new_id("rs"), "summary": [], "content": [], "status": "in_progress"}
-            part = {"type": "reasoning_text", "text": ""}
-        else:
-            item = {"type": "message", "id": new_id("msg"), "status": "in_progress", "role": "assistant", "content": []}
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        item = _item(kind, "", "in_progress")
+        part = item["content"].pop()  # added empty, then its part
         events = [self._add(item)]
         item["content"].append(part)
-        return events + [self.event("response.content_part.added", item_id=item["id"],
-                                    output_index=len(self.output) - 1, content_index=0, part=dict(part))]
+        return events + [self._on("response.content_part.added", content_index=0, part=dict(part))]
 
     def delta(self, kind, value) -> list:
-        item, i = self.output[-1], len(self.output) - 1
-        item["content"][0]["text"] += value
-        extra = {} if kind == "reasoning" else {"logprobs": []}
-        return [self.event(f"response.{'reasoning' if kind == 'reasoning' else 'output'}_text.delta",
-                           item_id=item["id"], output_index=i, content_index=0, delta=value, **extra)]
+        self.output[-1]["content"][0]["text"] += value
+        return [self._on(f"response.{_TEXT[kind]}.delta", content_index=0, delta=value,
+                         **({"logprobs": []} if kind == "text" else {}))]
 
     def closed(self, kind, status) -> list:
-        item, i = self.output[-1], len(self.output) - 1
+        item = self.output[-1]
         item["status"] = status
         part = item["content"][0]
-        extra = {} if kind == "reasoning" else {"logprobs": []}
-        return [self.event(f"response.{'reasoning' if kind == 'reasoning' else 'output'}_text.done",
-                           item_id=item["id"], output_index=i, content_index=0, text=part["text"], **extra),
-                self.event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
-                           part=dict(part)),
-                self.event("response.output_item.done", output_index=i, item=json.loads(json.dumps(item)))]
+        return [self._on(f"response.{_TEXT[kind]}.done", content_index=0, text=part["text"],
+                         **({"logprobs": []} if kind == "text" else {})),
+                self._on("response.content_part.done", content_index=0, part=dict(part)),
+                self.event("response.output_item.done", output_index=len(self.output) - 1,
+                           item=json.loads(json.dumps(item)))]
 
     def whole(self, kind, value) -> list:
-        if kind == "reasoning":
-            return self._whole({"type": "reasoning", "id": new_id("rs"), "summary": [], "status": "completed",
-                                "content": [{"type": "reasoning_text", "text": value}]})
-        return self._whole({"type": "message", "id": new_id("msg"), "status": "completed", "role": "assistant",
-                            "content": [{"type": "output_text", "text": value, "annotations": [], "logprobs": []}]})
+        return self._whole(_item(kind, value, "completed"))
 
     def call(self, call) -> list:
         events, fn = self.close(), call["function"]
         item = {"type": "function_call", "id": new_id("fc"), "call_id": call["id"], "name": fn["name"],
                 "arguments": "", "status": "in_progress"}
-        events.append(self._add(item, dict(item)))
-        i = len(self.output) - 1
-        events.append(self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
-                                 delta=fn["arguments"]))
+        events += [self._add(item, dict(item)), self._on("response.function_call_arguments.delta",
+                                                         delta=fn["arguments"])]
         item.update(arguments=fn["arguments"], status="completed")
-        return events + [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
-                                    name=fn["name"], arguments=fn["arguments"]),
-                         self.event("response.output_item.done", output_index=i, item=dict(item))]
+        return events + [self._on("response.function_call_arguments.done", name=fn["name"], arguments=fn["arguments"]),
+                         self.event("response.output_item.done", output_index=len(self.output) - 1, item=dict(item))]
 
     def computer_call(self, action) -> tuple:
         call_id = new_id("call")
