@@ -109,7 +109,8 @@ class RedactedThinking(Wire):
 
 class Message(Wire):
     role: Literal["user", "assistant"]
-    content: Union[str, List[one_of(TextBlock, ImageBlock, ToolResult, ToolUse, Thinking, RedactedThinking)]]
+    content: Union[str, Annotated[List[one_of(TextBlock, ImageBlock, ToolResult, ToolUse, Thinking, RedactedThinking)],
+                                  Field(min_length=1)]]
 
 
 class CustomTool(Cached):
