@@ -458,7 +458,7 @@ class ResponseWriter(Writer):
 def routes(service, store: ResponseStore) -> list:
     def keep(req: ChatRequest, writer: ResponseWriter):
         if req.echo["store"] and writer.turn is not None:
-            store.put(writer.id, history(req) + [writer.turn], writer.response)
+            return store.put(writer.id, history(req) + [writer.turn], writer.response)
 
     async def create(request):
         return await respond(service, request, lambda body: parse_request(body, service.agent_format),
