@@ -44,7 +44,8 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def _invalid(param, message, code="invalid_value"):
+def invalid(param, message, code="invalid_value") -> APIError:
+    """A 400 naming the field (`param`) in OpenAI's shape."""
     return APIError(400, message, param=param, code=code)
 
 
@@ -74,20 +75,24 @@ class ChatRequest:
     echo: Dict[str, Any] = field(default_factory=dict)  # the request's settings its answer repeats (Responses)
 
 
-def _number(body, name, lo=None, hi=None, *, integer=False, lo_open=False, default=None):
-    value = body.get(name)
+def number(body, name, lo=None, hi=None, *, integer=False, lo_open=False, default=None, param=None):
+    """body[name] checked as a number in range (None → default); `param` names it in errors."""
+    value, label = body.get(name), param or name
     if value is None:
         return default
     kind = "an integer" if integer else "a number"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
-        raise _invalid(name, f"'{name}' must be {kind}, got {type(value).__name__}", "invalid_type")
+        raise invalid(label, f"'{label}' must be {kind}, got {type(value).__name__}", "invalid_type")
     if not math.isfinite(value):
-        raise _invalid(name, f"'{name}' must be finite")
+        raise invalid(label, f"'{label}' must be finite")
     if lo is not None and (value <= lo if lo_open else value < lo) or hi is not None and value > hi:
         lo_s = "" if lo is None else f"{'>' if lo_open else '>='} {lo}"
         hi_s = "" if hi is None else f"<= {hi}"
-        raise _invalid(name, f"'{name}' is {value}; it must be {' and '.join(s for s in (lo_s, hi_s) if s)}")
+        raise invalid(label, f"'{label}' is {value}; it must be {' and '.join(s for s in (lo_s, hi_s) if s)}")
     return value
+
+
+_number = number
 
 
 def check_json(body, limit=MAX_JSON_DEPTH):
@@ -102,13 +107,13 @@ def check_json(body, limit=MAX_JSON_DEPTH):
                 try:
                     value.encode("utf-8")
                 except UnicodeEncodeError:
-                    raise _invalid(where, f"'{where or 'the body'}' holds a lone surrogate (\\ud800-\\udfff without "
+                    raise invalid(where, f"'{where or 'the body'}' holds a lone surrogate (\\ud800-\\udfff without "
                                    "its pair); send valid Unicode text", "invalid_text") from None
             continue
         if not isinstance(value, (dict, list)):
             continue
         if depth > limit:
-            raise _invalid(where, f"the request body is nested deeper than {limit} levels", "too_deep")
+            raise invalid(where, f"the request body is nested deeper than {limit} levels", "too_deep")
         if isinstance(value, dict):
             for k, v in value.items():
                 stack.append((k, depth, where))
@@ -123,10 +128,10 @@ def template_switches(kwargs) -> Dict[str, Any]:
         param = f"chat_template_kwargs.{key}"
         kind = TEMPLATE_SWITCHES.get(key)
         if kind is None:
-            raise _invalid(param, f"'chat_template_kwargs' may not set {key!r}; this server takes only "
+            raise invalid(param, f"'chat_template_kwargs' may not set {key!r}; this server takes only "
                            + ", ".join(sorted(TEMPLATE_SWITCHES)), "unsupported_template_kwarg")
         if not isinstance(value, kind):
-            raise _invalid(param, f"'{param}' must be true or false", "invalid_type")
+            raise invalid(param, f"'{param}' must be true or false", "invalid_type")
     return dict(kwargs or {})
 
 
@@ -145,9 +150,9 @@ def stop_strings(stop, name="stop") -> List[str]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
-        raise _invalid(name, f"'{name}' must be a non-empty string or a list of at most {MAX_STOP} of them")
+        raise invalid(name, f"'{name}' must be a non-empty string or a list of at most {MAX_STOP} of them")
     if any(len(s) > MAX_STOP_CHARS for s in stop):
-        raise _invalid(name, f"each '{name}' string must be at most {MAX_STOP_CHARS} characters")
+        raise invalid(name, f"each '{name}' string must be at most {MAX_STOP_CHARS} characters")
     return stop
 
 
@@ -175,7 +180,7 @@ def pixel_options(body) -> Dict[str, Optional[int]]:
     """A request's own min_pixels / max_pixels (checked against the server's cap in model_inputs.py)."""
     pixels = {k: _number(body, k, 1, integer=True) for k in ("min_pixels", "max_pixels")}
     if pixels["min_pixels"] and pixels["max_pixels"] and pixels["min_pixels"] > pixels["max_pixels"]:
-        raise _invalid("min_pixels", "'min_pixels' is larger than 'max_pixels'")
+        raise invalid("min_pixels", "'min_pixels' is larger than 'max_pixels'")
     return pixels
 
 
@@ -187,24 +192,24 @@ def stopping(body, max_tokens) -> dict:
     bias = body.get("logit_bias")
     if bias is not None:
         if len(bias) > MAX_LOGIT_BIAS:
-            raise _invalid("logit_bias", f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens")
+            raise invalid("logit_bias", f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens")
         pairs = {}
         for key in bias:
             name = f"logit_bias.{key}"
             if not (key.isascii() and key.isdigit()) or len(key) > 12:
-                raise _invalid(name, f"'logit_bias' keys are token ids (decimal strings), not {key[:40]!r}")
+                raise invalid(name, f"'logit_bias' keys are token ids (decimal strings), not {key[:40]!r}")
             pairs[int(key)] = number(bias, key, -100, 100, param=name)
         out["logit_bias"] = pairs or None
     ids = body.get("stop_token_ids")
     if ids is not None:
         if len(ids) > MAX_STOP_TOKEN_IDS or not all(0 <= t < 2**31 for t in ids):  # ints: the wire model's
-            raise _invalid("stop_token_ids", f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token "
+            raise invalid("stop_token_ids", f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token "
                            "ids (integers >= 0)")
         out["stop_token_ids"] = tuple(ids)
     min_tokens = _number(body, "min_tokens", 0, integer=True)
     if min_tokens is not None:
         if max_tokens is not None and min_tokens > max_tokens:
-            raise _invalid("min_tokens", f"'min_tokens' ({min_tokens}) is larger than the request's max_tokens "
+            raise invalid("min_tokens", f"'min_tokens' ({min_tokens}) is larger than the request's max_tokens "
                            f"({max_tokens})")
         out["min_tokens"] = min_tokens
     if body.get("ignore_eos") is not None:
@@ -220,7 +225,7 @@ def kv_settings(body) -> Optional[dict]:
     try:
         KVSettings.build(**given, name=lambda f: f"'{f}'")
     except InputError as e:
-        raise _invalid(next(iter(given)), str(e)) from None
+        raise invalid(next(iter(given)), str(e)) from None
     return given
 
 
@@ -321,7 +326,7 @@ def validate(model, body, refused=None):
     inside it (`store`, `reasoning.effort`; indices left out), a field anywhere (`.file_id`), or a
     member of a tagged union (`tools.type=web_search`)."""
     if not isinstance(body, dict):
-        raise _invalid(None, "the request body must be a JSON object", "invalid_type")
+        raise invalid(None, "the request body must be a JSON object", "invalid_type")
     try:
         return model.model_validate(body)
     except ValidationError as e:
@@ -338,31 +343,18 @@ def validate(model, body, refused=None):
     kind, refusal = first["type"], _refusal(refused or {}, path, tag)
     if refusal is not None:
         where, why = refusal
-        raise _invalid(where, f"'{where}'{f' {tag!r}' if tag else ''} is not supported by this server: {why}",
+        raise invalid(where, f"'{where}'{f' {tag!r}' if tag else ''} is not supported by this server: {why}",
                        "unsupported_field")
     if kind == "extra_forbidden":
-        raise _invalid(path, f"'{path}' is not a field this server accepts here", "unknown_field")
+        raise invalid(path, f"'{path}' is not a field this server accepts here", "unknown_field")
     if kind in ("missing", "union_tag_not_found"):
-        raise _invalid(path, f"'{path}' is required", "missing_field")
+        raise invalid(path, f"'{path}' is required", "missing_field")
     if kind == "union_tag_invalid":
         takes = ", ".join(t.strip("'<>") for t in first["ctx"]["expected_tags"].replace("|", "', '").split(", "))
-        raise _invalid(path, f"'{path}' is {tag!r}; here this server takes {takes}")
+        raise invalid(path, f"'{path}' is {tag!r}; here this server takes {takes}")
     same = [first["msg"]] + [err["msg"] for err in errors if _path(err["loc"], False) == path]
     kinds = " or ".join(dict.fromkeys(same))
-    raise _invalid(path or None, f"'{path or 'the body'}' is not valid: {kinds}",
+    raise invalid(path or None, f"'{path or 'the body'}' is not valid: {kinds}",
                    "invalid_type" if "type" in kind or kind.endswith("_type") else "invalid_value")
 
 
-def invalid(param, message, code="invalid_value") -> APIError:
-    return _invalid(param, message, code)
-
-
-def number(body, name, lo=None, hi=None, *, integer=False, lo_open=False, default=None, param=None):
-    """body[name] checked as a number in range (None → default); `param` names it in errors."""
-    try:
-        return _number(body, name, lo, hi, integer=integer, lo_open=lo_open, default=default)
-    except APIError as e:
-        if param is not None:
-            e.param, e.message = param, e.message.replace(f"'{name}'", f"'{param}'")
-            e.args = (e.message,)
-        raise
