@@ -108,7 +108,7 @@ def check_json(body, limit=MAX_JSON_DEPTH):
                     value.encode("utf-8")
                 except UnicodeEncodeError:
                     raise invalid(where, f"'{where or 'the body'}' holds a lone surrogate (\\ud800-\\udfff without "
-                                   "its pair); send valid Unicode text", "invalid_text") from None
+                                  "its pair); send valid Unicode text", "invalid_text") from None
             continue
         if not isinstance(value, (dict, list)):
             continue
@@ -129,7 +129,7 @@ def template_switches(kwargs) -> Dict[str, Any]:
         kind = TEMPLATE_SWITCHES.get(key)
         if kind is None:
             raise invalid(param, f"'chat_template_kwargs' may not set {key!r}; this server takes only "
-                           + ", ".join(sorted(TEMPLATE_SWITCHES)), "unsupported_template_kwarg")
+                          + ", ".join(sorted(TEMPLATE_SWITCHES)), "unsupported_template_kwarg")
         if not isinstance(value, kind):
             raise invalid(param, f"'{param}' must be true or false", "invalid_type")
     return dict(kwargs or {})
@@ -204,13 +204,13 @@ def stopping(body, max_tokens) -> dict:
     if ids is not None:
         if len(ids) > MAX_STOP_TOKEN_IDS or not all(0 <= t < 2**31 for t in ids):  # ints: the wire model's
             raise invalid("stop_token_ids", f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token "
-                           "ids (integers >= 0)")
+                          "ids (integers >= 0)")
         out["stop_token_ids"] = tuple(ids)
     min_tokens = _number(body, "min_tokens", 0, integer=True)
     if min_tokens is not None:
         if max_tokens is not None and min_tokens > max_tokens:
             raise invalid("min_tokens", f"'min_tokens' ({min_tokens}) is larger than the request's max_tokens "
-                           f"({max_tokens})")
+                          f"({max_tokens})")
         out["min_tokens"] = min_tokens
     if body.get("ignore_eos") is not None:
         out["ignore_eos"] = body["ignore_eos"]  # a bool: the wire model typed it
@@ -344,7 +344,7 @@ def validate(model, body, refused=None):
     if refusal is not None:
         where, why = refusal
         raise invalid(where, f"'{where}'{f' {tag!r}' if tag else ''} is not supported by this server: {why}",
-                       "unsupported_field")
+                      "unsupported_field")
     if kind == "extra_forbidden":
         raise invalid(path, f"'{path}' is not a field this server accepts here", "unknown_field")
     if kind in ("missing", "union_tag_not_found"):
@@ -355,6 +355,6 @@ def validate(model, body, refused=None):
     same = [first["msg"]] + [err["msg"] for err in errors if _path(err["loc"], False) == path]
     kinds = " or ".join(dict.fromkeys(same))
     raise invalid(path or None, f"'{path or 'the body'}' is not valid: {kinds}",
-                   "invalid_type" if "type" in kind or kind.endswith("_type") else "invalid_value")
+                  "invalid_type" if "type" in kind or kind.endswith("_type") else "invalid_value")
 
 
