@@ -146,7 +146,7 @@ class ToolChoice(Wire):
 
 class ThinkingConfig(Wire):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: Optional[int] = None
+    budget_tokens: Optional[Annotated[int, Field(ge=1024)]] = None
     display: Optional[Literal["summarized"]] = None
 
 
@@ -184,7 +184,8 @@ class CountBody(Rendering):
 
 
 class Body(CountBody, Sampling):
-    max_tokens: int
+    max_tokens: Annotated[int, Field(ge=1)]
+    temperature: Optional[Annotated[float, Field(ge=0, le=1)]] = None  # Anthropic's range
     stream: Optional[bool] = None
     stop_sequences: Optional[List[str]] = None
     metadata: Optional[Metadata] = None
@@ -283,16 +284,15 @@ def parse_request(body, agent_format: str, count: bool = False) -> ChatRequest:
             choice.type, choice.type), choice.name, output=rf, output_param="output_config.format")
     if count and tool_choice not in ("auto", "none"):
         tool_choice = "auto"  # the same prompt, without compiling the grammar it would enforce
-    max_tokens = None if count else P.number(body, "max_tokens", 1, integer=True)
+    max_tokens = None if count else wire.max_tokens
     budget = None
     if wire.thinking is not None and wire.thinking.type == "enabled":
-        budget = P.number(body["thinking"], "budget_tokens", 1024, integer=True, param="thinking.budget_tokens")
+        budget = wire.thinking.budget_tokens
         if budget is None:
             raise invalid("thinking.budget_tokens", "'thinking.budget_tokens' is required when thinking is "
                           "enabled", "missing_field")
         if max_tokens is not None and budget >= max_tokens:
             raise invalid("thinking.budget_tokens", "'thinking.budget_tokens' must be less than 'max_tokens'")
-    P.number(body, "temperature", 0, 1)  # Anthropic's range
     defaults = computer_sampling(tool, agent_format)
     sampling = P.sampling_params(body, P.stop_strings(body.get("stop_sequences"), "stop_sequences"),
                                  defaults=defaults, thinking_budget=budget)

@@ -174,7 +174,7 @@ class Body(Sampling, Rendering, OpenAIHints):
     model: Optional[str] = None
     instructions: Optional[str] = None
     previous_response_id: Optional[str] = None
-    max_output_tokens: Optional[int] = None
+    max_output_tokens: Optional[Annotated[int, Field(ge=1)]] = None
     text: Optional[Text] = None
     tools: Optional[List[one_of(FunctionTool, ComputerTool)]] = None
     tool_choice: Union[Literal["auto", "none", "required"], FunctionChoice, None] = None
@@ -188,7 +188,7 @@ class Body(Sampling, Rendering, OpenAIHints):
     truncation: Optional[Literal["disabled"]] = None
     reasoning: Optional[ReasoningConfig] = None
     stream_options: Optional[StreamOptions] = None
-    max_tool_calls: Optional[int] = None
+    max_tool_calls: Optional[Annotated[int, Field(ge=1)]] = None
     prompt_cache_retention: Optional[Literal["in-memory", "in_memory"]] = None
     stop: Union[str, List[str], None] = None  # this server's, as chat completions takes it (extra_body)
 
@@ -297,7 +297,6 @@ def parse_request(body, agent_format: str) -> ChatRequest:
     defaults = computer_sampling(tool, agent_format)
     sampling = P.sampling_params(body, P.stop_strings(wire.stop), defaults=defaults)
     pixels = {k: v or defaults.get(k) for k, v in P.pixel_options(body).items()}
-    max_tool_calls = P.number(body, "max_tool_calls", 1, integer=True)
     head = [] if wire.instructions is None else [
         Turn("system", [Part("text", wire.instructions, "instructions")], param="instructions")]
     echo = {"instructions": wire.instructions, "max_output_tokens": wire.max_output_tokens,
@@ -307,12 +306,12 @@ def parse_request(body, agent_format: str) -> ChatRequest:
             "temperature": sampling.temperature, "top_p": sampling.top_p,
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-            "truncation": "disabled", "user": wire.user, "max_tool_calls": max_tool_calls,
+            "truncation": "disabled", "user": wire.user, "max_tool_calls": wire.max_tool_calls,
             "store": wire.store is not False}
     return ChatRequest(
         turns=head + turns, sampling=sampling, model=wire.model, stream=bool(wire.stream),
-        max_tokens=P.number(body, "max_output_tokens", 1, integer=True, default=defaults.get("max_tokens")),
-        tools=functions, tool_choice=tool_choice, response_format=rf, computer=tool, max_tool_calls=max_tool_calls,
+        max_tokens=wire.max_output_tokens or defaults.get("max_tokens"),
+        tools=functions, tool_choice=tool_choice, response_format=rf, computer=tool, max_tool_calls=wire.max_tool_calls,
         chat_template_kwargs=P.template_switches(wire.chat_template_kwargs), echo=echo, **pixels)
 
 
