@@ -147,6 +147,10 @@ class ChatBody(Sampling, Rendering, OpenAIHints):
     kv_bits: Optional[int] = None
     kv_group_size: Optional[int] = None
     quantized_kv_start: Optional[int] = None
+    # speculative decoding (lossless: only the speed changes): prompt lookup's longest n-gram (0 off,
+    # replacing the server's drafter), draft tokens per step (0 off)
+    prompt_lookup: Optional[int] = None
+    num_draft_tokens: Optional[int] = None
 
 
 REFUSED = {  # fields a client may send that this server cannot honour, and what to send instead
@@ -193,7 +197,21 @@ def parse_chat_request(body) -> ChatRequest:
         response_format=rf and P.output_format(rf.type, (rf.json_schema or JSONSchema()).schema_,
                                                (rf.json_schema or JSONSchema()).name),
         chat_template_kwargs=P.template_switches(wire.chat_template_kwargs), kv=P.kv_settings(body),
-        merge_system=False, **pixels)
+        merge_system=False, drafting=drafting_settings(body), **pixels)
+
+
+MAX_REQUEST_DRAFT = 16  # a request's num_draft_tokens and prompt_lookup at most: a batch's verify forward
+# is as long as its longest row's drafts, and a lookup scans the history once per n each step
+
+
+def drafting_settings(body) -> Optional[dict]:
+    """The request's speculative decoding settings, each checked with its name (None: the server's)."""
+    out = {}
+    for name, hi in (("prompt_lookup", MAX_REQUEST_DRAFT), ("num_draft_tokens", MAX_REQUEST_DRAFT)):
+        value = P.number(body, name, 0, hi, integer=True)
+        if value is not None:
+            out[name] = value
+    return out or None
 
 
 def read_messages(messages: List[Message]) -> List[Turn]:
@@ -286,6 +304,10 @@ class Answer(Writer):
         self.usage = {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
                       "total_tokens": ev.prompt_tokens + ev.completion_tokens,
                       "prompt_tokens_details": {"cached_tokens": ev.cached_tokens}}
+        if ev.draft_proposed:  # speculative decoding's drafts as OpenAI's predicted outputs: kept, and rejected
+            self.usage["completion_tokens_details"] = {
+                "accepted_prediction_tokens": ev.draft_accepted,
+                "rejected_prediction_tokens": ev.draft_proposed - ev.draft_accepted}
         return [self.chunk(finish_reason=self.finish)] + ([self.chunk(use=self.usage)] if self.req.include_usage
                                                           else [])
 
