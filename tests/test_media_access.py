@@ -35,13 +35,10 @@ MAX_READS = 12_000
 SWAPPER = """
 import os, sys
 kind, target, other, spare, spare2, n = sys.argv[1:7]
-source = sys.argv[7] if len(sys.argv) > 7 else None  # the regular file, hard-linked in (else written each time)
+inside = open(sys.argv[7], "rb").read() if len(sys.argv) > 7 else b"inside-the-folder"  # the regular file's bytes
 
-def regular():  # one call, as making the link or FIFO is: each state lasts about as long as the other
-    if source:
-        os.link(source, spare2)
-    else:
-        open(spare2, "wb").write(b"inside-the-folder")
+def regular():
+    open(spare2, "wb").write(inside)
     os.replace(spare2, target)
 
 for i in range(int(n)):

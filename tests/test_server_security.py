@@ -596,7 +596,7 @@ def test_files_swapped_during_requests_are_never_read_outside_nor_block(server, 
     status, inside = _count(server, name.as_uri())
     status2, secret = _count(server, (outside / "secret.png").as_uri())
     assert status == 200 and status2 == 400, (inside, secret)
-    shot = tmp / "race-shot.png"  # what the swapper links in as the regular file: the allowed one's bytes
+    shot = tmp / "race-shot.png"  # what the swapper writes as the regular file: the allowed one's bytes
     shot.write_bytes((allowed / "shot.png").read_bytes())
     swapper = subprocess.Popen([sys.executable, "-c", SWAPPER, kind, str(target), str(other),
                                 str(allowed / ".spare"), str(allowed / ".spare2"), str(10**9), str(shot)],
