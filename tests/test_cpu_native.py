@@ -44,35 +44,6 @@ def test_attend_matches_numpy(nq, nkv, hd, S, batch):
     assert rel(ours, ref) < 2e-6
 
 
-@pytest.mark.parametrize("ops", [native, NumpyOps], ids=["c", "numpy"])
-@pytest.mark.parametrize("bits", [None, 8, 4])
-def test_padded_rows_attend_to_their_own_positions_as_alone(ops, bits):
-    """A decode batch of left-padded rows (rows of different lengths) through the decode stack's
-    attention: each row equals its own attention over only its positions (padding filled with
-    NaN, never read), float and packed caches."""
-    nq, nkv, hd, S, pads = 6, 2, 64, 40, [0, 13, 39]
-    qkv = randn(3, nq + 2 * nkv, hd)
-    keys, values = randn(3, nkv, S + 5, hd), randn(3, nkv, S + 5, hd)
-    attend = ops.attend
-    if bits is not None:
-        keys, values = (decode.quantize_rows(t, 32, bits)[:3] for t in (keys, values))
-        keys, values = ((d.view(np.uint8), sc, b) for d, sc, b in (keys, values))
-        attend = lambda *a: decode.attend_quantized(ops, *a[:-1], bits, 32, a[-1])  # noqa: E731
-    for b, p in enumerate(pads):
-        for t in (keys, values):
-            for a in (t if bits else (t,)):
-                if a.dtype == np.float32:
-                    a[b, :, :p] = np.nan
-    out = np.empty((3, nq * hd), np.float32)
-    decode.attend_padded(attend, qkv, nq, nkv, hd, keys, values, S, hd**-0.5, out, pads)
-    for b, p in enumerate(pads):
-        own = lambda t: (tuple(np.ascontiguousarray(a[b:b + 1, :, p:S]) for a in t) if bits  # noqa: E731
-                         else np.ascontiguousarray(t[b:b + 1, :, p:S]))
-        alone = np.empty((1, nq * hd), np.float32)
-        attend(qkv[b:b + 1], nq, nkv, hd, own(keys), own(values), S - p, hd**-0.5, alone)
-        assert np.array_equal(out[b:b + 1], alone)
-
-
 @pytest.mark.parametrize("hd", [128, 10, 1100])
 def test_qk_norm_rope_matches_numpy(hd):
     qkv, cos, sin = randn(2, 7, hd), randn(2, hd), randn(2, hd)

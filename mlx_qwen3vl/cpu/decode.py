@@ -19,7 +19,6 @@ affine formula in float32), so the step attends to them as the cache will hold t
 graph does (mlx-lm's QuantizedKVCache quantizes before its attention reads).
 """
 
-import functools
 import importlib
 
 import mlx.core as mx
@@ -98,11 +97,9 @@ def runs(mlp) -> bool:
 
 
 def applies(x, mask, caches) -> bool:
-    """Whether `decode_tokens` serves this forward: one token per sequence, every cache one of
-    ours, already holding float32 keys (or float32 scales), all of one kind, and no mask but the
-    one its rows' left padding makes (a batch of rows of different lengths: each row then attends
-    to its own positions only)."""
-    return (x.shape[1] == 1 and bool(caches) and (mask is None or bool(caches[0].left_padding))
+    """Whether `decode_tokens` serves this forward: one token per sequence, no padding mask, and
+    every cache one of ours, already holding float32 keys (or float32 scales), all of one kind."""
+    return (x.shape[1] == 1 and mask is None and bool(caches)
             and all(isinstance(c, (KVCache, QuantizedKVCache)) and c.holds_float32() for c in caches)
             and len({c.kind for c in caches}) == 1)
 
@@ -112,7 +109,6 @@ def decode_tokens(text_model, x, position_ids, caches, deepstack_embeds, ops):
     float32 KVCache, no padding: the decoder layers, DeepStack additions and the final norm →
     (B, 1, D). `ops`: the C extension or NumpyOps."""
     layers = text_model.layers
-    pads = caches[0].left_padding if caches[0].left_padding and any(caches[0].left_padding) else None
     cos, sin = text_model.rotary.cos_sin(position_ids, 1)
     # One sync: this step's inputs and the previous step's queued cache writes.
     mx.eval(x, cos, sin, deepstack_embeds, [c.state for c in caches])
@@ -148,17 +144,13 @@ def decode_tokens(text_model, x, position_ids, caches, deepstack_embeds, ops):
                          attn["q_norm"].eps, cos, sin)  # q_norm and k_norm: one eps
         keys, values, S = cache.numpy_view()
         if kind is None:
-            attend = ops.attend
+            ops.attend(qkv, nq, nkv, hd, keys, values, S, attn.scale, att)
             new_kv[i] = qkv[:, nq:].reshape(B, 2, nkv, hd).swapaxes(0, 1)
         else:  # the new key and value as the cache will hold them, then attention over the packed cache
             new = qkv[:, nq:].reshape(B, 2, nkv, hd).swapaxes(0, 1)
             data, scales, biases, new[...] = quantize_rows(new, group_size, bits)
             new_kv[0][i], new_kv[1][i], new_kv[2][i] = data, scales, biases
-            attend = functools.partial(_attend_packed, ops, bits, group_size)
-        if pads is None:
-            attend(qkv, nq, nkv, hd, keys, values, S, attn.scale, att)
-        else:
-            attend_padded(attend, qkv, nq, nkv, hd, keys, values, S, attn.scale, att, pads)
+            attend_quantized(ops, qkv, nq, nkv, hd, keys, values, S, attn.scale, bits, group_size, att)
         _linear_into(att, attn["o_proj"], delta)
         _rms_norm_into(ops, h, delta, layer["post_attention_layernorm"], n)
         if "switch_mlp" in mlp:  # only the k experts the token chose are read
@@ -247,29 +239,6 @@ def attend_quantized(ops, qkv, nq, nkv, hd, keys, values, S, scale, bits, group_
     extension's own call where it has one (an older build has not: numpy then)."""
     fn = getattr(ops, "attend_quantized", None) or NumpyOps.attend_quantized
     fn(qkv, nq, nkv, hd, *keys, *values, S, scale, bits, group_size, out)
-
-
-def _attend_packed(ops, bits, group_size, qkv, nq, nkv, hd, keys, values, S, scale, out):
-    attend_quantized(ops, qkv, nq, nkv, hd, keys, values, S, scale, bits, group_size, out)
-
-
-def attend_padded(attend, qkv, nq, nkv, hd, keys, values, S, scale, out, pads):
-    """`attend` (ops.attend, or attend_quantized bound to its ops) for rows left-padded by `pads`:
-    a row without padding in one call, a padded one per kv head over its own positions (one
-    head's positions [pad, S) are a contiguous slice of its buffer), as the row alone computes."""
-    rep = nq // nkv
-    part = lambda t, b, g, p: (tuple(a[b:b + 1, g:g + 1, p:S] for a in t) if isinstance(t, tuple)  # noqa: E731
-                               else t[b:b + 1, g:g + 1, p:S])
-    for b, p in enumerate(pads):
-        if not p:
-            row = lambda t: tuple(a[b:b + 1] for a in t) if isinstance(t, tuple) else t[b:b + 1]  # noqa: E731
-            attend(qkv[b:b + 1], nq, nkv, hd, row(keys), row(values), S, scale, out[b:b + 1])
-            continue
-        for g in range(nkv):
-            one = np.concatenate([qkv[b, g * rep:(g + 1) * rep], qkv[b, nq + g:nq + g + 1],
-                                  qkv[b, nq + nkv + g:nq + nkv + g + 1]])[None]
-            attend(one, rep, 1, hd, part(keys, b, g, p), part(values, b, g, p), S - p, scale,
-                   out[b:b + 1, g * rep * hd:(g + 1) * rep * hd])
 
 
 def quantize_rows(x, group_size: int, bits: int):
