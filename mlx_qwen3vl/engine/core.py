@@ -839,8 +839,8 @@ class Engine:
         are before its cached prefix or have their features cached), the jobs after it that are
         too and of its cache kind, admitted in turn (others passed over, keeping their order),
         while they fit one forward: rows x the longest prompt within prefill_step_size, its FLOPs
-        within what is left of `budget`. Requests with a cache of their own go alone (their
-        caller's cache is continued in place)."""
+        within what is left of `budget`. Requests with a cache of their own (their caller's
+        cache is continued in place) or a draft model (its own prefill follows) go alone."""
         first = self.jobs[0] if self.jobs else self._admit(events)
         if first is None or not self._joinable(first):
             return [first] if first is not None else []
