@@ -44,9 +44,10 @@ _streams = []
 
 
 def row_blocks(w):
-    """w's PARTS row blocks, views of it (no copy)."""
+    """w's PARTS row blocks, views of it (no copy); a tuple, which nn.Module neither counts among its
+    parameters nor walks as children."""
     step = -(-w.shape[0] // PARTS)
-    blocks = [w[a:a + step] for a in range(0, w.shape[0], step)]
+    blocks = tuple(w[a:a + step] for a in range(0, w.shape[0], step))
     mx.eval(blocks)
     return blocks
 
