@@ -35,18 +35,24 @@ MAX_READS = 12_000
 SWAPPER = """
 import os, sys
 kind, target, other, spare, spare2, n = sys.argv[1:7]
+inside = open(sys.argv[7], "rb").read() if len(sys.argv) > 7 else b"inside-the-folder"  # the regular file's bytes
+
+def regular():
+    open(spare2, "wb").write(inside)
+    os.replace(spare2, target)
+
 for i in range(int(n)):
     try:
         if kind == "link":  # target: a regular file <-> a link to `other` (outside)
             if i % 2:
                 os.symlink(other, spare); os.replace(spare, target)
             else:
-                open(spare2, "wb").write(b"inside-the-folder"); os.replace(spare2, target)
+                regular()
         elif kind == "fifo":  # target: a regular file <-> a FIFO
             if i % 2:
                 os.mkfifo(spare); os.replace(spare, target)
             else:
-                open(spare2, "wb").write(b"inside-the-folder"); os.replace(spare2, target)
+                regular()
         else:  # target: a directory <-> a link to the directory `other` (outside)
             if not i % 2:
                 os.rename(target, spare2); os.symlink(other, spare); os.replace(spare, target)
@@ -54,6 +60,8 @@ for i in range(int(n)):
                 os.unlink(target); os.rename(spare2, target)
     except FileNotFoundError:
         pass
+    if i == 1:  # both states made once: the race is on
+        print("swapping", flush=True)
 """
 
 
@@ -65,7 +73,8 @@ def race(kind, target, other, read):
     errors = []
     folder = os.path.dirname(target)
     swapper = subprocess.Popen([sys.executable, "-c", SWAPPER, kind, target, str(other),
-                                os.path.join(folder, ".spare"), os.path.join(folder, ".spare2"), str(SWAPS)])
+                                os.path.join(folder, ".spare"), os.path.join(folder, ".spare2"), str(SWAPS)],
+                               stdout=subprocess.DEVNULL)
 
     def reader():
         for _ in range(MAX_READS):

@@ -477,14 +477,17 @@ def test_draft_model_with_another_vocabulary_is_refused_in_one_line(processor, o
 
 
 def test_server_drafts_with_its_draft_model_and_per_request_settings(processor):
-    """A server with --draft-model (tiny-b drafting for tiny-a) through the real openai client:
-    greedy answers (an image, streamed or not) are the plain run's; a request's own prompt_lookup
-    replaces the server's drafter and num_draft_tokens 0 turns drafting off; usage says proposed and
-    kept drafts (completion_tokens_details), /metrics their totals; a bad value is a 400 naming it."""
+    """A server with --draft-model (tiny-b drafting for tiny-a) through the real openai client
+    (chat completions, Responses) and anthropic client (Messages): greedy answers (an image,
+    streamed or not) are the plain run's; a request's own prompt_lookup replaces the server's
+    drafter and num_draft_tokens 0 turns drafting off, in every protocol; usage says kept and
+    rejected drafts in each one's shape, /metrics their totals; a bad value is a 400 naming it in
+    each one's error shape."""
     import base64
     import io
 
     pytest.importorskip("openai")
+    anthropic = pytest.importorskip("anthropic")
     from test_server import KEY, Server
 
     server = Server("--api-key", KEY, "--draft-model", str(FIXTURES / "tiny-b"), "--num-draft-tokens", "3")
@@ -514,10 +517,44 @@ def test_server_drafts_with_its_draft_model_and_per_request_settings(processor):
         pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
             **ask, stream=True, extra_body={"ignore_eos": True}) if c.choices]
         assert "".join(pieces) == want.text
+        # Responses and Messages (no EOS in these 14 tokens: the same answer without ignore_eos)
+        said = "one two three one two three"
+        parts = [{"type": "input_image", "image_url": url}, {"type": "input_text", "text": said}]
+        for extra in ({"prompt_lookup": 2, "num_draft_tokens": 2}, {"num_draft_tokens": 0}):
+            r = client.responses.create(model="m", input=[{"role": "user", "content": parts}], max_output_tokens=14,
+                                        temperature=0, extra_body=extra)
+            assert r.output_text == want.text, extra
+            details = r.usage.output_tokens_details.model_extra
+            if extra["num_draft_tokens"]:
+                kept, rejected = details["accepted_prediction_tokens"], details["rejected_prediction_tokens"]
+                assert kept + rejected > 0 and kept <= r.usage.output_tokens
+                totals = [totals[0] + kept + rejected, totals[1] + kept]
+            else:
+                assert not details
+        claude = anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key=KEY, max_retries=0,
+                                     timeout=120)
+        image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": url.split(",", 1)[1]}}
+        blocks = [image, {"type": "text", "text": said}]
+        for extra in ({}, {"num_draft_tokens": 0}):
+            m = claude.messages.create(model="m", max_tokens=14, messages=[{"role": "user", "content": blocks}],
+                                       extra_body={"temperature": 0, **extra})
+            assert m.content[0].text == want.text, extra
+            if extra:
+                assert not m.usage.model_extra
+            else:
+                kept, rejected = m.usage.accepted_draft_tokens, m.usage.rejected_draft_tokens
+                assert kept + rejected > 0 and kept <= m.usage.output_tokens
+                totals = [totals[0] + kept + rejected, totals[1] + kept]
         stats = server.metrics()
         assert stats["draft_proposed"] > totals[0] and stats["draft_accepted"] >= totals[1]
         status, body = server.request("POST", "/v1/chat/completions", {**ask, "num_draft_tokens": 17})
         assert status == 400 and body["error"]["param"] == "num_draft_tokens"
+        status, body = server.request("POST", "/v1/responses", {"model": "m", "input": "hi", "prompt_lookup": 17})
+        assert status == 400 and body["error"]["param"] == "prompt_lookup", body
+        status, body = server.request("POST", "/v1/messages", {"model": "m", "max_tokens": 4, "num_draft_tokens": -1,
+                                                               "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 400 and body["type"] == "error" and "'num_draft_tokens'" in body["error"]["message"], body
     finally:
         server.stop()
 

@@ -20,7 +20,7 @@ from starlette.routing import Route
 from . import protocol as P
 from .conversation import Call, Part, Turn
 from .endpoint import Writer, respond, tools
-from .protocol import APIError, ChatRequest, OpenAIHints, Rendering, Sampling, Wire, invalid, one_of
+from .protocol import APIError, ChatRequest, Drafting, OpenAIHints, Rendering, Sampling, Wire, invalid, one_of
 
 # ------------------------------------------------------------------------------------ the body
 
@@ -116,7 +116,7 @@ class ProcessorKwargs(Wire):
     max_pixels: Optional[int] = None
 
 
-class ChatBody(Sampling, Rendering, OpenAIHints):
+class ChatBody(Sampling, Rendering, Drafting, OpenAIHints):
     """Every field a chat-completions body may hold (ranges are checked with the field's name when
     the request is read: protocol.sampling_params)."""
 
@@ -147,10 +147,6 @@ class ChatBody(Sampling, Rendering, OpenAIHints):
     kv_bits: Optional[int] = None
     kv_group_size: Optional[int] = None
     quantized_kv_start: Optional[int] = None
-    # speculative decoding (lossless: only the speed changes): prompt lookup's longest n-gram (0 off,
-    # replacing the server's drafter), draft tokens per step (0 off)
-    prompt_lookup: Optional[int] = None
-    num_draft_tokens: Optional[int] = None
 
 
 REFUSED = {  # fields a client may send that this server cannot honour, and what to send instead
@@ -197,21 +193,7 @@ def parse_chat_request(body) -> ChatRequest:
         response_format=rf and P.output_format(rf.type, (rf.json_schema or JSONSchema()).schema_,
                                                (rf.json_schema or JSONSchema()).name),
         chat_template_kwargs=P.template_switches(wire.chat_template_kwargs), kv=P.kv_settings(body),
-        merge_system=False, drafting=drafting_settings(body), **pixels)
-
-
-MAX_REQUEST_DRAFT = 16  # a request's num_draft_tokens and prompt_lookup at most: a batch's verify forward
-# is as long as its longest row's drafts, and a lookup scans the history once per n each step
-
-
-def drafting_settings(body) -> Optional[dict]:
-    """The request's speculative decoding settings, each checked with its name (None: the server's)."""
-    out = {}
-    for name, hi in (("prompt_lookup", MAX_REQUEST_DRAFT), ("num_draft_tokens", MAX_REQUEST_DRAFT)):
-        value = P.number(body, name, 0, hi, integer=True)
-        if value is not None:
-            out[name] = value
-    return out or None
+        merge_system=False, drafting=P.drafting_settings(wire), **pixels)
 
 
 def read_messages(messages: List[Message]) -> List[Turn]:

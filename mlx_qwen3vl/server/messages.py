@@ -28,7 +28,7 @@ from starlette.routing import Route
 from . import protocol as P
 from .conversation import Call, Part, Turn
 from .endpoint import Writer, computer_sampling, build, function_tool, new_id, respond, tools
-from .protocol import APIError, ChatRequest, Rendering, Sampling, Wire, invalid, one_of
+from .protocol import APIError, ChatRequest, Drafting, Rendering, Sampling, Wire, invalid, one_of
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 421: "permission_error",
@@ -183,7 +183,7 @@ class CountBody(Rendering):
     workspace_id: Optional[str] = None
 
 
-class Body(CountBody, Sampling):
+class Body(CountBody, Sampling, Drafting):
     max_tokens: Annotated[int, Field(ge=1)]
     temperature: Optional[Annotated[float, Field(ge=0, le=1)]] = None  # Anthropic's range
     stream: Optional[bool] = None
@@ -301,6 +301,7 @@ def parse_request(body, agent_format: str, count: bool = False) -> ChatRequest:
         tools=functions, tool_choice=tool_choice, response_format=rf, computer=tool,
         thinking=wire.thinking.type if wire.thinking is not None else None,
         chat_template_kwargs=P.template_switches(wire.chat_template_kwargs),
+        drafting=None if count else P.drafting_settings(wire),
         **{k: v or defaults.get(k) for k, v in P.pixel_options(body).items()})
 
 
@@ -388,6 +389,9 @@ class MessageWriter(Writer):
         cached = ev.cached_tokens
         self.usage = {"input_tokens": ev.prompt_tokens - cached, "output_tokens": ev.completion_tokens,
                       "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+        if ev.draft_proposed:  # speculative decoding's drafts (this server's fields): kept, among output_tokens
+            self.usage.update(accepted_draft_tokens=ev.draft_accepted,
+                              rejected_draft_tokens=ev.draft_proposed - ev.draft_accepted)
         return [{"type": "message_delta", "delta": {"stop_reason": self.stop_reason,
                                                     "stop_sequence": self.stop_sequence}, "usage": dict(self.usage)},
                 {"type": "message_stop"}]

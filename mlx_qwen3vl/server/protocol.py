@@ -1,8 +1,9 @@
 """What every protocol's request reading shares: the internal request (`ChatRequest`), errors
 (`APIError`, OpenAI's error body `{"error": {"message", "type", "param", "code"}}`), the wire
 models' base (`Wire`: strict, no unknown field; `one_of`: a union told apart by its `type`),
-validation with errors named by the field's path (`validate`), and the value checks for sampling,
-stop strings, pixels, template switches, KV settings and the output format.
+validation with errors named by the field's path (`validate`), the fields every protocol shares
+(`Sampling`, `Rendering`, `Drafting`), and the value checks for sampling, stop strings, pixels,
+template switches, KV settings and the output format.
 
 Every check names the field (`param`) and what to send instead.
 """
@@ -12,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Dict, List, Optional, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Tag, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from ..errors import InputError
 from ..kv_settings import FIELDS as KV_FIELDS, KVSettings
@@ -262,6 +263,25 @@ class Rendering(Wire):
     min_pixels: Optional[int] = None
     max_pixels: Optional[int] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
+
+
+MAX_REQUEST_DRAFT = 16  # a request's prompt_lookup and num_draft_tokens at most: a batch's verify forward is as
+# long as its longest row's drafts, and a lookup scans the history once per n each step
+DraftCount = Optional[Annotated[int, Field(ge=0, le=MAX_REQUEST_DRAFT)]]
+
+
+class Drafting(Wire):
+    """Speculative decoding's settings, this server's in every protocol that answers (lossless: only
+    the speed changes): prompt lookup's longest n-gram (0: none; it replaces the server's drafter)
+    and the draft tokens checked per step (0: none)."""
+
+    prompt_lookup: DraftCount = None
+    num_draft_tokens: DraftCount = None
+
+
+def drafting_settings(wire: Drafting) -> Optional[dict]:
+    """The speculative decoding settings the request set (None: the server's)."""
+    return wire.model_dump(include={"prompt_lookup", "num_draft_tokens"}, exclude_none=True) or None
 
 
 class OpenAIHints(Wire):

@@ -25,7 +25,7 @@ from starlette.routing import Route
 from . import protocol as P
 from .conversation import Call, Part, Turn
 from .endpoint import Writer, computer_sampling, function_tool, new_id, respond, tools
-from .protocol import APIError, ChatRequest, OpenAIHints, Rendering, Sampling, Wire, invalid, one_of
+from .protocol import APIError, ChatRequest, Drafting, OpenAIHints, Rendering, Sampling, Wire, invalid, one_of
 from .store import ResponseStore
 
 MAX_METADATA = 16
@@ -169,7 +169,7 @@ class StreamOptions(Wire):
     include_obfuscation: Optional[Literal[False]] = None
 
 
-class Body(Sampling, Rendering, OpenAIHints):
+class Body(Sampling, Rendering, Drafting, OpenAIHints):
     input: Union[str, List[Item]]
     model: Optional[str] = None
     instructions: Optional[str] = None
@@ -312,7 +312,8 @@ def parse_request(body, agent_format: str) -> ChatRequest:
         turns=head + turns, sampling=sampling, model=wire.model, stream=bool(wire.stream),
         max_tokens=wire.max_output_tokens or defaults.get("max_tokens"),
         tools=functions, tool_choice=tool_choice, response_format=rf, computer=tool, max_tool_calls=wire.max_tool_calls,
-        chat_template_kwargs=P.template_switches(wire.chat_template_kwargs), echo=echo, **pixels)
+        chat_template_kwargs=P.template_switches(wire.chat_template_kwargs), echo=echo,
+        drafting=P.drafting_settings(wire), **pixels)
 
 
 def history(req: ChatRequest) -> List[Turn]:
@@ -442,6 +443,9 @@ class ResponseWriter(Writer):
                       "output_tokens": ev.completion_tokens,
                       "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                       "total_tokens": n + ev.completion_tokens}
+        if ev.draft_proposed:  # speculative decoding's drafts, named as chat completions' predicted outputs
+            self.usage["output_tokens_details"].update(accepted_prediction_tokens=ev.draft_accepted,
+                                                       rejected_prediction_tokens=ev.draft_proposed - ev.draft_accepted)
         return [self.event(f"response.{self.status}", response=self.response)]
 
     def failed(self, error: APIError) -> list:
@@ -455,9 +459,9 @@ class ResponseWriter(Writer):
 
 
 def routes(service, store: ResponseStore) -> list:
-    def keep(req: ChatRequest, writer: ResponseWriter):
+    def keep(req: ChatRequest, writer: ResponseWriter):  # (awaited before the answer's end is sent)
         if req.echo["store"] and writer.turn is not None:
-            return store.put(writer.id, history(req) + [writer.turn], writer.response)
+            return store.keep(writer.id, history(req) + [writer.turn], writer.response, service.prepare_pool)
 
     async def create(request):
         return await respond(service, request, lambda body: parse_request(body, service.agent_format),
