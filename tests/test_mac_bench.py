@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_qwen3vl import Processor, plan
+from mlx_qwen3vl import Processor, attention, plan
 from mlx_qwen3vl import memory
 from mlx_qwen3vl.bench import machine
 from mlx_qwen3vl.bench.__main__ import main as bench_main
@@ -160,6 +160,27 @@ def test_plan_vision_memory_estimate_against_a_measurement(on_cpu):
         v = plan.vision_plan(model.config, image_config, size, 400000, dtype_bytes=4)
         estimate = v["activation_bytes"] + v["attention_scores_bytes"]
         assert 0.8 < measured / estimate < 1.6, (size, measured, estimate)
+
+
+@pytest.mark.parametrize("budget", [None, 1 << 21])
+def test_plan_attention_working_bytes_against_a_measurement(on_cpu, monkeypatch, budget):
+    """What the plan counts for attention beyond its inputs and output (the whole score matrix, or
+    one query chunk's under attention.SCORE_BUDGET) against MLX's peak while the plain graph's
+    attention runs over 4 heads x 1024 patches (16.8 MB of float32 scores): within -20%..+60%,
+    so a plan that still counted the whole matrix under chunking (16x here) fails."""
+    if budget is not None:
+        monkeypatch.setattr(attention, "SCORE_BUDGET", budget)
+    heads, n, d = 4, 1024, 64
+    q, k, v = (mx.random.normal((1, heads, n, d), key=mx.random.key(i)) for i in range(3))
+    mx.eval(q, k, v)
+    machine.fresh_mlx_measurement()
+    base = mx.get_active_memory()
+    out = attention.scaled_dot_product_attention(q, k, v, d**-0.5)
+    mx.eval(out)
+    measured = mx.get_peak_memory() - base - out.nbytes
+    estimate = plan.attention_working_bytes(heads * n * n * 4, "cpu", d)
+    assert estimate == (heads * n * n * 4 if budget is None else budget // 2)
+    assert 0.8 < measured / estimate < 1.6, (measured, estimate)
 
 
 def test_plan_fits_against_the_gpu_working_set_on_macos(monkeypatch):
