@@ -358,6 +358,23 @@ def test_speculative_row_is_the_librarys_prompt_lookup(quick_run):
     assert validate(broken) == ["engines.mlx_qwen3vl.results.speculative.drafters.prompt_lookup.same_tokens is missing"]
 
 
+def test_speculative_row_with_a_draft_model(tmp_path):
+    """--draft-model: the fixture as its own draft model proposes exactly the model's greedy
+    tokens, so every draft is kept and the tokens are the plain run's."""
+    out = tmp_path / "b.json"
+    model = str(FIXTURES / "tiny-a")
+    argv = ["--model", model, "--quick", "--max-pixels", str(MAX_PIXELS), "--prompt-tokens", "32", "--decode-tokens",
+            "12", "--agent-turns", "0", "--speculative", "--num-draft-tokens", "3", "--draft-model", model, "--json",
+            str(out)]
+    assert bench_main(argv) == 0
+    report = json.loads(out.read_text())
+    assert validate(report) == []
+    rows = report["engines"]["mlx_qwen3vl"]["results"]["speculative"]["drafters"]
+    assert set(rows) == {"plain", "prompt_lookup", "draft_model"}
+    d = rows["draft_model"]
+    assert d["same_tokens"] and d["proposed"] > 0 and d["accepted"] == d["proposed"] and d["acceptance"] == 1.0
+
+
 def test_bench_flags_are_checked_before_any_work(tmp_path, capsys):
     model = str(FIXTURES / "tiny-a")
     cases = [(["--model", model, "--decode-tokens", "1"], "--decode-tokens 1"),
@@ -371,6 +388,7 @@ def test_bench_flags_are_checked_before_any_work(tmp_path, capsys):
              (["--preset", "2b"], "--preset is for --plan"),
              (["--model", model, "--speculative", "--num-draft-tokens", "0"], "--num-draft-tokens 0"),
              (["--model", model, "--draft-model", model], "go with --speculative"),
+             (["--model", model, "--speculative", "--draft-model", str(tmp_path / "nowhere")], "--draft-model"),
              ([], "give --model")]
     for argv, words in cases:
         assert bench_main(argv) == 2, argv

@@ -32,7 +32,8 @@ from ..architectures import PRESETS
 from ..backend import backend_of
 from ..cli import FLAGS, Parser, check_media_flags, run
 from ..config import ModelConfig
-from ..engine.speculative import DEFAULT_DRAFT, MAX_DRAFT, drafting
+from ..engine.draft_model import DraftModel
+from ..engine.speculative import DEFAULT_DRAFT, MAX_DRAFT
 from ..errors import InputError
 from ..hub import resolve_model_path
 from ..plan import (add_json_argument, add_plan_arguments, check_json_path, parameter_counts, quant_label, run_plan,
@@ -127,9 +128,8 @@ def _bench(args, argv) -> int:
         notes.append(engine_mlx_vlm.missing())
         log(f"[bench] {notes[-1]}")
     spec = settings["speculative"]
-    if spec and spec["draft_model"]:  # the engine's own check of the draft arguments, before any loading
-        drafting(draft_model=spec["draft_model"], num_draft_tokens=spec["num_draft_tokens"])
     path = resolve_model_path(args.model, flag="--model")
+    draft_path = resolve_model_path(spec["draft_model"], flag="--draft-model") if spec and spec["draft_model"] else None
     check_media_flags(path, None, args.max_pixels)
     config = ModelConfig.from_pretrained(path)
     limit = config.text_config.max_position_embeddings
@@ -144,8 +144,9 @@ def _bench(args, argv) -> int:
                   settings=settings, engines={}, notes=notes)
     log(f"[bench] {args.model}: loaded in {load_s:.1f} s; {report['model']['dtype']}, {report['model']['quantization']}")
     draft = None
-    if spec and spec["draft_model"]:
-        draft, _ = load(resolve_model_path(spec["draft_model"], flag="--draft-model"), dtype=args.dtype)
+    if draft_path:  # loaded once; its tokenizer and vision settings are checked against the model's
+        draft = DraftModel.of(load(draft_path, dtype=args.dtype))
+        draft.check(model, processor.tokenizer)
     prepared = prepare(processor, settings)
     report["engines"][OURS] = dict(info=dict(engine=OURS, version=__version__, backend=backend_of(model).describe()),
                                    results=run_ours(model, processor, prepared, settings, log, draft))
