@@ -77,6 +77,16 @@ def start(server, model, port, max_batch, root=ROOT, extra=()):
     return proc, log
 
 
+def stop(proc):
+    """End a server `start` began (its whole session: mlx.launch's ranks too)."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
 def screenshot(rng, size):
     """A GUI-like screenshot: flat panels and a few buttons, different every turn, same size."""
     w, h = size
@@ -146,12 +156,7 @@ def run(server, args):
 
             metrics = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read())
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+        stop(proc)
     by_turn = [[r["latency_s"] for r in turns if r["turn"] == t] for t in range(args.turns)]
     gaps = sum((r["gaps_s"] for r in turns), [])
     ttft = [r["ttft_s"] for r in turns if r["ttft_s"] is not None]
@@ -292,12 +297,7 @@ def refused_requests(args):
             status, code, seconds = _send(port, body)
             mem = _memory(proc.pid)
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
+            stop(proc)
         rows.append({"case": name, "status": status, "code": code, "seconds": seconds, "baseline": base, **mem,
                      "peak_rise_mb": (mem["VmHWM"] - base["VmHWM"]) / 2**20})
         print(f"{name:42s} {status} {code or '':26s} {seconds:6.2f} s  peak {base['VmHWM'] / 2**20:5.0f} -> "
@@ -323,6 +323,10 @@ def main():
     p.add_argument("--prefix-lookup", action="store_true",
                    help="instead: prefix-cache lookup time at 100/1000/5000 entries, index against a linear scan")
     p.add_argument("--refused", action="store_true", help="instead: the refused-request RSS run (issue #26)")
+    p.add_argument("--contention", action="store_true",
+                   help="instead: a 1-token text request's latency, idle and while six 4096x4096 images are "
+                        "preprocessed (count_tokens requests)")
+    p.add_argument("--repeats", type=int, default=3, help="--contention: rounds")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.prefix_lookup:
@@ -331,6 +335,9 @@ def main():
     if args.refused:
         args.out = args.out or str(ROOT / "benchmarks/results/server-refused.json")
         return refused_requests(args)
+    if args.contention:
+        args.out = args.out or str(ROOT / "benchmarks/results/server-contention.json")
+        return contention(args)
     args.out = args.out or str(ROOT / "benchmarks/results/server-agents.json")
     args.size = tuple(int(v) for v in args.size.split("x"))
     results = []
@@ -355,6 +362,74 @@ def main():
     meta = {"argv": sys.argv[1:], "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"), "machine": platform.platform(), "cpus": os.cpu_count(),
             "load_avg": os.getloadavg(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+
+
+# ------------------------------------------------------------------------------ preprocessing contention
+
+
+def _big_png(size=4096):
+    """A 4096x4096 PNG of a few dozen KB: cheap to send, seconds of CPU to decode and resize."""
+    from PIL import ImageDraw
+
+    image = Image.new("RGB", (size, size), (200, 30, 30))
+    draw = ImageDraw.Draw(image)
+    for i in range(0, size, 64):
+        draw.line([(i, 0), (size - 1 - i, size - 1)], fill=(10, 200, 40), width=3)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def contention(args, images=6):
+    """A 1-token text chat request's latency on an idle server, then while `images` count_tokens
+    requests of a 4096x4096 PNG each are being built (sent at once; the text request goes once the
+    server has admitted them all, /metrics' requests_built). Best and median of --repeats rounds."""
+    import http.client
+    import urllib.request
+
+    port = free_port()
+    proc, log = start("ours", args.model, port, args.max_batch, root=Path(args.server_root),
+                      extra=["--max-queue", "64", *(args.server_args.split() if args.server_args else ())])
+
+    def post(path, body):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        tic = time.perf_counter()
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        r.read()
+        conn.close()
+        return r.status, time.perf_counter() - tic
+
+    def built():
+        return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read())["requests_built"]
+
+    text = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 1, "temperature": 0}
+    png = base64.b64encode(_big_png()).decode()
+    count = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}},
+        {"type": "text", "text": "What is this?"}]}]}
+    idle, loaded, statuses = [], [], []
+    try:
+        post("/v1/chat/completions", text)  # warm-up
+        for _ in range(args.repeats):
+            idle.append(post("/v1/chat/completions", text)[1])
+            before = built()
+            with ThreadPoolExecutor(images) as pool:
+                counts = [pool.submit(post, "/v1/messages/count_tokens", count) for _ in range(images)]
+                while built() < before + images:  # every image request admitted (its build started or queued)
+                    time.sleep(0.005)
+                status, seconds = post("/v1/chat/completions", text)
+                loaded.append(seconds)
+                statuses.append([status] + [f.result()[0] for f in counts])
+    finally:
+        stop(proc)
+    result = {"server_root": args.server_root, "idle_s": idle, "with_images_s": loaded, "statuses": statuses,
+              "idle_best_s": min(idle), "with_images_best_s": min(loaded),
+              "with_images_median_s": statistics.median(loaded), "load_avg": os.getloadavg()}
+    print(f"{args.server_root}: 1-token text request idle best {min(idle):.3f} s; with {images} 4096x4096 images "
+          f"being built best {min(loaded):.3f} s, median {statistics.median(loaded):.3f} s (statuses {statuses}); "
+          f"load {os.getloadavg()}")
+    Path(args.out).write_text(json.dumps(result, indent=1))
 
 
 def prefix_lookup(args):

@@ -418,3 +418,67 @@ def test_the_docs_client_example_runs(world):
     assert p.returncode == 0, p.stderr[-3000:]
     answer = ast.literal_eval(p.stdout.strip())  # the printed dict
     assert answer["status"] == "ok" and answer["answer"] == BOX and answer["image_size"] == [1280, 720], answer
+
+
+# ---------------------------------------------------------------------------------------------
+# Admission (in this process, through the SDK's in-memory client)
+# ---------------------------------------------------------------------------------------------
+def test_a_full_queue_refuses_a_call_before_its_screenshot_is_read(world, monkeypatch):
+    """--max-queue 1 with the model's thread busy: the first call takes the one place (its
+    screenshot is read off the model's thread, then it waits), a second is told the server is busy
+    without its screenshot being read; the first is answered once the model is free."""
+    import asyncio
+
+    from mlx_qwen3vl import media_access
+    from mlx_qwen3vl.mcp import server as MS
+    from mlx_qwen3vl.mcp.tools import Settings
+
+    reads, read, decode = [], threading.Event(), media_access.decode_base64
+
+    def counted(*args, **kwargs):
+        reads.append(args[1])
+        read.set()
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(media_access, "decode_base64", counted)
+    worker, free = MS.model_thread(), threading.Event()
+    model, processor = worker.submit(M.load, world["folder"]).result()  # loaded where it runs
+    worker.submit(free.wait, 60)  # the model's thread is busy
+    server = MS.create_server(model, processor, Settings(), worker=worker, max_queue=1)
+    shot = content(png(SHOT))
+
+    async def scenario():
+        async with mcp.Client(server) as c:
+            first = asyncio.create_task(c.call_tool("ask", {"screenshot": shot, "question": "@ask"}))
+            # the first call's screenshot is read off the model's thread (then it waits for the model)
+            assert await asyncio.to_thread(read.wait, 30)
+            second = await c.call_tool("ask", {"screenshot": shot, "question": "@ask"})
+            assert "busy" in error(second) and len(reads) == 1
+            free.set()
+            return await first
+
+    try:
+        assert ok(asyncio.run(scenario()))["answer"] == "It says Apply."
+    finally:
+        free.set()
+        worker.shutdown()
+
+
+def test_a_call_s_screenshot_is_read_under_its_media_budget(world):
+    """One budget per call (media_access.MediaBudget): its bytes (--max-image-bytes) and one
+    deadline (--request-media-timeout) for reading the screenshot, whichever way it comes."""
+    from mlx_qwen3vl.errors import InputError
+    from mlx_qwen3vl.mcp.tools import Settings, prepare
+
+    spent = Settings(allowed_dirs=[str(world["allowed"])], media_timeout_s=1e-9)
+    for shot in (content(png(SHOT)), "data:image/png;base64," + content(png(SHOT))["data"],
+                 str(world["allowed"] / "shot.png")):
+        with pytest.raises(InputError, match="--request-media-timeout"):
+            prepare("ask", None, spent, {"screenshot": shot, "question": "x"})
+    small = Settings(allowed_dirs=[str(world["allowed"])], max_image_bytes=1000)
+    for shot in (content(png(SHOT)), str(world["allowed"] / "shot.png")):
+        with pytest.raises(InputError, match="--max-image-bytes"):
+            prepare("ask", None, small, {"screenshot": shot, "question": "x"})
+    call = prepare("ground", None, Settings(), {"screenshot": content(png(SHOT)), "instruction": "the box",
+                                                "screen_width": 400, "screen_height": 240})
+    assert (call.size, call.screen, call.options["format"]) == ((200, 120), (400, 240), "venus")

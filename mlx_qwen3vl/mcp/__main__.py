@@ -12,6 +12,7 @@ KEY_ENV = "MLX_QWEN3VL_API_KEY"  # the HTTP server's
 def build_parser():
     from ..agent import GROUNDING_FORMATS
     from ..agent.computer_use import AGENT_FORMATS
+    from ..media_access import DEFAULT_REQUEST_MEDIA_TIMEOUT_S
     from .tools import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_REQUEST_PIXELS, DEFAULT_MAX_SESSIONS,
                         DEFAULT_MAX_SESSIONS_PER_CLIENT, DEFAULT_SESSION_IDLE_TIMEOUT_S)
 
@@ -42,6 +43,8 @@ def build_parser():
                    help="accept screenshots as paths (or file:// URLs) of files under DIR (repeatable; none by "
                         "default); --allowed-image-dir is the older spelling, still accepted")
     p.add_argument("--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES, help="size cap of one screenshot")
+    p.add_argument("--request-media-timeout", type=float, default=DEFAULT_REQUEST_MEDIA_TIMEOUT_S,
+                   help="seconds one call's screenshot may take to read (as the HTTP server's flag)")
     p.add_argument("--max-request-pixels", type=int, default=DEFAULT_MAX_REQUEST_PIXELS,
                    help="pixels one screenshot may have, as stored and as resized for the model")
     p.add_argument("--max-queue", type=int, default=16, help="tool calls waiting for the model before refusing more")
@@ -73,7 +76,8 @@ def main(argv=None):
                         ("--max-request-pixels", args.max_request_pixels), ("--max-queue", args.max_queue),
                         ("--max-sessions", args.max_sessions),
                         ("--max-sessions-per-client", args.max_sessions_per_client),
-                        ("--session-idle-timeout", args.session_idle_timeout)):
+                        ("--session-idle-timeout", args.session_idle_timeout),
+                        ("--request-media-timeout", args.request_media_timeout)):
         if value < 1:
             return _fail(f"{flag} must be at least 1")
     if not 1 <= args.port <= 65535:
@@ -101,7 +105,8 @@ def main(argv=None):
         settings = Settings(agent_format=args.agent_format, ground_format=args.ground_format,
                             allowed_dirs=args.allowed_dirs, max_request_pixels=args.max_request_pixels,
                             max_image_bytes=args.max_image_bytes, min_pixels=args.min_pixels,
-                            max_pixels=args.max_pixels, max_tokens=args.max_tokens)
+                            max_pixels=args.max_pixels, max_tokens=args.max_tokens,
+                            media_timeout_s=args.request_media_timeout)
         sock = None
         if args.transport != "stdio":  # a busy port is said before the model loads
             from ..errors import InputError

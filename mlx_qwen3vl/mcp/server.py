@@ -22,7 +22,7 @@ from .. import __version__
 from ..errors import Qwen3VLError
 from ..server.app import LocalOnly
 from .tools import (DEFAULT_MAX_SESSIONS, DEFAULT_MAX_SESSIONS_PER_CLIENT, DEFAULT_SESSION_IDLE_TIMEOUT_S,
-                    TOOL_DECLARATIONS, TOOLS, Settings)
+                    TOOL_DECLARATIONS, TOOLS, Settings, answer, prepare)
 
 DEFAULT_MAX_QUEUE = 16  # tool calls waiting for the model; more are refused at once
 
@@ -43,40 +43,56 @@ def model_thread() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(1, thread_name_prefix="mlx_qwen3vl-mcp-model")
 
 
+PREPARE_WORKERS = 2  # calls whose arguments and screenshots are read at once (off the model's thread)
+
+
 def create_server(model, processor, settings: Settings, *, worker: ThreadPoolExecutor,
                   max_queue: int = DEFAULT_MAX_QUEUE) -> Server:
     """An MCP Server (not yet running) serving ground / next_action / ask on (model, processor).
-    Tool calls run one at a time on `worker`, the model's thread (model_thread); at most
-    `max_queue` wait."""
+    A call takes a place in the queue first (at most `max_queue` wait: past it, a busy error before
+    anything is read), then is prepared on a small pool (arguments, the screenshot under the call's
+    media budget: tools.prepare) and answered on `worker`, the model's thread (model_thread), one
+    at a time."""
     waiting = [0]
     lock = threading.Lock()
+    prepare_pool = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="mlx_qwen3vl-mcp-prepare")
     tools = [types.Tool(name=d["name"], description=d["description"], input_schema=d["inputSchema"])
              for d in TOOL_DECLARATIONS]
 
     async def list_tools(ctx, params) -> types.ListToolsResult:
         return types.ListToolsResult(tools=tools)
 
-    def run(fn, args):
+    def run(call):
         with lock:
             waiting[0] -= 1
-        return fn(model, processor, settings, args)
+        return answer(model, processor, settings, call)
+
+    async def admitted(name, args):
+        """The call's prepared form, then its answer on the model's thread (its place held until it starts)."""
+        loop = asyncio.get_running_loop()
+        try:
+            call = await loop.run_in_executor(prepare_pool, prepare, name, processor, settings, args)
+            future = worker.submit(run, call)
+        except BaseException:
+            with lock:
+                waiting[0] -= 1
+            raise
+        return await asyncio.wrap_future(future)
 
     async def call_tool(ctx, params: types.CallToolRequestParams) -> types.CallToolResult:
-        fn = TOOLS.get(params.name)
-        if fn is None:
+        if params.name not in TOOLS:
             return _error(f"unknown tool {params.name[:80]!r}; this server has {', '.join(TOOLS)}")
         with lock:
             if waiting[0] >= max_queue:
                 return _error(f"the server is busy ({max_queue} calls are waiting for the model); retry shortly")
             waiting[0] += 1
         try:
-            future = worker.submit(run, fn, params.arguments or {})
-        except RuntimeError:  # the worker is shutting down
-            with lock:
-                waiting[0] -= 1
+            result = await admitted(params.name, params.arguments or {})
+        except RuntimeError as e:
+            if "shutdown" not in str(e):  # a pool shutting down refuses new work with this
+                print(f"[mlx_qwen3vl.mcp] {params.name} failed: RuntimeError: {e}", file=sys.stderr, flush=True)
+                return _error(f"{params.name}: internal error (RuntimeError)")
             return _error("the server is shutting down")
-        try:
-            result = await asyncio.wrap_future(future)
         except Qwen3VLError as e:
             return _error(f"{params.name}: {e}")
         except Exception as e:  # noqa: BLE001 — one line to the client; the details stay on this side

@@ -1,6 +1,8 @@
-"""The MCP server's three tools as plain functions (arguments dict → result dict), with every
-argument checked against its allow-list and budget before any model work: `ground`, `next_action`
-and `ask`. No MCP SDK here: server.py puts these behind the protocol.
+"""The MCP server's three tools, `ground`, `next_action` and `ask`, each in two steps: `prepare`
+(arguments dict → ToolCall: every argument checked against its allow-list and the screenshot read
+under the call's media budget, before any model work; on a preparation thread) and `answer` (the
+model's answer, on the model's thread); `ground_tool` and the others do both. No MCP SDK here:
+server.py puts these behind the protocol.
 
 A screenshot arrives as MCP image content ({"type": "image", "data": <base64>, "mimeType": ...};
 the type is told from the bytes, never from mimeType), a data: URL, or a path (or file:// URL) of a
@@ -46,6 +48,7 @@ class Settings:
     min_pixels: Optional[int] = None
     max_pixels: Optional[int] = None
     max_tokens: int = 512
+    media_timeout_s: float = media_access.DEFAULT_REQUEST_MEDIA_TIMEOUT_S  # reading one call's screenshot
 
     def __post_init__(self):
         if self.agent_format not in AGENT_FORMATS:
@@ -53,6 +56,11 @@ class Settings:
         if self.ground_format not in GROUNDING_FORMATS:
             raise InputError(f"unknown grounding format {self.ground_format!r}; use {', '.join(GROUNDING_FORMATS)}")
         self.allowed_dirs = media_access.allowed_folders(self.allowed_dirs)
+
+    def budget(self) -> media_access.MediaBudget:
+        """One call's media budget: its screenshot's bytes and one deadline for reading it."""
+        return media_access.MediaBudget(max_bytes=self.max_image_bytes, timeout_s=self.media_timeout_s,
+                                        bytes_flag="--max-image-bytes", timeout_flag="--request-media-timeout")
 
     def pixel_options(self) -> dict:
         return {k: v for k, v in (("min_pixels", self.min_pixels), ("max_pixels", self.max_pixels)) if v is not None}
@@ -118,30 +126,25 @@ def _history(args) -> List[str]:
 ALLOW_FLAG = "--allowed-local-media-path"  # the HTTP server's spelling (--allowed-image-dir still works)
 
 
-def _base64(text, what, limit) -> bytes:
-    return media_access.decode_base64(text, what, max_bytes=limit, flag="--max-image-bytes")
-
-
-def _read_path(path, settings: Settings) -> bytes:
-    return media_access.read_allowed(path, settings.allowed_dirs, "the screenshot path", flag=ALLOW_FLAG,
-                                     max_bytes=settings.max_image_bytes, bytes_flag="--max-image-bytes")
-
-
-def read_screenshot(value, settings: Settings, processor=None, pixels=None):
-    """A screenshot argument → (encoded bytes, (width, height)), every budget checked from the
+def read_screenshot(value, settings: Settings, processor=None, pixels=None, budget=None):
+    """A screenshot argument → (encoded bytes, (width, height)), read by media_access under the
+    call's `budget` (default: a fresh settings.budget()) and every pixel limit checked from the
     header before decoding; InputError (one line) otherwise. With `processor`, the size it would
     resize to under `pixels` ({"min_pixels", "max_pixels"} as the call passes them) is held to the
     same budget."""
+    budget = budget if budget is not None else settings.budget()
+    limit = dict(max_bytes=settings.max_image_bytes, budget=budget)
     if isinstance(value, dict):
         if value.get("type", "image") != "image" or not isinstance(value.get("data"), str):
             raise InputError("'screenshot' as an object must be MCP image content: {\"type\": \"image\", "
                              "\"data\": <base64>, \"mimeType\": ...}")
-        data = _base64(value["data"], "the screenshot", settings.max_image_bytes)
+        data = media_access.decode_base64(value["data"], "the screenshot", flag="--max-image-bytes", **limit)
     elif isinstance(value, str) and value.startswith("data:"):
-        data = media_access.decode_data_url(value, "the screenshot", max_bytes=settings.max_image_bytes,
-                                            flag="--max-image-bytes", base64_only=True)
+        data = media_access.decode_data_url(value, "the screenshot", flag="--max-image-bytes", base64_only=True,
+                                            **limit)
     elif isinstance(value, str) and value:
-        data = _read_path(value, settings)
+        data = media_access.read_allowed(value, settings.allowed_dirs, "the screenshot path", flag=ALLOW_FLAG,
+                                         bytes_flag="--max-image-bytes", **limit)
     else:
         raise InputError("'screenshot' is required: MCP image content, a data: URL or an allowed file path")
     if len(data) > settings.max_image_bytes:
@@ -185,20 +188,54 @@ def _on_screen(hit, size, screen):
     return parse_grounding(hit.answer, *screen, window=window)
 
 
-def ground_tool(model, processor, settings: Settings, args: dict) -> dict:
-    """Where `instruction` is on the screenshot: point, box and status in screen pixels; with
-    zoom, two-stage grounding (pass 2 on a crop around pass 1's point)."""
-    _check_names(args, ("screenshot", "instruction", "format", "zoom", "screen_width", "screen_height"))
-    instruction = _text(args, "instruction")
-    fmt = _choice(args, "format", GROUNDING_FORMATS, settings.ground_format)
-    zoom = _zoom(args)
-    data, size = read_screenshot(args.get("screenshot"), settings, processor)
-    screen = _screen(args, size)
-    hit = ground(model, processor, data, instruction, format=fmt, zoom=zoom, **settings.pixel_options())
+@dataclass
+class ToolCall:
+    """A tool call checked and its screenshot read (`prepare`, on a preparation thread): what the
+    model thread needs to answer it (`answer`)."""
+
+    name: str
+    data: bytes  # the screenshot, encoded
+    size: tuple  # its (width, height)
+    screen: tuple  # the (width, height) answers are given in
+    options: dict  # the tool's own: instruction, format, zoom / task, history, kind / question
+
+
+def prepare(name: str, processor, settings: Settings, args) -> ToolCall:
+    """Every argument of a call checked against its allow-list, then the screenshot read under the
+    call's media budget (bytes and one deadline, media_access.MediaBudget) and its pixels checked
+    from the header: all before the model is asked. InputError (one line) otherwise."""
+    budget = settings.budget()
+    if name == "ground":
+        _check_names(args, ("screenshot", "instruction", "format", "zoom", "screen_width", "screen_height"))
+        options = {"instruction": _text(args, "instruction"),
+                   "format": _choice(args, "format", GROUNDING_FORMATS, settings.ground_format), "zoom": _zoom(args)}
+        pixels = None
+    elif name == "next_action":
+        _check_names(args, ("screenshot", "task", "history", "kind", "screen_width", "screen_height"))
+        options = {"task": _text(args, "task"), "history": _history(args),
+                   "kind": _choice(args, "kind", ("web", "mobile"), "web")}
+        pixels = next_action_options(settings)
+    else:
+        _check_names(args, ("screenshot", "question"))
+        options, pixels = {"question": _text(args, "question")}, None
+    data, size = read_screenshot(args.get("screenshot"), settings, processor, pixels, budget)
+    screen = _screen(args, size) if name != "ask" else size
+    return ToolCall(name, data, size, screen, options)
+
+
+def answer(model, processor, settings: Settings, call: ToolCall) -> dict:
+    """A prepared call's answer (on the model's thread)."""
+    return ANSWERS[call.name](model, processor, settings, call)
+
+
+def _ground(model, processor, settings: Settings, call: ToolCall) -> dict:
+    o, size, screen = call.options, call.size, call.screen
+    hit = ground(model, processor, call.data, o["instruction"], format=o["format"], zoom=o["zoom"],
+                 **settings.pixel_options())
     g = _on_screen(hit, size, screen) if screen != size else hit
     out = {"point": list(g.point) if g.point else None, "box": list(g.box) if g.box else None, "status": g.status,
-           "answer": hit.answer, "format": fmt, "screen_size": list(screen), "image_size": list(size)}
-    if zoom is not None:  # the window in the screenshot's pixels, and each pass's answer there
+           "answer": hit.answer, "format": o["format"], "screen_size": list(screen), "image_size": list(size)}
+    if o["zoom"] is not None:  # the window in the screenshot's pixels, and each pass's answer there
         out["zoom"] = hit.to_dict()["zoom"]
     return out
 
@@ -215,21 +252,15 @@ def next_action_options(settings: Settings) -> dict:
     return options
 
 
-def next_action_tool(model, processor, settings: Settings, args: dict) -> dict:
-    """The next action for `task` on the screenshot after `history` (earlier answers), in screen pixels."""
-    _check_names(args, ("screenshot", "task", "history", "kind", "screen_width", "screen_height"))
-    task = _text(args, "task")
-    history = _history(args)
-    kind = _choice(args, "kind", ("web", "mobile"), "web")
-    options = next_action_options(settings)
-    data, size = read_screenshot(args.get("screenshot"), settings, processor, options)
-    screen = _screen(args, size)
-    out = generate(model, processor, messages=next_action_messages(settings, task, data, history, kind), **options)
+def _next_action(model, processor, settings: Settings, call: ToolCall) -> dict:
+    o, screen = call.options, call.screen
+    messages = next_action_messages(settings, o["task"], call.data, o["history"], o["kind"])
+    out = generate(model, processor, messages=messages, **next_action_options(settings))
     turn = map_answer(out.text, screen)
     parsed = parse_action(out.text, *screen)
     result = turn.to_dict()
     del result["calls"]  # no protocol here: the neutral actions are the answer
-    result.update(parsed=parsed.to_dict() if parsed else None, screen_size=list(screen), image_size=list(size),
+    result.update(parsed=parsed.to_dict() if parsed else None, screen_size=list(screen), image_size=list(call.size),
                   finish_reason=out.finish_reason)
     return result
 
@@ -238,14 +269,29 @@ def ask_messages(data, question):
     return [{"role": "user", "content": [{"type": "image", "image": data}, {"type": "text", "text": question}]}]
 
 
+def _ask(model, processor, settings: Settings, call: ToolCall) -> dict:
+    out = generate(model, processor, messages=ask_messages(call.data, call.options["question"]),
+                   max_tokens=settings.max_tokens, temperature=0.0, **settings.pixel_options())
+    return {"answer": out.text, "finish_reason": out.finish_reason}
+
+
+ANSWERS = {"ground": _ground, "next_action": _next_action, "ask": _ask}
+
+
+def ground_tool(model, processor, settings: Settings, args: dict) -> dict:
+    """Where `instruction` is on the screenshot: point, box and status in screen pixels; with
+    zoom, two-stage grounding (pass 2 on a crop around pass 1's point)."""
+    return answer(model, processor, settings, prepare("ground", processor, settings, args))
+
+
+def next_action_tool(model, processor, settings: Settings, args: dict) -> dict:
+    """The next action for `task` on the screenshot after `history` (earlier answers), in screen pixels."""
+    return answer(model, processor, settings, prepare("next_action", processor, settings, args))
+
+
 def ask_tool(model, processor, settings: Settings, args: dict) -> dict:
     """The model's answer to a question about the screenshot (greedy)."""
-    _check_names(args, ("screenshot", "question"))
-    question = _text(args, "question")
-    data, _ = read_screenshot(args.get("screenshot"), settings, processor)
-    out = generate(model, processor, messages=ask_messages(data, question), max_tokens=settings.max_tokens,
-                   temperature=0.0, **settings.pixel_options())
-    return {"answer": out.text, "finish_reason": out.finish_reason}
+    return answer(model, processor, settings, prepare("ask", processor, settings, args))
 
 
 TOOLS = {"ground": ground_tool, "next_action": next_action_tool, "ask": ask_tool}

@@ -22,7 +22,7 @@ from . import chat, messages, responses
 from . import grounding as G
 from .prepared import ErrorEvent
 from .protocol import APIError
-from .service import Service, disconnected, shutting_down
+from .service import Service, shutting_down
 from .store import ResponseStore
 from .ui import routes as ui_routes
 
@@ -122,10 +122,9 @@ def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None,
         engine, on a worker thread; the job holds its place in the queue from before the image is read."""
         req = await service.read(request, G.parse_ground_request)
         slot = engine.reserve()
+        service.built += 1
         try:
-            job = G.GroundJob(engine, builder, req, asyncio.get_running_loop(), running, stopping, shutting_down,
-                              slot)
-            hit = await job.serve(disconnected(request))
+            hit = await G.GroundJob(service, req, request, asyncio.get_running_loop(), slot).serve()
         finally:
             slot.release()
         if hit is None:  # the client went away

@@ -33,7 +33,6 @@ from ..processor import image_budget
 from ..sampling import SamplingParams
 from .fetch import resolve_image
 from .limits import check_media, check_pixel_options
-from .prepared import ErrorEvent, TokenEvent
 from .protocol import APIError, ChatRequest, _number, pixel_options, validate
 
 MAX_INSTRUCTION_CHARS = 8192
@@ -140,40 +139,30 @@ def _template(messages):
 
 
 class GroundJob:
-    """One /v1/ground request. `serve` runs it: `run` (on a worker thread) reads the screenshot and runs
-    ground_with; its `ask` prepares each pass on that thread and waits for the engine's answer,
-    which the event loop collects. `abandon` (on the loop) ends it when the client goes away."""
+    """One /v1/ground request. `serve` runs it: `run` (on a worker thread) reads the screenshot and
+    runs ground_with, whose `ask` prepares each pass on that thread and has the event loop submit it
+    and wait for its answer with Service.collect (the one wait for a whole answer, watching the
+    client: a client gone away cancels the running pass and starts no other)."""
 
-    def __init__(self, engine, builder, req: GroundRequest, loop, running: set, stopping: list, shutting_down,
-                 slot=None):
-        self.engine, self.builder, self.req, self.loop, self.slot = engine, builder, req, loop, slot
-        self.running, self.stopping, self.shutting_down = running, stopping, shutting_down
+    def __init__(self, service, req: GroundRequest, request, loop, slot=None):
+        self.service, self.builder, self.req, self.request, self.loop = service, service.builder, req, request, loop
+        self.slot = slot  # the job's place in the queue: its first pass's
         self.chat = req.chat()
-        self.current = None  # the pass's Handle while it runs
         self.gone = False
 
-    async def serve(self, disconnected):
-        """Run the job on a worker thread: its GroundingResult, or None when `disconnected` (an
-        awaitable: the client went away) comes first, after its running pass is cancelled."""
-        work = asyncio.ensure_future(run_in_threadpool(self.run))
-        watcher = asyncio.ensure_future(disconnected)
+    async def serve(self):
+        """Run the job on a worker thread: its GroundingResult, or None when the client went away."""
         try:
-            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if work.done():
-                return work.result()
-            self.abandon()
-            await asyncio.wait({work})  # ends with the cancelled pass (or before a second one)
-            work.exception()
+            return await run_in_threadpool(self.run)
+        except ClientGone:
             return None
-        finally:
-            watcher.cancel()
 
     def run(self):
         req, builder = self.req, self.builder
         processor, limits = builder.processor, builder.limits
         check_pixel_options(self.chat, limits)
-        data = resolve_image(req.image, builder.policy, "image",
-                             builder.policy.budget())
+        with builder.media_place():  # the screenshot is read under the request's budget, as a chat image
+            data = resolve_image(req.image, builder.policy, "image", builder.policy.budget())
         try:  # from the header, before ground_with decodes it
             check_media([data], (), self.chat, processor, limits)
         except APIError as e:
@@ -189,44 +178,29 @@ class GroundJob:
             raise APIError(400, str(e), param="image", code="invalid_input") from None
 
     def ask(self, messages) -> PassAnswer:
+        if self.gone:
+            raise ClientGone
         messages, images = _template(messages)
         prepared = self.builder.render(self.chat, messages, images)
         return asyncio.run_coroutine_threadsafe(self._answer(prepared), self.loop).result()
 
     async def _answer(self, prepared) -> PassAnswer:
-        if self.gone:
-            raise APIError(499, "the client went away", code="client_disconnected")
-        if self.stopping:
-            raise self.shutting_down()
-        tic = time.perf_counter()
-        handle = self.engine.submit(prepared, self.loop, self.slot)  # the first pass takes the job's place
-        self.running.add(handle)
-        self.current = handle
-        text, first = "", None
-        try:
-            while True:
-                ev = await handle.queue.get()
-                if isinstance(ev, ErrorEvent):
-                    raise ev.error
-                if isinstance(ev, TokenEvent):
-                    text += ev.text
-                    first = first or time.perf_counter()
-                    continue
-                end = time.perf_counter()
-                n, computed = ev.completion_tokens, ev.prompt_tokens - ev.cached_tokens
-                return PassAnswer(text, ev.finish_reason, ev.prompt_tokens, ev.cached_tokens, n,
-                                  _rate(computed, (first or end) - tic), _rate(n - 1, end - (first or end)))
-        finally:
-            self.running.discard(handle)
-            self.current = None
+        tic, first = time.perf_counter(), []
+        handle = self.service.submit(prepared, self.slot)  # the first pass takes the job's place
+        done = await self.service.collect(self.request, handle,
+                                          on_token=lambda ev: first or first.append(time.perf_counter()))
+        if done is None:
+            self.gone = True
+            raise ClientGone
+        end = time.perf_counter()
+        start = first[0] if first else end
+        n, computed = done.completion_tokens, done.prompt_tokens - done.cached_tokens
+        return PassAnswer(done.text, done.finish_reason, done.prompt_tokens, done.cached_tokens, n,
+                          _rate(computed, start - tic), _rate(n - 1, end - start))
 
-    def abandon(self):
-        """The client went away: free the running pass's batch slot and start no other."""
-        self.gone = True
-        if self.current is not None:
-            self.current.cancel()  # a cancelled request sends no done event: end the wait here
-            self.current.queue.put_nowait(ErrorEvent(APIError(499, "the client went away",
-                                                              code="client_disconnected")))
+
+class ClientGone(Exception):
+    """The client went away: the job ends without an answer."""
 
 
 def response(hit, model: str) -> dict:

@@ -1,7 +1,13 @@
 """An OpenAI chat request → model inputs: media resolved under the server's policy, the chat
 template rendered with the tools, tokens and pixels from the processor, the cache key, the
-sampling limits and any grammar. Runs on the HTTP side's thread pool, never on the model thread."""
+sampling limits and any grammar. Runs on the HTTP side's thread pool, never on the model thread.
 
+Requests are built in parallel: the processor keeps no state between calls (its tokenizer is
+called with one fixed padding and truncation setting, so the Rust tokenizer is only ever read),
+and only a request with media takes one of MEDIA_WORKERS media places while its media are read
+and preprocessed. A text-only request never waits behind another request's images."""
+
+import contextlib
 import os
 import threading
 import traceback
@@ -24,6 +30,7 @@ from .protocol import APIError, ChatRequest
 # OpenAI's detail "low" is a 512x512 thumbnail: here the image is resized to at most that many
 # pixels before the processor reads it ("high" and "auto" keep the request's min/max_pixels).
 LOW_DETAIL_PIXELS = 512 * 512
+MEDIA_WORKERS = 4  # requests whose media are read and preprocessed at once (the rest wait for a place)
 
 
 def low_detail(data, cap: int, label: str):
@@ -43,12 +50,32 @@ class PromptBuilder:
         self.engine, self.policy, self.grammars = engine, policy, grammars
         self.limits = limits or Limits()
         self.processor = engine.processor
-        self._lock = threading.Lock()  # one tokenizer / processor call at a time
+        self._media_places = threading.BoundedSemaphore(MEDIA_WORKERS)
+        self._holding = threading.local()  # this thread's request holds a media place (build → render)
+
+    @contextlib.contextmanager
+    def media_place(self):
+        """One of MEDIA_WORKERS places for a request's media work, held until the request is built
+        (taken once per thread: build's media reads and render's preprocessing share it)."""
+        if getattr(self._holding, "place", False):
+            yield
+            return
+        with self._media_places:
+            self._holding.place = True
+            try:
+                yield
+            finally:
+                self._holding.place = False
 
     def build(self, req: ChatRequest) -> Prepared:
-        temp_files = []
         check_pixel_options(req, self.limits)
-        budget = self.policy.budget()
+        has_media = any(p.kind != "text" for t in req.turns for p in t.parts)
+        with self.media_place() if has_media else contextlib.nullcontext():
+            return self._build(req)
+
+    def _build(self, req: ChatRequest) -> Prepared:
+        temp_files = []
+        budget = self.policy.budget()  # (its one deadline starts once the request holds its media place)
 
         def resolve(part):  # every medium of the request under one budget of bytes, pixels, frames and time
             if part.kind == "image":
@@ -84,7 +111,7 @@ class PromptBuilder:
         check_token_ids(req.sampling, self.grammars.vocab_size)
         check_media(images, videos, req, self.processor, self.limits)  # before any decoding
         tools = req.tools if req.tool_choice != "none" else None
-        with self._lock:
+        with self.media_place() if len(images) or len(videos) else contextlib.nullcontext():
             try:
                 text = self.processor.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
                                                           **req.chat_template_kwargs)

@@ -455,9 +455,9 @@ class ResponseWriter(Writer):
 
 
 def routes(service, store: ResponseStore) -> list:
-    def keep(req: ChatRequest, writer: ResponseWriter):
+    def keep(req: ChatRequest, writer: ResponseWriter):  # (awaited before the answer's end is sent)
         if req.echo["store"] and writer.turn is not None:
-            return store.put(writer.id, history(req) + [writer.turn], writer.response)
+            return store.keep(writer.id, history(req) + [writer.turn], writer.response, service.prepare_pool)
 
     async def create(request):
         return await respond(service, request, lambda body: parse_request(body, service.agent_format),

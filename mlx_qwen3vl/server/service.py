@@ -5,13 +5,16 @@ watching the client. app.py builds one; chat.py, responses.py, messages.py and g
 Admission, in this order, for every endpoint: the API key; the body, read up to --max-body-bytes;
 then, on a small parse pool (never the event loop), the JSON with its nesting and item count
 bounded and the protocol's own checks; a place in the queue (503 when --max-queue requests wait,
-before any media is read); the media and the prompt built on a bounded preparation pool; the engine.
+before any media is read); the media and the prompt built on the preparation pool (a thread per
+queued request; media work limited to model_inputs.MEDIA_WORKERS at once, text-only requests
+never behind it); the engine.
 """
 
 import asyncio
 import dataclasses
 import functools
 import hmac
+import inspect
 import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
@@ -57,7 +60,10 @@ async def read_body(request: Request, limit: int) -> bytearray:
 
 MAX_JSON_ITEMS = 200_000  # objects and lists in one body (counted before parsing, as brackets)
 PARSE_WORKERS = 2  # bodies parsed at once
-PREPARE_WORKERS = 4  # requests whose media and prompt are built at once
+# Requests being built at once: each holds a place in the queue, so there are at most --max-queue;
+# one thread each, so that a text-only request never waits for a thread behind requests waiting
+# for one of model_inputs.MEDIA_WORKERS media places (threads start only as requests come).
+MAX_PREPARE_THREADS = 256
 
 
 def parse_json(raw: bytearray):
@@ -81,6 +87,11 @@ def parse_json(raw: bytearray):
     return body
 
 
+async def _completed(result):
+    if inspect.isawaitable(result):
+        await result
+
+
 async def disconnected(request: Request):
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -102,7 +113,8 @@ class Service:
         self.stopping = False
         self.built = 0  # requests whose media and prompt were built (each after its place in the queue)
         self.parse_pool = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="mlx_qwen3vl-parse")
-        self.prepare_pool = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="mlx_qwen3vl-prepare")
+        threads = min(max(getattr(engine, "max_queue", 1), 1) + 1, MAX_PREPARE_THREADS)
+        self.prepare_pool = ThreadPoolExecutor(threads, thread_name_prefix="mlx_qwen3vl-prepare")
 
     @property
     def processor(self):
@@ -186,14 +198,15 @@ class Service:
             return JSONResponse({}, status_code=499)
         writer.done(done)
         if options.get("on_done") is not None:
-            options["on_done"]()
+            await _completed(options["on_done"]())
         return JSONResponse(writer.result())
 
     async def stream(self, handle, writer, encode, *, ping=None, on_done=None, end: str = ""):
         """One answer's server-sent events, for every protocol: `writer` (the protocol's) turns the
         engine's events into its own (start(), token(ev), done(ev), failed(APIError)) and `encode`
         each into SSE text; `ping` (seconds, event) is sent while nothing comes (a long prefill);
-        `on_done()` runs once the answer is whole; `end` is the stream's last line."""
+        `on_done()` runs once the answer is whole (awaited, if it returns an awaitable, before the
+        last events go out); `end` is the stream's last line."""
         finished = False
         try:
             for e in writer.start():
@@ -209,7 +222,7 @@ class Service:
                     finished = True
                     events = writer.failed(ev.error) if isinstance(ev, ErrorEvent) else writer.done(ev)
                     if isinstance(ev, DoneEvent) and on_done is not None:
-                        on_done()
+                        await _completed(on_done())
                 for e in events:
                     yield encode(e)
         except Exception as e:  # noqa: BLE001 — the headers are sent: end the stream with an error event

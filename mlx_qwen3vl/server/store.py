@@ -10,9 +10,12 @@ follow-up naming it is told it is unknown).
 
 Bytes are what the objects take in this process (`footprint`: every object's own size as CPython
 lays it out, its attributes, containers and items), not the length of their text: ids, names,
-call ids, arguments and each part's overhead all count. Used from the event loop only.
+call ids, arguments and each part's overhead all count. The walk over an entry's objects runs
+off the event loop (`keep`: measured on a worker thread, then kept on the loop); the rest is the
+loop's alone, and eviction is O(1) per entry (an OrderedDict and a running byte count).
 """
 
+import asyncio
 import collections
 import sys
 from dataclasses import dataclass
@@ -60,11 +63,20 @@ def footprint(obj, budget: List[int]) -> int:
     return total
 
 
+TURN_SLOT = 200  # each turn's slot in the turn map
+
+
 @dataclass
 class Stored:
     turns: List[Turn]  # the conversation, system instructions left out (a follow-up gives its own)
     response: dict
     size: int  # the bytes of the response object and of the entry itself (its turns are counted by the store)
+
+
+@dataclass
+class Measured:
+    entry: Stored
+    new: Dict[int, int]  # id(turn) → its bytes, for the turns the store did not hold when measured
 
 
 class ResponseStore:
@@ -86,30 +98,58 @@ class ResponseStore:
 
     def put(self, rid: str, turns: List[Turn], response: dict) -> bool:
         """Keep a response; False when it alone is over the bytes or the objects (then it is not kept)."""
+        return self._insert(rid, self.measure(rid, turns, response, set(self._turns)))
+
+    async def keep(self, rid: str, turns: List[Turn], response: dict, pool=None) -> bool:
+        """`put`, with the walk over the entry's objects (up to MAX_ENTRY_OBJECTS) on `pool`'s
+        thread and only the bookkeeping on the event loop. Awaited before the response is sent, so
+        a follow-up naming it finds it."""
+        known = set(self._turns)
+        measured = await asyncio.get_running_loop().run_in_executor(pool, self.measure, rid, turns, response, known)
+        return self._insert(rid, measured)
+
+    def measure(self, rid: str, turns: List[Turn], response: dict, known) -> Optional["Measured"]:
+        """What keeping the entry would cost (the turns not in `known` measured) → Measured, or None
+        when it alone is over the bytes or the objects. Reads no state of the store: any thread."""
         if self.max_entries <= 0:
-            return False
+            return None
         objects = [MAX_ENTRY_OBJECTS]  # read at each call (tests lower it)
         try:
             new, total = {}, 0
             for t in turns:
-                if id(t) not in self._turns and id(t) not in new:
+                if id(t) not in known and id(t) not in new:
                     new[id(t)] = footprint(t, objects)
                     total += new[id(t)]
                     if total > self.max_bytes:
-                        return False
+                        return None
             entry = Stored(list(turns), response, 0)
             entry.size = footprint(response, objects) + sys.getsizeof(entry) + sys.getsizeof(entry.__dict__) + \
                 sys.getsizeof(entry.turns) + sys.getsizeof(rid) + 100  # + the dict slot and the turn map's lists
         except TooMany:
+            return None
+        if entry.size + total + TURN_SLOT * len(new) > self.max_bytes:
+            return None
+        return Measured(entry, new)
+
+    def _insert(self, rid: str, measured: Optional["Measured"]) -> bool:
+        """Keep a measured entry (on the event loop: O(its turns), then O(1) per entry evicted)."""
+        if measured is None:
             return False
-        size = entry.size + total + 200 * len(new)  # each new turn's slot in the turn map
-        if size > self.max_bytes:
-            return False
+        entry, new = measured.entry, measured.new
+        for t in entry.turns:  # a turn that left the store while this entry was measured: measured now
+            if id(t) not in self._turns and id(t) not in new:
+                try:
+                    new[id(t)] = footprint(t, [MAX_ENTRY_OBJECTS])
+                except TooMany:
+                    return False
         self._entries[rid] = entry
+        self.bytes += entry.size
         for t in entry.turns:
-            slot = self._turns.setdefault(id(t), [0, new.get(id(t), 0) + 200])
+            slot = self._turns.get(id(t))
+            if slot is None:  # the first entry holding this turn pays for it
+                slot = self._turns[id(t)] = [0, new[id(t)] + TURN_SLOT]
+                self.bytes += slot[1]
             slot[0] += 1
-        self.bytes += size
         while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
             self._drop(next(iter(self._entries)))
         return rid in self._entries
