@@ -234,25 +234,29 @@ def test_cli_error_under_mlx_launch_is_one_line_from_rank0():
     assert "Traceback" not in p.stderr and p.stdout == ""
 
 
-def test_ranks_with_different_checkpoints_fail_clearly():
-    script = ("import mlx.core as mx, mlx_qwen3vl as M, sys\n"
-              "g = mx.distributed.init()\n"
-              f"paths = [{str(FIXTURES / 'tiny-a')!r}, {str(FIXTURES / 'tiny-b')!r}]\n"
-              "try:\n    M.load(paths[g.rank()])\nexcept M.errors.WeightsError as e:\n"
-              "    print(f'rank{g.rank()}: {e}')\n")
-    p = launch("-c", script)
+# Ranks given different checkpoints: each prints the error its load raised. Run first in the
+# tensor_logits launch (whose loads then agree), to spare this check a launch of its own.
+MISMATCH = ("g = mx.distributed.init()\n"
+            f"paths = [{str(FIXTURES / 'tiny-a')!r}, {str(FIXTURES / 'tiny-b')!r}]\n"
+            "try:\n    M.load(paths[g.rank()])\nexcept M.errors.WeightsError as e:\n"
+            "    print(f'rank{g.rank()}: {e}', flush=True)\n")
+
+
+def test_ranks_with_different_checkpoints_fail_clearly(tensor_logits):
+    p = tensor_logits["launch"]
     lines = sorted(line for line in p.stdout.splitlines() if line.startswith("rank"))
     assert len(lines) == 2, p.stdout + p.stderr
     for line in lines:
         assert "rank(s) [1] have a different checkpoint" in line and "copy the same folder" in line
 
 
-def _logits_script(paths, out_dir, parallel="tensor"):
-    """Each rank, for each checkpoint in turn (one launch for all), into out_dir/<folder name>/:
-    all-position logits of an image prompt to rank<r>.npy, a greedy answer to rank<r>.json, how
-    the model is split to rank<r>.txt."""
+def _logits_script(paths, out_dir, parallel="tensor", before=""):
+    """Each rank, after `before`, for each checkpoint in turn (one launch for all), into
+    out_dir/<folder name>/: all-position logits of an image prompt to rank<r>.npy, a greedy answer
+    to rank<r>.json, how the model is split to rank<r>.txt."""
     return ("import mlx.core as mx, numpy as np, os, mlx_qwen3vl as M\n"
             "from mlx_qwen3vl.generate import encode_prompt\n"
+            + before +
             "r = mx.distributed.init().rank()\n"
             f"for path in {[str(p) for p in paths]!r}:\n"
             f"    out = os.path.join({str(out_dir)!r}, os.path.basename(path))\n"
@@ -266,10 +270,11 @@ def _logits_script(paths, out_dir, parallel="tensor"):
             "    open(out + f'/rank{r}.json', 'w').write(str(ids))\n")
 
 
-def launch_logits(paths, out_dir, parallel="tensor"):
-    """_logits_script on 2 ranks (split as `parallel` says) → {path: (its folder, the launch's output)}."""
-    p = launch("-c", _logits_script(paths, out_dir, parallel))
-    return {path: (out_dir / path.name, p.stdout + p.stderr) for path in paths}
+def launch_logits(paths, out_dir, parallel="tensor", before=""):
+    """_logits_script on 2 ranks (split as `parallel` says) → {path: (its folder, the launch's
+    output)}, and the launch's CompletedProcess under "launch"."""
+    p = launch("-c", _logits_script(paths, out_dir, parallel, before))
+    return {"launch": p, **{path: (out_dir / path.name, p.stdout + p.stderr) for path in paths}}
 
 
 def _sharded_logits_equal_one_process(path, run):
@@ -294,7 +299,7 @@ MIXED, MOE = FIXTURES / "mlxvlm-mixed_3_6", FIXTURES / "tiny-moe"
 
 @pytest.fixture(scope="module")
 def tensor_logits(tmp_path_factory):
-    return launch_logits([MIXED, MOE], tmp_path_factory.mktemp("logits"))
+    return launch_logits([MIXED, MOE], tmp_path_factory.mktemp("logits"), before=MISMATCH)
 
 
 def test_quantized_checkpoint_logits_equal_one_process(tensor_logits):
