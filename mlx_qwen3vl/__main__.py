@@ -76,8 +76,11 @@ def build_parser():
                    help="speculative decoding from the prompt: draft what followed the longest n-gram (n from N "
                         "down to 1) the prompt and answer already hold; lossless; 0 = off")
     p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="draft tokens checked per step with --prompt-lookup (mlx-lm's name; default 4)")
-    p.add_argument("--draft-model", default=None, help="a smaller checkpoint drafting tokens (not available yet)")
+                   help="draft tokens checked per step with --prompt-lookup or --draft-model (mlx-lm's name; "
+                        "default 4)")
+    p.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="speculative decoding by a smaller checkpoint with the same tokenizer (e.g. the 2B for the "
+                        "8B): it prefills the same prompt and media and drafts tokens the model checks; lossless")
     p.add_argument("--blas-threads", default=None, metavar="auto|N",
                    help="BLAS threads of the CPU path: auto (every core while no other process wants them, fewer "
                         "while others run) or a fixed N; none = $MLX_QWEN3VL_BLAS_THREADS, else auto")
@@ -117,10 +120,14 @@ def _main(args):
     kv_args = {name: getattr(args, name) for name in kv_flags}
     KVSettings.build(**kv_args, name=kv_flags.get)
     sampling = SamplingParams(**values)
+    from .engine.draft_model import DraftModel
     from .engine.speculative import drafting
 
     drafts = dict(prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens)
-    drafting(**drafts, draft_model=args.draft_model)  # checked before the model loads
+    drafting(**drafts)  # checked before the models load
+    if args.draft_model and args.prompt_lookup:
+        raise InputError("--draft-model and --prompt-lookup were both given; drafts come from one of them")
+    draft_path = resolve_model_path(args.draft_model, flag="--draft-model") if args.draft_model else None
     if args.blas_threads is not None:
         from .cpu import threads
 
@@ -129,6 +136,10 @@ def _main(args):
     path = resolve_model_path(args.model, flag="--model")
     check_media_flags(path, args.min_pixels, args.max_pixels, args.fps, args.source_fps)
     model, processor = load(path, dtype=args.dtype, parallel=args.parallel)
+    if draft_path is not None:
+        draft = DraftModel.of(load(draft_path, dtype=args.dtype, parallel=args.parallel))
+        draft.check(model, processor.tokenizer)
+        drafts["draft_model"] = draft
     kv = resolve(model, KVSettings.build(**kv_args))
     if args.verbose:
         print(f"[mlx_qwen3vl] model: {args.model}; backend: {backend_of(model).describe()}; KV cache: "

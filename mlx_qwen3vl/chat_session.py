@@ -13,6 +13,7 @@ from typing import Iterator
 import numpy as np
 from blake3 import blake3
 
+from .engine.draft_model import DraftModel
 from .errors import InputError
 from .generate import stream_generate
 from .kv_settings import KVSettings, resolve
@@ -162,6 +163,9 @@ class ChatSession:
         if "video_fps" in defaults:
             defaults["source_fps"] = renamed_source_fps(defaults.get("source_fps"), defaults.pop("video_fps"))
         self.defaults = {k: defaults.pop(k) for k in TURN_SETTINGS if k in defaults}
+        if defaults.get("draft_model") is not None:  # loaded and checked once, its draft caches kept across turns
+            defaults["draft_model"] = DraftModel.of(defaults["draft_model"])
+            defaults["draft_model"].check(model, getattr(processor, "tokenizer", None))
         self.generation_kwargs = defaults
         self.last = None  # the last GenerationResponse
         self._parts = []  # [(key, processed inputs)] per rendered chunk, reused while unchanged
@@ -368,6 +372,8 @@ def _one_process(model, what):
 def _settings_to_json(kwargs: dict) -> dict:
     out = {}
     for k, v in kwargs.items():
+        if k in ("draft_model", "drafter"):  # objects that change speed, not answers: not saved
+            continue
         if isinstance(v, SamplingParams):
             v = {"sampling_params": dataclasses.asdict(v)}
         try:

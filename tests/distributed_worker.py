@@ -138,6 +138,19 @@ def run(M, distributed, path, out_dir, group, args):
     out["chat_text"] = [m["content"] for m in session.messages if m["role"] == "assistant"]
     out["kv"] = quantized_kv(M, model, processor, [img1, img2], rank)
 
+    # Speculative decoding on every rank's share: the model drafting for itself (every draft kept),
+    # the other fixture (loaded sharded too; its drafts mostly rejected) and prompt lookup.
+    other = M.load(FIXTURES / ("tiny-b" if Path(args.model).name == "tiny-a" else "tiny-a"), parallel=args.parallel)
+    spec = {}
+    for case in ("image", "video"):
+        messages, fps = case_messages(case, rank)
+        for name, kw in (("self", dict(draft_model=model)), ("other", dict(draft_model=other)),
+                         ("lookup", dict(prompt_lookup=2))):
+            r = M.generate(model, processor, messages=messages, source_fps=fps, max_tokens=args.max_tokens,
+                           num_draft_tokens=3, **kw)
+            spec[f"{case}/{name}"] = [r.token_ids, r.draft_proposed, r.draft_accepted]
+    out["speculative"] = spec
+
     # Sampling: unseeded runs must agree across ranks; a seed reproduces one process's run.
     out["sampled"] = M.generate(model, processor, "Tell me a story.", max_tokens=12, temperature=1.0).token_ids
     out["seeded"] = M.generate(model, processor, "Tell me a story.", max_tokens=12, temperature=1.0,

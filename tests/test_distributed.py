@@ -152,6 +152,20 @@ def same_until_a_near_tie(got, want, margins) -> bool:
     return True
 
 
+def test_speculative_decoding_under_ranks_answers_as_one_process(sharded_run, single):
+    """A draft model (the model itself, and the other fixture, both sharded) and prompt lookup,
+    with an image and a video: every rank's greedy answer is one process's plain one, the
+    self-draft keeps every draft."""
+    checkpoint, ranks = sharded_run
+    expected = single(checkpoint)["cases"]
+    for out in ranks:
+        for key, (tokens, proposed, accepted) in out["speculative"].items():
+            assert tokens == expected[key.split("/")[0]], key
+            assert accepted == proposed > 0 if key.endswith("/self") else accepted <= proposed, key
+            assert proposed > 0 or key.endswith("/lookup"), key  # a lookup may find no n-gram
+    assert ranks[0]["speculative"] == ranks[1]["speculative"]
+
+
 def test_quantized_kv_cache_answers_as_one_process(sharded_run):
     """Token for token as one process, up to a near-tie there (which a different BLAS can bring:
     one process chose 240 over 372 by 0.0003 where the ranks chose 372, with MLX's own BLAS)."""

@@ -409,6 +409,16 @@ BAD = [  # (name, path, body, status, what the message names)
         {"type": "computer_20250124", "name": "computer", "display_width_px": 10, "display_height_px": 10,
          "display_number": 1}]}, 400, "tools[0].display_number"),
     ("body too big", "/v1/responses", {**GOOD_R, "input": "x" * 2_100_000}, 413, "--max-body-bytes"),
+    # strict types and every field known, named by its path however deep
+    ("a number as text", "/v1/responses", {**GOOD_R, "max_output_tokens": "2"}, 400, "max_output_tokens"),
+    ("nested unknown field", "/v1/responses", _r({"type": "input_text", "text": "x", "colour": 1}), 400,
+     "input[0].content[0].colour"),
+    ("nested unknown field", "/v1/messages", _m({"type": "text", "text": "x", "colour": 1}), 400,
+     "messages[0].content[0].colour"),
+    ("input not an object", "/v1/messages", {**GOOD_M, "messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t", "name": "f", "input": "{}"}]}, {"role": "user", "content": "y"}]}, 400,
+     "messages[1].content[0].input"),
 ]
 
 
@@ -950,5 +960,5 @@ def test_thinking_budget_closes_the_thinking_block(tmp_path):
     from mlx_qwen3vl.server.messages import parse_request
     body = {"model": "m", "max_tokens": 2000, "messages": messages,
             "thinking": {"type": "enabled", "budget_tokens": 1500}}
-    assert parse_request(body, "qwen")[1].sampling.thinking_budget == 1500
-    assert parse_request({**body, "thinking": None}, "qwen")[1].sampling.thinking_budget is None
+    assert parse_request(body, "qwen").sampling.thinking_budget == 1500
+    assert parse_request({**body, "thinking": None}, "qwen").sampling.thinking_budget is None

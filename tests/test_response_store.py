@@ -27,13 +27,13 @@ def parsed_turns(items, measure=True):
     tracemalloc measures them, or None)."""
     raw = json.dumps({"model": "m", "input": items}).encode()
     if not measure:
-        return R.parse_request(json.loads(raw), "qwen").history, None
+        return R.history(R.parse_request(json.loads(raw), "qwen")), None
     gc.collect()
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
         req = R.parse_request(json.loads(raw), "qwen")
-        turns = req.history
+        turns = R.history(req)
         del req
         gc.collect()
         return turns, tracemalloc.get_traced_memory()[0] - base

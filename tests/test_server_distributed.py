@@ -259,6 +259,20 @@ def _seeded(launch, local, checkpoint):
 
 
 @needs_launch
+def test_per_request_prompt_lookup_equals_one_process(dense, local):
+    """A request's own prompt_lookup and num_draft_tokens travel to every rank with it: the greedy
+    answer is one process's plain one, and usage counts its drafts."""
+    messages = [user("one two three one two three one two three, and then?")]
+    want = generate(local, "tiny-a", messages, 16, ignore_eos=True)
+    r = dense.client().chat.completions.create(model="m", messages=messages, max_tokens=16, temperature=0,
+                                               extra_body={"ignore_eos": True, "prompt_lookup": 3,
+                                                           "num_draft_tokens": 3})
+    assert r.choices[0].message.content == want.text
+    details = r.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0
+
+
+@needs_launch
 def test_seeded_sampling_equals_generate(dense, local):
     _seeded(dense, local, "tiny-a")
 

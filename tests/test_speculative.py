@@ -248,19 +248,21 @@ def _chi_square_bound(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def test_sampled_answers_keep_the_plain_distribution(processor, on_cpu):
+@pytest.mark.parametrize("drafting", ["fixed", "draft model"])
+def test_sampled_answers_keep_the_plain_distribution(processor, on_cpu, drafting):
     """Three sampled tokens (temperature 1.5, top_k 3: 27 possible answers) from N seeds, the
-    second and third through the verify forward with a drafter proposing fixed tokens (kept
-    sometimes, rejected sometimes): their frequencies against the exact plain distribution,
+    second and third through the verify forward with a drafter proposing fixed tokens (q one-hot)
+    or a draft model (the 4-bit tiny-a) drawing its drafts from its own distribution (q its probabilities),
+    kept sometimes, rejected sometimes: their frequencies against the exact plain distribution,
     computed from the model's own forwards, by chi-square at the 0.1% level (cells with expected
-    counts under 5 merged). A rule that always kept drafts, or resampled from p instead of the
-    residual, fails it."""
+    counts under 5 merged). A rule that always kept drafts, resampled from p instead of the
+    residual, or ignored q, fails it."""
     from mlx_lm.sample_utils import apply_top_k
 
     model = load_fixture_model("tiny-a", backend="mlx")
     messages = user("one two three one two three")
     prompt = encode_prompt(processor, messages=messages)["input_ids"][0].tolist()
-    temp, top_k, N = 1.5, 3, 1200
+    temp, top_k, N = 1.5, 3, 1200 if drafting == "fixed" else 600  # the draft model's: 13 s at 1200
 
     def dist(prefix):
         logits = model(mx.array([prompt + prefix]))[0, -1:].astype(mx.float32)
@@ -275,6 +277,10 @@ def test_sampled_answers_keep_the_plain_distribution(processor, on_cpu):
                 exact[(a, b, c)] = pa * pb * pc
     d1 = max(dist([max(dist([]), key=dist([]).get)]).items(), key=lambda x: x[1])[0]
     drafter = type("Fixed", (), {"propose": lambda self, ids, k: [d1, d1][:k]})()
+    if drafting == "draft model":
+        from mlx_qwen3vl.engine.draft_model import DraftModel
+
+        drafter = DraftModel(load_fixture_model("mlxvlm-q4", backend="mlx"))  # tiny-a in 4 bits: q near p
     engine = Engine(model, processor, max_batch=64, prefix_cache_bytes=1 << 26)
     inputs = encode_prompt(processor, messages=messages)
     for seed in range(N):
@@ -341,9 +347,8 @@ def test_linear_of_a_few_rows_reads_the_weight_once_with_the_same_result(monkeyp
 def test_bad_drafters_and_arguments_get_one_line(processor, on_cpu):
     model = load_fixture_model("tiny-a", backend=None)
     messages = asks()[1]
-    with pytest.raises(ConfigError, match="draft_model is not available"):
-        M.generate(model, processor, messages=messages, draft_model="some/checkpoint")
-    for bad in (dict(prompt_lookup=-1), dict(num_draft_tokens=1000, prompt_lookup=2), dict(drafter=object())):
+    for bad in (dict(prompt_lookup=-1), dict(num_draft_tokens=1000, prompt_lookup=2), dict(drafter=object()),
+                dict(prompt_lookup=2, draft_model=model)):
         with pytest.raises(InputError):
             M.generate(model, processor, messages=messages, **bad)
     out = type("PastVocabulary", (), {"propose": lambda self, ids, k: [10**6] * k})()
@@ -363,3 +368,168 @@ def test_bad_drafters_and_arguments_get_one_line(processor, on_cpu):
     from mlx_qwen3vl.__main__ import main
 
     assert main(["--model", str(FIXTURES / "tiny-a"), "--draft-model", "x"]) == 2
+    assert main(["--model", str(FIXTURES / "tiny-a"), "--draft-model", str(FIXTURES / "tiny-b"),
+                 "--prompt-lookup", "2"]) == 2
+
+
+def video(n=8):
+    return np.load(MEDIA / "video_16x72x100.npy")[:n, :64, :96]
+
+
+def test_draft_model_greedy_answers_equal_the_plain_run(processor, on_cpu):
+    """A draft model (its own prefill of the prompt, image or video, its own caches): tiny-b (a
+    different random checkpoint of the same tokenizer: its drafts are rejected) and the target
+    itself (every draft kept: its prefill, positions and trimmed cache are right), in one batch
+    with prompt lookup and plain rows of other k; float and 8-bit KV (quantized from mid-answer);
+    the dense and the MoE target; each row's tokens are the plain run's."""
+    target = load_fixture_model("tiny-a", backend=None)
+    other = load_fixture_model("tiny-b", backend=None)
+    shot = Image.open(MEDIA / "img_123x77.png")
+    clip = [{"role": "user", "content": [{"type": "video", "video": video()},
+                                         {"type": "text", "text": "What happens?"}]}]
+    for messages in (user("Describe the picture, then describe it again.", shot), clip):
+        for kv in ({}, "mid"):
+            kv = kv_args("8-bit mid-answer", messages, processor) if kv == "mid" else kv
+            want = M.generate(target, processor, messages=messages, max_tokens=20, ignore_eos=True, source_fps=8, **kv)
+            rows = [dict(draft_model=other, num_draft_tokens=3), dict(draft_model=target, num_draft_tokens=4),
+                    dict(prompt_lookup=2, num_draft_tokens=2), {}]
+            got = M.batch_generate(target, processor, [dict(messages=messages, source_fps=8, **r) for r in rows],
+                                   max_tokens=20, ignore_eos=True, **kv)
+            for r, g in zip(rows, got):
+                assert g.token_ids == want.token_ids, (r, kv)
+            wrong, right = got[0], got[1]
+            assert wrong.draft_proposed > 0 and wrong.draft_accepted < wrong.draft_proposed
+            assert right.draft_proposed > 0 and right.draft_accepted == right.draft_proposed, kv
+    moe = load_fixture_model("tiny-moe", backend=None)
+    messages = user("one two three one two three")
+    want = M.generate(moe, processor, messages=messages, max_tokens=16, ignore_eos=True)
+    for draft in (target, moe):
+        got = M.generate(moe, processor, messages=messages, max_tokens=16, ignore_eos=True, draft_model=draft)
+        assert got.token_ids == want.token_ids
+    assert got.draft_accepted == got.draft_proposed > 0
+
+
+def test_draft_model_prefix_reuse_chat_session_and_plain_graph(processor, on_cpu, tmp_path):
+    """The draft model's own prefix cache: a ChatSession's later turns prefill only what is new for
+    the draft too (its entries reused), answers every turn as the plain session (and saves without
+    the draft model, which changes no answer); an engine's prefix cache and the draft's both serve
+    a repeated request, answered as plain; on the plain graph (steps queued ahead) a drafting
+    request answers as plain."""
+    from mlx_qwen3vl.engine.draft_model import DraftModel
+
+    target = load_fixture_model("tiny-a", backend=None)
+    draft = DraftModel(target)
+    plain = M.ChatSession(target, processor, max_tokens=10, ignore_eos=True)
+    spec = M.ChatSession(target, processor, max_tokens=10, ignore_eos=True, draft_model=draft, num_draft_tokens=3)
+    for text, images in (("Describe the picture.", [Image.open(MEDIA / "img_123x77.png")]), ("Again.", []),
+                         ("And this one?", [Image.open(MEDIA / "img_90x260.png")])):
+        assert spec.send(text, images=images) == plain.send(text, images=images)
+        assert spec.last.cached_tokens == plain.last.cached_tokens
+        assert spec.last.draft_accepted == spec.last.draft_proposed > 0
+    assert draft.prefix.hits == 2 and draft.prefix.reused_tokens >= spec.last.cached_tokens
+    spec.save(tmp_path / "chat.safetensors")
+    assert "draft_model" not in M.ChatSession.load(tmp_path / "chat.safetensors", target, processor).generation_kwargs
+    engine = Engine(target, processor, max_batch=2, prefix_cache_bytes=1 << 26)
+    inputs = encode_prompt(processor, messages=asks()[0])
+    want = M.generate(target, processor, messages=asks()[0], max_tokens=10, ignore_eos=True).token_ids
+    hits = draft.prefix.hits
+    for _ in range(2):
+        rid = engine.add(Request(inputs, M.SamplingParams(max_tokens=10, ignore_eos=True), drafter=draft,
+                                 num_draft_tokens=2))
+        assert [e.token for e in engine.run() if isinstance(e, Token) and e.id == rid] == want
+    assert engine.prefix.hits == 1 and draft.prefix.hits == hits + 2  # the session left this prompt too
+    graph = load_fixture_model("tiny-a", backend="mlx")
+    messages = asks()[1]
+    want = M.generate(graph, processor, messages=messages, max_tokens=12, ignore_eos=True)
+    got = M.generate(graph, processor, messages=messages, max_tokens=12, ignore_eos=True,
+                     draft_model=load_fixture_model("tiny-b", backend="mlx"))
+    assert got.token_ids == want.token_ids and got.draft_proposed > 0
+
+
+def test_draft_model_with_another_vocabulary_is_refused_in_one_line(processor, on_cpu):
+    """A draft model that would read the prompt's ids otherwise, or whose caches do not fit the
+    KV budget beside the request's own: one line, before any work."""
+    import dataclasses
+    import types
+
+    from mlx_qwen3vl.engine.draft_model import DraftModel
+
+    target = load_fixture_model("tiny-a", backend=None)
+    c = target.config
+    small = types.SimpleNamespace(config=dataclasses.replace(c, text_config=dataclasses.replace(c.text_config,
+                                                                                              vocab_size=300)),
+                                  language_model=None, make_cache=None)
+    with pytest.raises(ConfigError, match=r"^the draft model's vocab_size \(300\) is not the model's \(448\)"):
+        M.generate(target, processor, messages=asks()[1], max_tokens=3, draft_model=small)
+    other = type("Tok", (), {"get_vocab": lambda self: {"a": 0}})()
+    with pytest.raises(ConfigError, match="tokenizer is not the model's"):
+        M.generate(target, processor, messages=asks()[1], max_tokens=3, draft_model=(target, other))
+    # The KV budget counts the draft's caches: a request that fits alone but not with its draft's.
+    from mlx_qwen3vl.engine.draft_model import DraftModel
+    from mlx_qwen3vl.kv_settings import FLOAT
+
+    inputs = encode_prompt(processor, messages=asks()[1])
+    alone = Engine(target, processor)._kv_bytes(FLOAT, inputs["input_ids"].shape[1] + 8)
+    engine = Engine(target, processor, kv_budget_bytes=alone)
+    engine.add(Request(inputs, M.SamplingParams(max_tokens=8)))
+    with pytest.raises(InputError, match="KV cache"):
+        engine.add(Request(inputs, M.SamplingParams(max_tokens=8), drafter=DraftModel(target)))
+
+
+def test_server_drafts_with_its_draft_model_and_per_request_settings(processor):
+    """A server with --draft-model (tiny-b drafting for tiny-a) through the real openai client:
+    greedy answers (an image, streamed or not) are the plain run's; a request's own prompt_lookup
+    replaces the server's drafter and num_draft_tokens 0 turns drafting off; usage says proposed and
+    kept drafts (completion_tokens_details), /metrics their totals; a bad value is a 400 naming it."""
+    import base64
+    import io
+
+    pytest.importorskip("openai")
+    from test_server import KEY, Server
+
+    server = Server("--api-key", KEY, "--draft-model", str(FIXTURES / "tiny-b"), "--num-draft-tokens", "3")
+    try:
+        model = load_fixture_model("tiny-a", backend=None)
+        buf = io.BytesIO()
+        Image.open(MEDIA / "img_123x77.png").save(buf, "PNG")
+        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                 {"type": "text", "text": "one two three one two three"}]}]
+        want = M.generate(model, processor, messages=user("one two three one two three",
+                                                          Image.open(MEDIA / "img_123x77.png")),
+                          max_tokens=14, ignore_eos=True)
+        client = server.client()
+        ask = dict(model="m", messages=messages, max_tokens=14, temperature=0)
+        totals = [0, 0]
+        for extra in ({}, {"prompt_lookup": 2, "num_draft_tokens": 2}, {"num_draft_tokens": 0}):
+            r = client.chat.completions.create(**ask, extra_body={"ignore_eos": True, **extra})
+            assert r.choices[0].message.content == want.text, extra
+            details = r.usage.completion_tokens_details
+            if extra.get("num_draft_tokens") == 0:
+                assert details is None
+                continue
+            kept, rejected = details.accepted_prediction_tokens, details.rejected_prediction_tokens
+            assert kept + rejected > 0 and kept <= r.usage.completion_tokens
+            totals = [totals[0] + kept + rejected, totals[1] + kept]
+        pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            **ask, stream=True, extra_body={"ignore_eos": True}) if c.choices]
+        assert "".join(pieces) == want.text
+        stats = server.metrics()
+        assert stats["draft_proposed"] > totals[0] and stats["draft_accepted"] >= totals[1]
+        status, body = server.request("POST", "/v1/chat/completions", {**ask, "num_draft_tokens": 17})
+        assert status == 400 and body["error"]["param"] == "num_draft_tokens"
+    finally:
+        server.stop()
+
+
+def test_cli_draft_model_answers_as_plain(capsys):
+    """`--draft-model` on the command line: the same answer as without, and a Drafts line."""
+    from mlx_qwen3vl.__main__ import main
+
+    args = ["--model", str(FIXTURES / "tiny-a"), "--prompt", "one two three one two three", "--max-tokens", "8",
+            "--ignore-eos"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main(args + ["--draft-model", str(FIXTURES / "tiny-b"), "--num-draft-tokens", "2"]) == 0
+    out = capsys.readouterr()
+    assert out.out == plain and "Drafts: " in out.err

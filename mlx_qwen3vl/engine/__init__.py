@@ -16,6 +16,8 @@
     step.py     decode_step and sample, the two small functions of one decode token
     answer.py   tokens → answer text (EOS, stop strings, hold-back)
     caches.py   the media-aware prefix cache (a radix index) and the vision-feature cache
+    speculative.py  drafters and the rule that keeps a row's drafts (speculative decoding)
+    draft_model.py  a smaller checkpoint as a drafter: its own prefill, caches and prefix cache
 
 generate / stream_generate / batch_generate and ChatSession run on an Engine of their own; the
 server runs one on its model thread (server/model_thread.py), and under mlx.launch every rank replays

@@ -31,6 +31,7 @@ class Row:
         self.drafter = request.drafter  # speculative decoding: proposes its next tokens
         self.num_draft = request.num_draft_tokens if self.drafter is not None else 0
         self.proposed = self.accepted = 0  # draft tokens proposed for it, and kept
+        self.draft_q = None  # the log-probabilities its last drafts were drawn with (None: one-hot)
         self.made = 0  # tokens computed for it (handed out or not: see `unread`)
 
     @property
@@ -103,12 +104,13 @@ class Batch:
         self.positions = self.positions + 1
         return sample(logits, [r.sampler for r in rows], [r.history for r in rows], self.log_softmax)
 
-    def verify(self, drafts):
+    def verify(self, drafts, qs=None):
         """Speculative step: feed each row's `y` and its drafts (drafts[b], possibly empty) in one
         forward, rows with fewer drafts padded at the end (causal attention keeps the padding out
         of their real positions) → per row (tokens, logprob rows, drafts accepted), each row's
         cache holding exactly its fed tokens up to its last accepted draft, `y` / `lp` its last
-        token, left unfed, as after that many decode steps."""
+        token, left unfed, as after that many decode steps. `qs[b]`: the log-probabilities row b's
+        drafts were drawn with (None: a deterministic drafter; see speculative.accept)."""
         rows = self.rows
         T = 1 + max(len(d) for d in drafts)
         ys = self.y.tolist()
@@ -123,7 +125,7 @@ class Batch:
         runs = []
         for b, row in enumerate(rows):
             runs.append(accept(row.sampler, row.history, fed[b], logits[b], self.log_softmax,
-                               argmax.get(b) if argmax else None))
+                               argmax.get(b) if argmax else None, qs[b] if qs else None))
             n = runs[-1][2]
             row.made += n + 1
             if row.history is not None:

@@ -28,6 +28,7 @@ from ..spans import media_keys
 from .answer import AnswerText, close_thinking, eos_token_ids, prompt_opens_thinking, stop_token_set, suppress_stops
 from .batch import Batch, Row, cache_bytes
 from .caches import FeatureCache, PrefixCache, pipeline_scale
+from .draft_model import DraftModel, DraftRow, WithDraft
 from .prefill import Costs, PrefillJob
 from .speculative import DEFAULT_DRAFT, MAX_DRAFT
 from .step import sample
@@ -53,7 +54,8 @@ class Request:
     engine's). `on_vision_done(seconds)`: its vision tower's time, once its media are encoded.
     `drafter` (engine/speculative.py): speculative decoding, up to `num_draft_tokens` proposed
     tokens checked per step in the same forward as its last one (lossless: its answer is the one
-    it would have had without)."""
+    it would have had without); a DraftModel (engine/draft_model.py) gets its own prefill and
+    caches here."""
 
     inputs: dict
     params: SamplingParams = field(default_factory=SamplingParams)
@@ -259,6 +261,7 @@ class Engine:
         self.features = FeatureCache(feature_cache_bytes, keep=not isinstance(model.visual, FeatureCounter))
         self.kv_per_token = kv_bytes_per_token(model)
         self._kv_per_kind = {None: self.kv_per_token}
+        self._draft_kv = {}  # id(draft model) → its KV bytes per position (requests with a DraftModel)
         self.kv_budget = auto_kv_budget(model) if kv_budget_bytes == "auto" else kv_budget_bytes
         self.max_request_seconds = max_request_seconds
         self.check_time_limits, self.clock = check_time_limits, clock
@@ -290,7 +293,9 @@ class Engine:
         if max_tokens < request.params.max_tokens:  # the answer stops at the context
             request.params = dataclasses.replace(request.params, max_tokens=max_tokens)
         kv = self.kv if request.kv is None else resolve(self.model, request.kv)
-        need = self._kv_bytes(kv, n + request.params.max_tokens)
+        if isinstance(request.drafter, DraftModel):
+            request.drafter.check(self.model, self.processor.tokenizer)
+        need = int(self._kv_bytes(kv, n + request.params.max_tokens) * self._with_draft(request))
         if self.kv_budget is not None and need > self.kv_budget:
             raise InputError(f"this request needs {_size(need)} of KV cache ({n} prompt tokens + "
                              f"max_tokens {request.params.max_tokens}) but the engine's KV budget is "
@@ -299,7 +304,8 @@ class Engine:
             request.tokens = ids[0].tolist()
         if request.media is None:
             request.media = media_keys(inputs)
-        if request.drafter is not None and not callable(getattr(request.drafter, "propose", None)):
+        if request.drafter is not None and not isinstance(request.drafter, DraftModel) \
+                and not callable(getattr(request.drafter, "propose", None)):
             raise InputError("a request's drafter needs a propose(token_ids, k) method")
         if request.drafter is not None and not (isinstance(request.num_draft_tokens, int)
                                                 and 0 <= request.num_draft_tokens <= MAX_DRAFT):
@@ -382,6 +388,8 @@ class Engine:
                 "max_batch": self.max_batch, "kv_budget_bytes": self.kv_budget, "kv_bytes_needed": self._kv_need(),
                 "kv_cache": {**self.kv_bytes(), "settings": self.kv.as_dict()},
                 **dict(self.metrics),
+                # speculative decoding: draft tokens proposed and kept, present (0) when none ran
+                "draft_proposed": self.metrics["draft_proposed"], "draft_accepted": self.metrics["draft_accepted"],
                 "decode_steps_by_batch_size": {str(k): v for k, v in sorted(self.batch_sizes.items())},
                 "prefix_cache": self.prefix.stats(), "vision_feature_cache": self.features.stats()}
 
@@ -529,7 +537,7 @@ class Engine:
                 batch.measure()
                 self._emit(rows, y, lp, [False] * len(rows), events)
                 return
-            runs = batch.verify(drafts)
+            runs = batch.verify(drafts, [r.draft_q for r in rows])
             batch.measure()
         except Exception as e:  # noqa: BLE001 — the batch fails, the engine keeps serving
             self._fail_rows(batch.rows, e, events)
@@ -556,6 +564,7 @@ class Engine:
         """Row `i`'s drafts for this step: at most its num_draft_tokens, none past its max_tokens,
         and none that would go past its quantized_kv_start while its cache is float (the plain
         run attends to those positions quantized)."""
+        row.draft_q = None
         if row.drafter is None or not row.num_draft:
             return []
         k = min(row.num_draft, row.request.params.max_tokens - len(row.answer.tokens) - 1)
@@ -570,6 +579,8 @@ class Engine:
             if not 0 <= t < vocab:
                 raise InputError(f"the drafter proposed token {t}, outside the vocabulary [0, {vocab})")
             drafts.append(t)
+        q = getattr(row.drafter, "q", None)  # a sampling drafter's q (DraftRow), for the rule
+        row.draft_q = q[:len(drafts)] if q is not None and not row.sampler.greedy else None
         return drafts
 
     def _emit(self, rows, y, lp, fresh, events) -> tuple:
@@ -624,6 +635,8 @@ class Engine:
 
     def _finish(self, row: Row, reason: str, cache, events):
         self._deadlines.pop(row.id, None)
+        if isinstance(row.drafter, DraftRow):  # its draft cache to the draft model's prefix cache
+            row.drafter.close(row.request.tokens + row.answer.tokens[:-1])
         self.metrics["completion_tokens"] += len(row.answer.tokens)
         if reason in ("cancelled", "time_limit"):
             self.metrics[reason] += 1
@@ -698,23 +711,34 @@ class Engine:
             self._kv_per_kind[kv.kind] = kv_bytes_per_token(self.model, kv.kind)
         return max(kv.start * f, length * self._kv_per_kind[kv.kind])
 
+    def _with_draft(self, request) -> float:
+        """A request's KV bytes over its own cache's: 1, or with a draft model's caches beside it
+        (the draft's bytes per position over the model's: counted as growing alike)."""
+        draft = request.drafter
+        if not isinstance(draft, DraftModel):
+            return 1.0
+        if id(draft.model) not in self._draft_kv:
+            self._draft_kv[id(draft.model)] = kv_bytes_per_token(draft.model)
+        return 1.0 + self._draft_kv[id(draft.model)] / self.kv_per_token
+
     def _kv_need(self, extra=None) -> int:
         """Bytes the batches' caches can reach: every row (running, prefilling, `extra`) padded to
         the longest row of the kind its cache ends as, until the row with the most tokens left
         there ends."""
-        members = collections.defaultdict(list)  # final kind → [(kv, width, tokens left)]
+        members = collections.defaultdict(list)  # final kind → [(kv, width, tokens left, _with_draft)]
         for batch in self._running():
             width = batch.cache[0].size()
             for row in batch.rows:
                 n, left = row.prompt_tokens + len(row.answer.tokens), row.request.params.max_tokens - len(row.answer.tokens)
-                members[_final_kind(row.kv, n + left)].append((row.kv, max(width, n), left))
+                members[_final_kind(row.kv, n + left)].append((row.kv, max(width, n), left,
+                                                               self._with_draft(row.request)))
         for w in [j.waiting for j in self.jobs] + ([extra] if extra is not None else []):
             n, left = len(w.request.tokens), w.request.params.max_tokens
-            members[_final_kind(w.kv, n + left)].append((w.kv, n, left))
+            members[_final_kind(w.kv, n + left)].append((w.kv, n, left, self._with_draft(w.request)))
         total = 0
         for group in members.values():
-            length = max(width for _, width, _ in group) + max(left for _, _, left in group)
-            total += sum(self._kv_bytes(kv, length) for kv, _, _ in group)
+            length = max(m[1] for m in group) + max(m[2] for m in group)
+            total += sum(int(self._kv_bytes(kv, length) * share) for kv, _, _, share in group)
         return total
 
     def _admit(self, events) -> Optional[_Job]:
@@ -754,6 +778,9 @@ class Engine:
                          features=self.features if self.features.max_bytes else None,
                          item_budget=item_budget, prefill_step_size=self.prefill_step_size, costs=self.costs,
                          kv=w.kv, on_vision_done=r.on_vision_done)
+        if isinstance(r.drafter, DraftModel):  # the draft model's own prefill, after this one's
+            job = WithDraft(job, r.drafter.start(r, w.kv, item_budget=item_budget,
+                                                 prefill_step_size=self.prefill_step_size))
         n = len(r.tokens)
         self.metrics["prompt_tokens"] += n
         self.metrics["prompt_tokens_computed"] += n - start
@@ -805,6 +832,9 @@ class Engine:
         y, lp = sample(logits, [w.sampler], [history], self.log_softmax)
         answer = AnswerText(self.tokenizer.detokenizer, self.eos, r.params)
         row = Row(r, w.sampler, answer, j.prompt_tokens, j.cached, history, w.kv)
+        if isinstance(j.job, WithDraft):
+            row.drafter = j.job.draft
+            row.drafter.begin(w.sampler, self.log_softmax)
         row.made = 1
         cache = j.job.cache
         row.kv_bytes = cache_bytes(cache)  # the cache its first token came from

@@ -6,26 +6,35 @@ A drafter is any object with `propose(token_ids, k) -> list of ids`: given a req
 and answer so far, up to k tokens it guesses come next (fewer, or none, when it has no guess).
 It is asked once per decode step of a row that has one, so it should be cheap. Here:
 PromptLookup (n-grams the sequence already holds), GrammarForced (what a grammar forces), Oracle
-(a known continuation: benchmarks' ceiling) and Wrong (tests' worst case).
+(a known continuation: benchmarks' ceiling) and Wrong (tests' worst case); a draft model, which
+needs a prefill and caches of its own in the engine, is engine/draft_model.py's DraftModel.
 
 `accept` is the rule for one row: greedy rows keep the drafts while they equal the argmax of the
-target's (processed) logits; sampled rows use the speculative sampling rule for a deterministic
-drafter (its q is one-hot): draft d at a position is kept with probability p(d), and on rejection
-the token is drawn from p with d removed (the normalized residual max(0, p - q)), so every token
-has the target's distribution. Either way the first rejected position (or the one after the last
-draft) yields one more token from the target, so a step always makes progress.
+target's (processed) logits; sampled rows use the speculative sampling rule: draft d at a
+position is kept with probability min(1, p(d) / q(d)), and on rejection the token is drawn from
+the normalized residual max(0, p - q), so every token has the target's distribution. q is the
+distribution the drafter drew d from (a DraftModel of a sampled request gives it, `q`), one-hot
+for a deterministic drafter: d kept with probability p(d), else drawn from p with d removed (also
+exact for drafts drawn at random, only keeping fewer). Either way the first rejected position (or
+the one after the last draft) yields one more token from the target, so a step always makes
+progress.
 """
 
-from typing import List, Optional, Protocol, Sequence
+from typing import List, Protocol, Sequence
 
 import mlx.core as mx
 
-from ..errors import ConfigError, InputError
+from ..errors import InputError
 
 MAX_DRAFT = 64  # draft tokens per verify forward at most
+MAX_PROMPT_LOOKUP = 64  # the longest n-gram prompt lookup matches
 
 
 class Drafter(Protocol):
+    """Optionally, a drafter that draws its drafts at random sets `q` after each `propose`: per
+    draft, the log-probabilities (V,) it was drawn from (DraftRow does, for sampled requests); the
+    rule then keeps a draft with min(1, p/q) instead of p."""
+
     def propose(self, token_ids: Sequence[int], k: int) -> List[int]:
         """Up to `k` token ids guessed to follow `token_ids` (the prompt, then the answer so far)."""
 
@@ -104,20 +113,27 @@ DEFAULT_DRAFT = 4  # num_draft_tokens when a drafter is given without it
 
 
 def drafting(draft_model=None, num_draft_tokens=None, prompt_lookup=0, drafter=None) -> dict:
-    """The surfaces' arguments (mlx-lm's draft_model / num_draft_tokens, and prompt_lookup: the
-    longest n-gram PromptLookup matches, 0 off; drafter: any object with `propose`) → the
-    Request's fields {drafter, num_draft_tokens} (drafter None: no speculation)."""
-    if draft_model is not None:
-        raise ConfigError("draft_model is not available yet: a draft model needs its own prefill and caches in "
-                          "the engine, which are not built; use prompt_lookup= or drafter= instead")
-    if not (isinstance(prompt_lookup, int) and not isinstance(prompt_lookup, bool) and 0 <= prompt_lookup <= 64):
-        raise InputError(f"prompt_lookup = {prompt_lookup!r} is not allowed; use an integer in [0, 64] "
-                         "(the longest n-gram matched; 0 = off)")
+    """The surfaces' arguments (mlx-lm's draft_model / num_draft_tokens: a smaller checkpoint
+    of the same tokenizer, loaded or a path, engine/draft_model.py; prompt_lookup: the longest
+    n-gram PromptLookup matches, 0 off; drafter: any object with `propose`) → the Request's fields
+    {drafter, num_draft_tokens} (drafter None: no speculation). One drafter per request."""
+    if not (isinstance(prompt_lookup, int) and not isinstance(prompt_lookup, bool)
+            and 0 <= prompt_lookup <= MAX_PROMPT_LOOKUP):
+        raise InputError(f"prompt_lookup = {prompt_lookup!r} is not allowed; use an integer in "
+                         f"[0, {MAX_PROMPT_LOOKUP}] (the longest n-gram matched; 0 = off)")
     if num_draft_tokens is not None and not (isinstance(num_draft_tokens, int) and not isinstance(num_draft_tokens, bool)
                                              and 0 <= num_draft_tokens <= MAX_DRAFT):
         raise InputError(f"num_draft_tokens = {num_draft_tokens!r} is not allowed; use an integer in [0, {MAX_DRAFT}]")
     if drafter is not None and not callable(getattr(drafter, "propose", None)):
         raise InputError("drafter must have a propose(token_ids, k) method")
+    named = [n for n, v in (("draft_model", draft_model), ("prompt_lookup", prompt_lookup), ("drafter", drafter)) if v]
+    if len(named) > 1:
+        raise InputError(f"{' and '.join(named)} were both given; a request drafts from one of them")
+    if draft_model is not None:
+        # Here, not at the top: draft_model.py builds on the engine's caches, which import this module.
+        from .draft_model import DraftModel
+
+        drafter = DraftModel.of(draft_model)
     if drafter is None and prompt_lookup:
         drafter = PromptLookup(max_n=prompt_lookup)
     if drafter is None:
@@ -130,11 +146,13 @@ def pop_drafting(kwargs: dict) -> dict:
     return drafting(**{k: kwargs.pop(k) for k in NAMES if k in kwargs})
 
 
-def accept(sampler, history, fed: List[int], logits, log_softmax, greedy_argmax=None):
+def accept(sampler, history, fed: List[int], logits, log_softmax, greedy_argmax=None, q=None):
     """One row's verification. `fed`: the tokens fed at the row's positions, its last token then
     its drafts; `logits` (T, V) of those positions (T >= len(fed)); `history`: the row's tokens
     before `fed` (for processors; None without them). `greedy_argmax`: the argmax of every
-    position, already computed for a greedy row without processors.
+    position, already computed for a greedy row without processors. `q`: per draft, the
+    log-probabilities (V,) it was drawn with (a sampling drafter: engine/draft_model.py); None: a
+    deterministic drafter (q one-hot).
 
     → (tokens, logprob rows (V,) each, number of drafts accepted): the drafts kept, then the
     target's own token at the first rejected position (or after the last draft)."""
@@ -164,11 +182,17 @@ def accept(sampler, history, fed: List[int], logits, log_softmax, greedy_argmax=
         if draft is None:
             tokens.append(int(mx.random.categorical(scaled, key=sampler.next_key()).item()))
             return tokens, lps, i
-        logq = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
-        if mx.random.uniform(key=sampler.next_key()).item() < mx.exp(logq[0, draft]).item():
+        logp = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+        ratio = logp[0, draft] if q is None else logp[0, draft] - q[i][draft]  # accepted with min(1, p/q)
+        if mx.random.uniform(key=sampler.next_key()).item() < mx.exp(ratio).item():
             tokens.append(draft)
             continue
-        residual = mx.where(mx.arange(scaled.shape[-1]) == draft, -mx.inf, scaled)
+        if q is None:  # the residual max(0, p - q) of a one-hot q: p without the draft
+            residual = mx.where(mx.arange(scaled.shape[-1]) == draft, -mx.inf, scaled)
+        else:
+            residual = mx.log(mx.maximum(mx.exp(logp[0]) - mx.exp(q[i]), 0.0))[None]
+            # p == q to the last bit leaves no residual (a rejection then has probability ~0): draw from p
+            residual = mx.where(mx.all(mx.isinf(residual)), logp, residual)
         tokens.append(int(mx.random.categorical(residual, key=sampler.next_key()).item()))
         return tokens, lps, i
     raise AssertionError("unreachable: the last fed position has no draft")

@@ -274,7 +274,10 @@ def stream_generate(model, processor, prompt=None, *, messages=None, images=None
     second), `source_fps` the rate of frames passed as a list; `video_fps` is `source_fps`'s
     deprecated name. Speculative decoding (lossless: the same answer, or the same distribution when
     sampling): `prompt_lookup=n` drafts from the longest n-gram (n down to 1) the prompt and answer
-    already hold, `drafter=` takes any object with `propose(token_ids, k)` (engine/speculative.py),
+    already hold, `draft_model=` a smaller checkpoint of the same tokenizer (a loaded model, a path,
+    or an engine.draft_model.DraftModel, which keeps its draft caches for later calls) runs its own
+    prefill of the prompt and media and drafts greedily (or, sampling, by its own distribution),
+    `drafter=` takes any object with `propose(token_ids, k)` (engine/speculative.py),
     `num_draft_tokens` drafts at most per step (default 4); each piece says `from_draft`.
     It runs on an Engine of its own (one request)."""
     source_fps = renamed_source_fps(source_fps, video_fps)
@@ -389,13 +392,15 @@ def batch_generate(model, processor, requests, *, sampling: Optional[SamplingPar
     source_fps (video_fps, deprecated), system, templated (the rules of render_prompt), and any
     sampling field or kv_bits / kv_group_size / quantized_kv_start to override the batch's (seed,
     temperature, max_tokens, stop, ...); rows of different KV cache kinds decode in batches of
-    their own. Speculative decoding's arguments (prompt_lookup, drafter, num_draft_tokens; see
+    their own. Speculative decoding's arguments (prompt_lookup, draft_model, drafter, num_draft_tokens; see
     stream_generate) apply to every request, or to one when given in its dict (rows with different
     drafters and k verify in one forward)."""
     base = _sampling(sampling, sampling_kwargs)
     base_kv = KVSettings.pop_from(sampling_kwargs)
     base_draft = {k: sampling_kwargs.pop(k) for k in DRAFT_NAMES if k in sampling_kwargs}
-    pop_drafting(dict(base_draft))  # checked once, before any work
+    checked = pop_drafting(dict(base_draft))  # checked once, before any work
+    if base_draft.get("draft_model") is not None:  # a path loaded once for every request
+        base_draft["draft_model"] = checked["drafter"]
     if sampling_kwargs:
         raise TypeError(f"batch_generate got unexpected argument(s) {', '.join(sorted(sampling_kwargs))}")
     prepared = []

@@ -130,6 +130,14 @@ def build_parser():
                         "first turn of a known conversation reuses its history; one process only")
     p.add_argument("--prefix-cache-dir-gb", type=_positive(float), default=8.0,
                    help="disk budget of --prefix-cache-dir; the least recently used entries go first")
+    p.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="speculative decoding by a smaller checkpoint with the same tokenizer (e.g. the 2B for the "
+                        "8B), prefilling each request's prompt and media itself; lossless (answers unchanged)")
+    p.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                   help="speculative decoding from the prompt: draft what followed the longest n-gram (n from N "
+                        "down to 1) the prompt and answer hold; a request may set prompt_lookup itself; 0 = off")
+    p.add_argument("--num-draft-tokens", type=int, default=None, metavar="K",
+                   help="draft tokens checked per step (default 4); a request may set num_draft_tokens itself")
     p.add_argument("--max-request-seconds", type=float, default=600.0,
                    help="a request still generating after this many seconds ends with finish_reason "
                         "'time_limit' (0: no limit)")
@@ -175,7 +183,10 @@ def main(argv=None):
         import uvicorn  # noqa: F401
 
         from .. import load
-        from ..errors import Qwen3VLError
+        from ..engine.core import auto_kv_budget, kv_bytes_per_token, weight_bytes
+        from ..engine.draft_model import DraftModel
+        from ..engine.speculative import drafting
+        from ..errors import InputError, Qwen3VLError
         from ..hub import resolve_model_path
         from . import build_server
         from .connections import bind, check_file_limit, serve
@@ -227,8 +238,22 @@ def main(argv=None):
         from ..cpu import threads
 
         threads.configure(args.blas_threads, "--blas-threads")  # set at run time: no restart needed
+        drafting(prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens)  # before any load
+        if args.draft_model and args.prompt_lookup:
+            raise InputError("--draft-model and --prompt-lookup were both given; drafts come from one of them")
+        draft_path = resolve_model_path(args.draft_model, "--draft-model") if args.draft_model else None
         path = resolve_model_path(args.model, "--model")
         model, processor = load(path, dtype=args.dtype, parallel=args.parallel)
+        drafts = drafting(prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens)
+        kv_cache = "auto"
+        if draft_path is not None:
+            draft = DraftModel.of(load(draft_path, dtype=args.dtype, parallel=args.parallel))
+            draft.check(model, processor.tokenizer)
+            # its prefix cache holds as many positions as the model's; its weights leave less for KV caches
+            draft.prefix.max_bytes = int(args.prefix_cache_gb * GB * kv_bytes_per_token(draft.model)
+                                         / kv_bytes_per_token(model))
+            kv_cache = max(0, auto_kv_budget(model) - weight_bytes(draft.model))
+            drafts = drafting(draft_model=draft, num_draft_tokens=args.num_draft_tokens)
     except Qwen3VLError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -236,9 +261,9 @@ def main(argv=None):
                          prefix_cache_bytes=int(args.prefix_cache_gb * GB),
                          feature_cache_bytes=int(args.vision_cache_gb * GB), prefill_step_size=args.prefill_step_size,
                          prefill_budget=args.prefill_budget,
-                         kv_cache_bytes="auto" if args.kv_cache_gb is None else int(args.kv_cache_gb * GB),
+                         kv_cache_bytes=kv_cache if args.kv_cache_gb is None else int(args.kv_cache_gb * GB),
                          max_request_seconds=args.max_request_seconds or None, kv_bits=args.kv_bits,
-                         kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start)
+                         kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start, drafting=drafts)
     if args.prefix_cache_dir is not None:
         engine_kwargs.update(prefix_cache_dir=args.prefix_cache_dir,
                              prefix_cache_dir_bytes=int(args.prefix_cache_dir_gb * GB))

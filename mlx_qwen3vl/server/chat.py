@@ -10,24 +10,19 @@ split out, the blank space beside a call dropped), so a streamed answer's conten
 plain answer's, whitespace included.
 """
 
-import json
 import time
 import uuid
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import Field
 from starlette.routing import Route
 
 from . import protocol as P
-from .answer_stream import AnswerStream
 from .conversation import Call, Part, Turn
-from .protocol import APIError, ChatRequest, invalid
+from .endpoint import Writer, respond, tools
+from .protocol import APIError, ChatRequest, OpenAIHints, Rendering, Sampling, Wire, invalid, one_of
 
 # ------------------------------------------------------------------------------------ the body
-
-
-class Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TextPart(Wire):
@@ -50,13 +45,7 @@ class VideoPart(Wire):
     video_url: Union[URL, Annotated[str, Field(min_length=1)]]
 
 
-def _part_type(value):
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return None if kind is None else f"{kind} part"  # a tag no field is named like (error paths skip it)
-
-
-ContentPart = Annotated[Union[Annotated[TextPart, Tag("text part")], Annotated[ImagePart, Tag("image_url part")],
-                              Annotated[VideoPart, Tag("video_url part")]], Discriminator(_part_type)]
+ContentPart = one_of(TextPart, ImagePart, VideoPart)
 
 
 class CalledFunction(Wire):
@@ -79,8 +68,8 @@ class Message(Wire):
     # what an answer carries and clients send back with it: a refusal is the assistant's text;
     # this server never answers with reasoning_content or annotations, so only empty ones pass
     refusal: Optional[str] = None
-    reasoning_content: Optional[str] = None
-    annotations: Optional[List[Any]] = None
+    reasoning_content: Optional[Annotated[str, Field(max_length=0)]] = None
+    annotations: Optional[Annotated[List[Any], Field(max_length=0)]] = None
     audio: None = None
     function_call: None = None
 
@@ -127,10 +116,7 @@ class ProcessorKwargs(Wire):
     max_pixels: Optional[int] = None
 
 
-Number = Optional[float]  # strict: an int or a float, never a bool or a string
-
-
-class ChatBody(Wire):
+class ChatBody(Sampling, Rendering, OpenAIHints):
     """Every field a chat-completions body may hold (ranges are checked with the field's name when
     the request is read: protocol.sampling_params)."""
 
@@ -142,11 +128,6 @@ class ChatBody(Wire):
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     stop: Union[str, List[str], None] = None
-    temperature: Number = None
-    top_p: Number = None
-    presence_penalty: Number = None
-    frequency_penalty: Number = None
-    seed: Optional[int] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
     logit_bias: Optional[Dict[str, Any]] = None
@@ -156,27 +137,20 @@ class ChatBody(Wire):
     response_format: Optional[ResponseFormat] = None
     modalities: Optional[List[Literal["text"]]] = None
     store: Optional[Literal[False]] = None  # completions are not stored here
-    # OpenAI's identifiers and routing hints: no effect on what a local server answers
-    user: Optional[str] = None
-    safety_identifier: Optional[str] = None
-    prompt_cache_key: Optional[str] = None
-    service_tier: Optional[str] = None
-    # vLLM's extensions (extra_body)
-    top_k: Optional[int] = None
-    min_p: Number = None
-    repetition_penalty: Number = None
+    # vLLM's extensions (extra_body; top_k, min_p, repetition_penalty are Sampling's)
     stop_token_ids: Optional[List[int]] = None
     min_tokens: Optional[int] = None
     ignore_eos: Optional[bool] = None
     chat_template: None = None  # refused by name below: the checkpoint's template renders
-    chat_template_kwargs: Optional[Dict[str, Any]] = None
     mm_processor_kwargs: Optional[ProcessorKwargs] = None
-    # this server's: pixels per image, the KV cache's storage
-    min_pixels: Optional[int] = None
-    max_pixels: Optional[int] = None
+    # this server's: the KV cache's storage (pixels and template switches are Rendering's)
     kv_bits: Optional[int] = None
     kv_group_size: Optional[int] = None
     quantized_kv_start: Optional[int] = None
+    # speculative decoding (lossless: only the speed changes): prompt lookup's longest n-gram (0 off,
+    # replacing the server's drafter), draft tokens per step (0 off)
+    prompt_lookup: Optional[int] = None
+    num_draft_tokens: Optional[int] = None
 
 
 REFUSED = {  # fields a client may send that this server cannot honour, and what to send instead
@@ -189,16 +163,13 @@ REFUSED = {  # fields a client may send that this server cannot honour, and what
     "chat_template": "this server renders with its checkpoint's template (switches go in 'chat_template_kwargs')",
     "store": "completions are not stored here", "modalities": "this model answers in text only",
     "parallel_tool_calls": "this model may answer with several calls and the server does not cut them",
+    "messages.reasoning_content": "its answers carry <think> text in 'content'; send it back there",
+    "messages.annotations": "its answers carry no annotations",
 }
 
 
 def parse_chat_request(body) -> ChatRequest:
     """A chat-completions body → the internal request (every check before any work)."""
-    if not isinstance(body, dict):
-        raise invalid(None, "the request body must be a JSON object", "invalid_type")
-    for key, why in REFUSED.items():
-        if body.get(key) is not None and key not in ChatBody.model_fields:
-            raise invalid(key, f"'{key}' is not supported by this server: {why}", "unsupported_field")
     wire = P.validate(ChatBody, body, REFUSED)
     max_tokens = wire.max_completion_tokens if wire.max_completion_tokens is not None else wire.max_tokens
     P.number(body, "max_completion_tokens" if wire.max_completion_tokens is not None else "max_tokens", 1,
@@ -209,15 +180,12 @@ def parse_chat_request(body) -> ChatRequest:
         raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
     sampling = P.sampling_params(body, P.stop_strings(wire.stop, "stop"), logprobs=bool(wire.logprobs),
                                  top_logprobs=top_logprobs, **P.stopping(body, max_tokens))
-    tools = [{"type": "function", "function": {**t.function.model_dump(exclude_none=True), "parameters":
-                                               t.function.parameters or {"type": "object", "properties": {}}}}
-             for t in wire.tools or ()]
-    tool_choice = wire.tool_choice if wire.tool_choice is not None else "auto"
-    if isinstance(tool_choice, ToolChoice):
-        if tool_choice.function.name not in {t["function"]["name"] for t in tools}:
-            raise invalid("tool_choice", f"'tool_choice' names function {tool_choice.function.name!r}, which is not "
-                          "in 'tools'")
-        tool_choice = {"type": "function", "function": {"name": tool_choice.function.name}}
+    choice = wire.tool_choice or "auto"
+    functions, _, tool_choice = tools(
+        [{"type": "function", "function": {**t.function.model_dump(exclude_none=True), "parameters":
+                                           t.function.parameters or {"type": "object", "properties": {}}}}
+         for t in wire.tools or ()], [], "function" if isinstance(choice, ToolChoice) else choice,
+        choice.function.name if isinstance(choice, ToolChoice) else None)
     mm = wire.mm_processor_kwargs or ProcessorKwargs()
     pixels = P.pixel_options({"min_pixels": wire.min_pixels if wire.min_pixels is not None else mm.min_pixels,
                               "max_pixels": wire.max_pixels if wire.max_pixels is not None else mm.max_pixels})
@@ -225,13 +193,25 @@ def parse_chat_request(body) -> ChatRequest:
     return ChatRequest(
         turns=read_messages(wire.messages), sampling=sampling, max_tokens=max_tokens, model=wire.model,
         stream=bool(wire.stream), include_usage=bool(wire.stream_options and wire.stream_options.include_usage),
-        tools=tools or None, tool_choice=tool_choice if tools else "none",
-        response_format=None if rf is None or rf.type == "text" else (
-            {"type": rf.type} if rf.type == "json_object" else
-            {"type": "json_schema", "json_schema": {"name": (rf.json_schema or JSONSchema()).name or "response",
-                                                    "schema": (rf.json_schema or JSONSchema()).schema_}}),
+        tools=functions, tool_choice=tool_choice,
+        response_format=rf and P.output_format(rf.type, (rf.json_schema or JSONSchema()).schema_,
+                                               (rf.json_schema or JSONSchema()).name),
         chat_template_kwargs=P.template_switches(wire.chat_template_kwargs), kv=P.kv_settings(body),
-        merge_system=False, **pixels)
+        merge_system=False, drafting=drafting_settings(body), **pixels)
+
+
+MAX_REQUEST_DRAFT = 16  # a request's num_draft_tokens and prompt_lookup at most: a batch's verify forward
+# is as long as its longest row's drafts, and a lookup scans the history once per n each step
+
+
+def drafting_settings(body) -> Optional[dict]:
+    """The request's speculative decoding settings, each checked with its name (None: the server's)."""
+    out = {}
+    for name, hi in (("prompt_lookup", MAX_REQUEST_DRAFT), ("num_draft_tokens", MAX_REQUEST_DRAFT)):
+        value = P.number(body, name, 0, hi, integer=True)
+        if value is not None:
+            out[name] = value
+    return out or None
 
 
 def read_messages(messages: List[Message]) -> List[Turn]:
@@ -246,13 +226,6 @@ def read_messages(messages: List[Message]) -> List[Turn]:
         if m.name and role != "tool":  # a tool result's name is its function's, which the call already names
             raise invalid(f"{where}.name", f"'{where}.name' is not supported by this server: the chat template has no "
                           "participant names; put the name in the message's text", "unsupported_field")
-        if m.reasoning_content:
-            raise invalid(f"{where}.reasoning_content", f"'{where}.reasoning_content' is not supported by this "
-                          "server: its answers carry <think> text in 'content'; send it back there",
-                          "unsupported_field")
-        if m.annotations:
-            raise invalid(f"{where}.annotations", f"'{where}.annotations' is not supported by this server: its "
-                          "answers carry no annotations", "unsupported_field")
         if m.refusal and (m.role != "assistant" or (m.content and m.content != m.refusal)):
             raise invalid(f"{where}.refusal", f"'{where}.refusal' is an assistant's answer instead of content; "
                           "send one or the other", "invalid_value")
@@ -283,90 +256,75 @@ def read_messages(messages: List[Message]) -> List[Turn]:
 # ------------------------------------------------------------------------------------ the answer
 
 
-def completion_id() -> str:
-    return "chatcmpl-" + uuid.uuid4().hex[:24]
+class Answer(Writer):
+    """A chat completion and its stream chunks: the answer's content and tool calls (its `<think>`
+    text stays content), a token's logprobs in the chunk of its text."""
 
+    named = False  # chunks are data-only events, and the stream ends with [DONE]
 
-def usage(prompt_tokens, completion_tokens, cached_tokens) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    def __init__(self, req: ChatRequest, model: str, prepared=None, computer_request=None, opened: bool = False):
+        super().__init__(req, model, prepared, reasoning=False)
+        self.id, self.content, self.tool_calls, self.logprobs = "chatcmpl-" + uuid.uuid4().hex[:24], [], [], []
 
-
-def chat_response(cid, model, message, finish_reason, logprobs, use) -> dict:
-    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
-            "usage": use}
-
-
-def chunk(cid, model, delta=None, finish_reason=None, logprobs=None, use=None, choices=True) -> dict:
-    out = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-           "choices": [{"index": 0, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish_reason}]
-           if choices else []}
-    if use is not None:
-        out["usage"] = use
-    return out
-
-
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-class Answer:
-    """One chat answer as its token events arrive: content and tool calls, and the chunks a
-    stream sends for each event."""
-
-    def __init__(self, req: ChatRequest, cid: str, model: str):
-        self.req, self.cid, self.model = req, cid, model
-        self.parts = AnswerStream(tools=bool(req.tools) and req.tool_choice != "none", reasoning=False)
-        self.content, self.calls, self.logprobs = [], [], []
-
-    def _chunks(self, segments, lp=None) -> list:
-        text = "".join(v for kind, v in segments if kind == "text")
-        self.content.append(text)
-        out = [chunk(self.cid, self.model, {"content": text}, logprobs=lp)] if text or lp else []
-        for kind, call in segments:
-            if kind == "call":
-                out.append(chunk(self.cid, self.model, {"tool_calls": [{"index": len(self.calls), **call}]}))
-                self.calls.append(call)
-        return out
+    def chunk(self, delta=None, finish_reason=None, logprobs=None, use=None) -> dict:
+        out = {"id": self.id, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model,
+               "choices": [] if use else [{"index": 0, "delta": delta or {}, "logprobs": logprobs,
+                                           "finish_reason": finish_reason}]}
+        return {**out, "usage": use} if use else out
 
     def start(self) -> list:
-        return [chunk(self.cid, self.model, {"role": "assistant", "content": ""})]
+        return [self.chunk({"role": "assistant", "content": ""})]
+
+    def token(self, ev) -> list:
+        if ev.logprobs is None:
+            return super().token(ev)
+        self.logprobs.append(ev.logprobs)  # one chunk: the token's text (maybe none yet) and its logprobs
+        segments = self.parts.feed(ev.text)
+        text = "".join(v for kind, v in segments if kind == "text")
+        self.content.append(text)
+        return [self.chunk({"content": text}, logprobs={"content": [ev.logprobs]})] + self._segments(
+            (kind, v) for kind, v in segments if kind == "call")
+
+    def opened(self, kind) -> list:
+        return []
+
+    def delta(self, kind, value) -> list:
+        self.content.append(value)
+        return [self.chunk({"content": value})]
+
+    def closed(self, kind, status) -> list:
+        return []
+
+    def call(self, call) -> list:
+        self.tool_calls.append(call)
+        return [self.chunk({"tool_calls": [{"index": len(self.tool_calls) - 1, **call}]})]
+
+    def finished(self, ev, cut) -> list:
+        self.finish = "tool_calls" if self.tool_calls else ev.finish_reason
+        self.usage = {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
+                      "total_tokens": ev.prompt_tokens + ev.completion_tokens,
+                      "prompt_tokens_details": {"cached_tokens": ev.cached_tokens}}
+        if ev.draft_proposed:  # speculative decoding's drafts as OpenAI's predicted outputs: kept, and rejected
+            self.usage["completion_tokens_details"] = {
+                "accepted_prediction_tokens": ev.draft_accepted,
+                "rejected_prediction_tokens": ev.draft_proposed - ev.draft_accepted}
+        return [self.chunk(finish_reason=self.finish)] + ([self.chunk(use=self.usage)] if self.req.include_usage
+                                                          else [])
 
     def failed(self, error: APIError) -> list:
         return [error.body()]
 
-    def token(self, ev) -> list:
-        if ev.logprobs is not None:
-            self.logprobs.append(ev.logprobs)
-        return self._chunks(self.parts.feed(ev.text), {"content": [ev.logprobs]} if ev.logprobs is not None else None)
-
-    def done(self, ev) -> list:
-        out = self._chunks(self.parts.finish())
-        self.finish = "tool_calls" if self.calls else ev.finish_reason
-        self.usage = usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
-        out.append(chunk(self.cid, self.model, finish_reason=self.finish))
-        if self.req.include_usage:
-            out.append(chunk(self.cid, self.model, use=self.usage, choices=False))
-        return out
-
     def result(self) -> dict:
         content = "".join(self.content)
-        message = {"role": "assistant", "content": content}
-        if self.calls:
-            message = {"role": "assistant", "content": content or None, "tool_calls": self.calls}
-        return chat_response(self.cid, self.model, message, self.finish,
-                             {"content": self.logprobs} if self.logprobs else None, self.usage)
+        message = {"role": "assistant", "content": content or None, "tool_calls": self.tool_calls} \
+            if self.tool_calls else {"role": "assistant", "content": content}
+        return {"id": self.id, "object": "chat.completion", "created": int(time.time()), "model": self.model,
+                "choices": [{"index": 0, "message": message, "logprobs": {"content": self.logprobs} if self.logprobs
+                             else None, "finish_reason": self.finish}], "usage": self.usage}
 
 
 def routes(service) -> list:
-    def build(req):
-        return service.builder.build(req), None
-
     async def create(request):
-        req, _, _, handle = await service.admit(request, parse_chat_request, build)
-        answer = Answer(req, completion_id(), req.model or service.model_id)
-        return await service.answer(request, handle, answer, _sse, req.stream, end="data: [DONE]\n\n")
+        return await respond(service, request, parse_chat_request, Answer, end="data: [DONE]\n\n")
 
     return [Route("/v1/chat/completions", create, methods=["POST"])]

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Hashable, List, Optional, Sequence, Tuple
 
 from .. import media
-from ..agent.computer_tools import ComputerTool, find_computer_tool
-from ..agent.computer_use import (AGENT_SAMPLING, QWEN_HISTORY_LENGTH, ComputerStep, ComputerTurn, computer_messages,
+from ..agent.computer_tools import ComputerTool
+from ..agent.computer_use import (QWEN_HISTORY_LENGTH, ComputerStep, ComputerTurn, computer_messages,
                                   cursor_after, map_answer)
 from ..agent.prompts import VENUS_HISTORY_LENGTH
 from ..errors import InputError
@@ -34,25 +34,6 @@ from .conversation import Call, Turn, leading_system
 from .fetch import resolve_image
 from .limits import check_pixel_options
 from .protocol import APIError, ChatRequest
-
-
-def find_tool(declarations, where: str = "tools", others=None) -> Optional[ComputerTool]:
-    """The request's one computer-use tool (None without one); a 400 naming the field otherwise,
-    also when `others` (the request's other tools) is not empty: the model's computer-use prompt
-    has only the computer."""
-    try:
-        tool = find_computer_tool(declarations, where)
-    except InputError as e:
-        raise APIError(400, str(e), param=where, code="invalid_value") from None
-    if tool is not None and others:
-        raise APIError(400, "a request with a computer-use tool may declare no other tools: this model's "
-                       "computer-use prompt has only the computer", param=where, code="unsupported_tool")
-    return tool
-
-
-def sampling_defaults(agent_format: str) -> dict:
-    """What a computer-use request samples with unless it says otherwise (agent.AGENT_SAMPLING)."""
-    return dict(AGENT_SAMPLING[agent_format])
 
 
 @dataclass

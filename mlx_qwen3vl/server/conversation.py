@@ -112,19 +112,3 @@ def template_messages(turns: List[Turn], resolve, merge_system: bool = True) -> 
             m["tool_call_id"] = t.call_id
         out.append(m)
     return out, images, videos
-
-
-def function_tool(name, description, parameters, param) -> dict:
-    """A function tool in chat-completions form, its fields checked."""
-    if not isinstance(name, str) or not name or len(name) > 256:
-        raise APIError(400, f"'{param}.name' must be a non-empty string", param=f"{param}.name", code="invalid_value")
-    if description is not None and not isinstance(description, str):
-        raise APIError(400, f"'{param}.description' must be a string", param=f"{param}.description",
-                       code="invalid_type")
-    if parameters is not None and not isinstance(parameters, dict):
-        raise APIError(400, f"'{param}' parameters must be a JSON schema object", param=param, code="invalid_type")
-    fn = {"name": name}
-    if description:
-        fn["description"] = description
-    fn["parameters"] = parameters if parameters is not None else {"type": "object", "properties": {}}
-    return {"type": "function", "function": fn}

@@ -115,4 +115,4 @@ class PromptBuilder:
         elif tools and any(t["function"].get("strict") for t in tools):  # a call it makes keeps to its schema
             grammar = ["tool_text", req.tools]
         return Prepared(inputs=inputs, tokens=tokens, media=media, sampling=req.sampling, max_tokens=max_tokens,
-                        grammar=grammar, processors=self.grammars.build(grammar), kv=req.kv)
+                        grammar=grammar, processors=self.grammars.build(grammar), kv=req.kv, drafting=req.drafting)

@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from ..engine import Done, Failed, Token, token_bytes
 from ..engine import Engine
+from ..engine.draft_model import DraftModel
 from ..errors import Qwen3VLError
 from .prepared import DoneEvent, ErrorEvent, Handle, Prepared, TokenEvent  # noqa: F401  (Prepared: the unit)
 from .protocol import APIError
@@ -33,8 +34,9 @@ class ModelThread:
     def __init__(self, model, processor, *, max_batch=8, max_queue=64, prefill_step_size=2048, prefill_budget=256,
                  prefix_cache_bytes=2 << 30, feature_cache_bytes=512 << 20, default_max_tokens=512,
                  kv_cache_bytes="auto", max_request_seconds=None, replicas=None, kv_bits=None, kv_group_size=None,
-                 quantized_kv_start=None, prefix_cache_dir=None, prefix_cache_dir_bytes=8 << 30):
+                 quantized_kv_start=None, prefix_cache_dir=None, prefix_cache_dir_bytes=8 << 30, drafting=None):
         self.model, self.processor = model, processor
+        self.drafting = drafting or {}  # the server's speculative decoding (Request's drafter, num_draft_tokens)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.prefill_step_size = prefill_step_size
         self.default_max_tokens = default_max_tokens
@@ -62,6 +64,8 @@ class ModelThread:
         self._iteration = 0
         self.metrics = collections.Counter()
         _settle(model)
+        if isinstance(self.drafting.get("drafter"), DraftModel):
+            _settle(self.drafting["drafter"].model)
         self._thread = threading.Thread(target=self._run, name="mlx_qwen3vl-model", daemon=True)
         self._thread.start()
 
@@ -166,7 +170,7 @@ class ModelThread:
     def _apply(self, orders):
         for handle in orders.admit:
             try:
-                self.core.add(handle.prepared.request(handle.id, self.core.kv))
+                self.core.add(handle.prepared.request(handle.id, self.core.kv, self.drafting))
             except Exception as e:  # noqa: BLE001 — the request fails, the server keeps serving
                 self._failed(e)
                 handle.emit(ErrorEvent(_as_api_error(e)))
@@ -189,7 +193,7 @@ class ModelThread:
                 del self._handles[ev.id]
                 if ev.finish_reason != "cancelled":
                     handle.emit(DoneEvent(ev.finish_reason, ev.prompt_tokens, len(ev.token_ids), ev.cached_tokens,
-                                          ev.stop))
+                                          ev.stop, draft_proposed=ev.draft_proposed, draft_accepted=ev.draft_accepted))
             elif isinstance(ev, Failed):
                 del self._handles[ev.id]
                 self._failed(ev.error)

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from ..engine import Request
+from ..engine import Request, speculative
 from ..kv_settings import KVSettings
 from ..sampling import SamplingParams
 
@@ -24,17 +24,27 @@ class Prepared:
     grammar: Optional[list] = None  # the grammar's description (grammar.GrammarFactory.build)
     processors: list = field(default_factory=list)  # extra mlx-lm-style logits processors (grammar)
     kv: Optional[dict] = None  # the request's KV cache settings over the server's (None: the server's)
+    drafting: Optional[dict] = None  # the request's prompt_lookup / num_draft_tokens (None: the server's)
 
     @property
     def prompt_tokens(self) -> int:
         return len(self.tokens)
 
-    def request(self, rid: int, kv_base: Optional[KVSettings] = None) -> Request:
+    def request(self, rid: int, kv_base: Optional[KVSettings] = None, drafting: Optional[dict] = None) -> Request:
         """The engine's request, named `rid`; its KV settings are what it set over `kv_base`
-        (the engine's), or the engine's when it set none."""
+        (the engine's), or the engine's when it set none; its drafter the server's (`drafting`:
+        Request's drafter / num_draft_tokens), or prompt lookup of the n it set (0: none), with
+        the num_draft_tokens it set."""
         kv = KVSettings.pop_from(dict(self.kv), kv_base) if self.kv else None
+        drafts = dict(drafting or {})
+        if self.drafting:
+            if "prompt_lookup" in self.drafting:
+                drafts = speculative.drafting(prompt_lookup=self.drafting["prompt_lookup"],
+                                              num_draft_tokens=drafts.get("num_draft_tokens"))
+            if drafts and "num_draft_tokens" in self.drafting:
+                drafts["num_draft_tokens"] = self.drafting["num_draft_tokens"]
         return Request(self.inputs, dataclasses.replace(self.sampling, max_tokens=self.max_tokens),
-                       processors=self.processors, id=rid, tokens=self.tokens, media=self.media, kv=kv)
+                       processors=self.processors, id=rid, tokens=self.tokens, media=self.media, kv=kv, **drafts)
 
 
 @dataclass
@@ -58,6 +68,8 @@ class DoneEvent:
     cached_tokens: int
     stop: Optional[str] = None
     text: str = ""
+    draft_proposed: int = 0  # speculative decoding: draft tokens proposed, and of them kept
+    draft_accepted: int = 0
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """What every protocol's request reading shares: the internal request (`ChatRequest`), errors
-(`APIError`, OpenAI's error body `{"error": {"message", "type", "param", "code"}}`), pydantic
-validation with errors named by the field's path (`validate`), and the field checks for sampling,
-stop strings, pixels, template switches and KV settings.
+(`APIError`, OpenAI's error body `{"error": {"message", "type", "param", "code"}}`), the wire
+models' base (`Wire`: strict, no unknown field; `one_of`: a union told apart by its `type`),
+validation with errors named by the field's path (`validate`), and the value checks for sampling,
+stop strings, pixels, template switches, KV settings and the output format.
 
 Every check names the field (`param`) and what to send instead.
 """
@@ -9,9 +10,9 @@ Every check names the field (`param`) and what to send instead.
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Annotated, Any, Dict, List, Optional, Union, get_args
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Tag, ValidationError
 
 from ..errors import InputError
 from ..kv_settings import FIELDS as KV_FIELDS, KVSettings
@@ -43,7 +44,8 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def _invalid(param, message, code="invalid_value"):
+def invalid(param, message, code="invalid_value") -> APIError:
+    """A 400 naming the field (`param`) in OpenAI's shape."""
     return APIError(400, message, param=param, code=code)
 
 
@@ -67,22 +69,31 @@ class ChatRequest:
     chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
     kv: Optional[dict] = None  # kv_bits / kv_group_size / quantized_kv_start the request set (extra_body)
     merge_system: bool = True  # system turns must lead and become one (Responses, Messages); chat keeps them
+    computer: Any = None  # a computer-use tool (agent.computer_tools.ComputerTool): the trained prompt renders
+    thinking: Optional[str] = None  # "enabled" / "disabled": what the rendered prompt must do (Messages' thinking)
+    max_tool_calls: Optional[int] = None  # calls one answer may carry; the model's further calls are dropped
+    echo: Dict[str, Any] = field(default_factory=dict)  # the request's settings its answer repeats (Responses)
+    drafting: Optional[dict] = None  # prompt_lookup / num_draft_tokens the request set (speculative decoding)
 
 
-def _number(body, name, lo=None, hi=None, *, integer=False, lo_open=False, default=None):
-    value = body.get(name)
+def number(body, name, lo=None, hi=None, *, integer=False, lo_open=False, default=None, param=None):
+    """body[name] checked as a number in range (None → default); `param` names it in errors."""
+    value, label = body.get(name), param or name
     if value is None:
         return default
     kind = "an integer" if integer else "a number"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
-        raise _invalid(name, f"'{name}' must be {kind}, got {type(value).__name__}", "invalid_type")
+        raise invalid(label, f"'{label}' must be {kind}, got {type(value).__name__}", "invalid_type")
     if not math.isfinite(value):
-        raise _invalid(name, f"'{name}' must be finite")
+        raise invalid(label, f"'{label}' must be finite")
     if lo is not None and (value <= lo if lo_open else value < lo) or hi is not None and value > hi:
         lo_s = "" if lo is None else f"{'>' if lo_open else '>='} {lo}"
         hi_s = "" if hi is None else f"<= {hi}"
-        raise _invalid(name, f"'{name}' is {value}; it must be {' and '.join(s for s in (lo_s, hi_s) if s)}")
+        raise invalid(label, f"'{label}' is {value}; it must be {' and '.join(s for s in (lo_s, hi_s) if s)}")
     return value
+
+
+_number = number
 
 
 def check_json(body, limit=MAX_JSON_DEPTH):
@@ -97,13 +108,13 @@ def check_json(body, limit=MAX_JSON_DEPTH):
                 try:
                     value.encode("utf-8")
                 except UnicodeEncodeError:
-                    raise _invalid(where, f"'{where or 'the body'}' holds a lone surrogate (\\ud800-\\udfff without "
-                                   "its pair); send valid Unicode text", "invalid_text") from None
+                    raise invalid(where, f"'{where or 'the body'}' holds a lone surrogate (\\ud800-\\udfff without "
+                                  "its pair); send valid Unicode text", "invalid_text") from None
             continue
         if not isinstance(value, (dict, list)):
             continue
         if depth > limit:
-            raise _invalid(where, f"the request body is nested deeper than {limit} levels", "too_deep")
+            raise invalid(where, f"the request body is nested deeper than {limit} levels", "too_deep")
         if isinstance(value, dict):
             for k, v in value.items():
                 stack.append((k, depth, where))
@@ -112,35 +123,25 @@ def check_json(body, limit=MAX_JSON_DEPTH):
             stack.extend((v, depth + 1, f"{where or ''}[{i}]") for i, v in enumerate(value))
 
 
-def _template_switches(kwargs):
-    if not isinstance(kwargs, dict):
-        raise _invalid("chat_template_kwargs", "'chat_template_kwargs' must be an object", "invalid_type")
-    for key, value in kwargs.items():
+def template_switches(kwargs) -> Dict[str, Any]:
+    """chat_template_kwargs (an object, typed by the wire model), each key a TEMPLATE_SWITCHES one."""
+    for key, value in (kwargs or {}).items():
         param = f"chat_template_kwargs.{key}"
         kind = TEMPLATE_SWITCHES.get(key)
         if kind is None:
-            raise _invalid(param, f"'chat_template_kwargs' may not set {key!r}; this server takes only "
-                           + ", ".join(sorted(TEMPLATE_SWITCHES)), "unsupported_template_kwarg")
+            raise invalid(param, f"'chat_template_kwargs' may not set {key!r}; this server takes only "
+                          + ", ".join(sorted(TEMPLATE_SWITCHES)), "unsupported_template_kwarg")
         if not isinstance(value, kind):
-            raise _invalid(param, f"'{param}' must be true or false", "invalid_type")
-    return dict(kwargs)
+            raise invalid(param, f"'{param}' must be true or false", "invalid_type")
+    return dict(kwargs or {})
 
 
-def _check_response_format(rf):
-    if rf is None:
-        return None
-    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
-        raise _invalid("response_format", "'response_format.type' must be 'text', 'json_object' or 'json_schema'")
-    if rf["type"] == "json_schema":
-        spec = rf.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise _invalid("response_format.json_schema", "'response_format.json_schema' must be "
-                           "{'name': ..., 'schema': {...}}")
-    return None if rf["type"] == "text" else rf
-
-
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "seed")
+def output_format(kind: Optional[str], schema=None, name: Optional[str] = None) -> Optional[dict]:
+    """The one output format every protocol's spelling becomes: None (free text), json_object, or
+    json_schema with its schema (compiled by llguidance when the prompt is built)."""
+    if kind == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": name or "response", "schema": schema}}
+    return {"type": "json_object"} if kind == "json_object" else None
 
 
 def stop_strings(stop, name="stop") -> List[str]:
@@ -150,14 +151,14 @@ def stop_strings(stop, name="stop") -> List[str]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
-        raise _invalid(name, f"'{name}' must be a non-empty string or a list of at most {MAX_STOP} of them")
+        raise invalid(name, f"'{name}' must be a non-empty string or a list of at most {MAX_STOP} of them")
     if any(len(s) > MAX_STOP_CHARS for s in stop):
-        raise _invalid(name, f"each '{name}' string must be at most {MAX_STOP_CHARS} characters")
+        raise invalid(name, f"each '{name}' string must be at most {MAX_STOP_CHARS} characters")
     return stop
 
 
 def sampling_params(body, stop=(), *, defaults=None, logprobs=False, top_logprobs=0, **more) -> SamplingParams:
-    """The sampling fields of a request body (SAMPLING_FIELDS) → SamplingParams; a field the body
+    """The sampling fields of a request body (the Sampling model's) → SamplingParams; a field the body
     leaves out takes `defaults`' value, else OpenAI's default temperature (1.0), not the library's
     greedy one."""
     d = defaults or {}
@@ -180,12 +181,8 @@ def pixel_options(body) -> Dict[str, Optional[int]]:
     """A request's own min_pixels / max_pixels (checked against the server's cap in model_inputs.py)."""
     pixels = {k: _number(body, k, 1, integer=True) for k in ("min_pixels", "max_pixels")}
     if pixels["min_pixels"] and pixels["max_pixels"] and pixels["min_pixels"] > pixels["max_pixels"]:
-        raise _invalid("min_pixels", "'min_pixels' is larger than 'max_pixels'")
+        raise invalid("min_pixels", "'min_pixels' is larger than 'max_pixels'")
     return pixels
-
-
-def template_switches(kwargs):
-    return _template_switches(kwargs or {})
 
 
 def stopping(body, max_tokens) -> dict:
@@ -195,32 +192,29 @@ def stopping(body, max_tokens) -> dict:
     out = {}
     bias = body.get("logit_bias")
     if bias is not None:
-        if not isinstance(bias, dict):
-            raise _invalid("logit_bias", "'logit_bias' must be an object {\"token id\": bias}", "invalid_type")
         if len(bias) > MAX_LOGIT_BIAS:
-            raise _invalid("logit_bias", f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens")
+            raise invalid("logit_bias", f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens")
         pairs = {}
         for key in bias:
             name = f"logit_bias.{key}"
             if not (key.isascii() and key.isdigit()) or len(key) > 12:
-                raise _invalid(name, f"'logit_bias' keys are token ids (decimal strings), not {key[:40]!r}")
+                raise invalid(name, f"'logit_bias' keys are token ids (decimal strings), not {key[:40]!r}")
             pairs[int(key)] = number(bias, key, -100, 100, param=name)
         out["logit_bias"] = pairs or None
     ids = body.get("stop_token_ids")
     if ids is not None:
-        if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in ids):
-            raise _invalid("stop_token_ids", f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token "
-                           "ids (integers >= 0)")
+        if len(ids) > MAX_STOP_TOKEN_IDS or not all(0 <= t < 2**31 for t in ids):  # ints: the wire model's
+            raise invalid("stop_token_ids", f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token "
+                          "ids (integers >= 0)")
         out["stop_token_ids"] = tuple(ids)
     min_tokens = _number(body, "min_tokens", 0, integer=True)
     if min_tokens is not None:
         if max_tokens is not None and min_tokens > max_tokens:
-            raise _invalid("min_tokens", f"'min_tokens' ({min_tokens}) is larger than the request's max_tokens "
-                           f"({max_tokens})")
+            raise invalid("min_tokens", f"'min_tokens' ({min_tokens}) is larger than the request's max_tokens "
+                          f"({max_tokens})")
         out["min_tokens"] = min_tokens
     if body.get("ignore_eos") is not None:
-        out["ignore_eos"] = flag(body, "ignore_eos", None)
+        out["ignore_eos"] = body["ignore_eos"]  # a bool: the wire model typed it
     return out
 
 
@@ -232,11 +226,70 @@ def kv_settings(body) -> Optional[dict]:
     try:
         KVSettings.build(**given, name=lambda f: f"'{f}'")
     except InputError as e:
-        raise _invalid(next(iter(given)), str(e)) from None
+        raise invalid(next(iter(given)), str(e)) from None
     return given
 
 
-# ----------------------------------------------------------------- shared by the other protocols
+# ------------------------------------------------------------------------------ the wire models
+
+
+class Wire(BaseModel):
+    """A protocol's wire object: strict types (no string for a number, no number for a string), and
+    every field known (an unknown one is a 400 naming its path)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+Number = Optional[float]  # strict: an int or a float, never a bool or a string
+
+
+class Sampling(Wire):
+    """The sampling fields every protocol takes (their ranges are sampling_params', by name)."""
+
+    temperature: Number = None
+    top_p: Number = None
+    top_k: Optional[int] = None
+    min_p: Number = None
+    repetition_penalty: Number = None
+    presence_penalty: Number = None
+    frequency_penalty: Number = None
+    seed: Optional[int] = None
+
+
+class Rendering(Wire):
+    """This server's own fields, in every protocol: pixels per image, the template's switches."""
+
+    min_pixels: Optional[int] = None
+    max_pixels: Optional[int] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+
+
+class OpenAIHints(Wire):
+    """OpenAI's identifiers and routing hints: accepted, with no effect on what a local server answers."""
+
+    user: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    service_tier: Optional[str] = None
+
+
+def one_of(*models, key: str = "type", default=None):
+    """The wire models as one field, told apart by the value of their `key` (each model's Literal):
+    pydantic's tagged union, so an error names the member's own field, and an unknown value is a 400
+    naming what this server takes there. `default(value)`: the member of a value without `key`."""
+    tags = {}
+    for m in models:
+        values = get_args(m.model_fields[key].annotation)
+        tags.update((v, "<" + "|".join(values) + ">") for v in values)  # not a field name: error paths skip it
+
+    def tag(value):
+        kind = value.get(key) if isinstance(value, dict) else getattr(value, key, None)
+        if kind is None and default is not None and isinstance(value, dict):
+            kind = default(value)
+        return None if kind is None else tags.get(kind, f"<{str(kind)[:60]}>") if isinstance(kind, str) else "<?>"
+
+    members = tuple(Annotated[m, Tag(tags[get_args(m.model_fields[key].annotation)[0]])] for m in models)
+    return Annotated[Union[members], Discriminator(tag)]
 
 
 _FIELD = re.compile(r"[a-z_][a-z0-9_]*")
@@ -245,7 +298,7 @@ _TYPE_LABELS = {"str", "int", "float", "bool", "none", "list", "dict"}
 
 def _path(loc, extra: bool) -> str:
     """A pydantic error location → the field's path as the client wrote it (`messages[2].content[0].
-    image_url.url`): union members' labels (`str`, `list[...]`, `URL`, a tag such as `image_url part`)
+    image_url.url`): union members' labels (`str`, `list[...]`, `URL`, a tag such as `<image_url>`)
     are left out."""
     out = ""
     for i, key in enumerate(loc):
@@ -256,86 +309,53 @@ def _path(loc, extra: bool) -> str:
     return out
 
 
+def _refusal(refused, path: str, tag: Optional[str]):
+    """→ (the refused field's path, why) where `refused` names `path` (or what holds it), else None."""
+    plain = re.sub(r"\[\d+\]", "", path)  # indices left out
+    for key, why in refused.items():
+        if key[0] == "." and plain.endswith(key) or tag is not None and key == f"{plain}={tag}":
+            return path, why
+        if plain == key or plain.startswith(key + "."):  # the field itself, not what it holds
+            return re.sub(r"(\[\d+\])+$", "", ".".join(path.split(".")[:key.count(".") + 1])), why
+    return None
+
+
 def validate(model, body, refused=None):
-    """`body` validated by the pydantic `model` (strict; unknown fields refused) → the model; else
-    a 400 naming the first failing field by its path. `refused` {field: why}: fields the model
-    holds only to refuse their values with a reason."""
+    """`body` validated by the pydantic `model` → the model; else a 400 naming the failing field by
+    its path (a refused one first, else the deepest: a union's other members fail at its top).
+    `refused` {path: why}: what this server knows and refuses, with the reason: a field and what is
+    inside it (`store`, `reasoning.effort`; indices left out), a field anywhere (`.file_id`), or a
+    member of a tagged union (`tools.type=web_search`)."""
+    if not isinstance(body, dict):
+        raise invalid(None, "the request body must be a JSON object", "invalid_type")
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        errors = e.errors(include_url=False, include_context=False, include_input=False)
-        # the deepest failure names the field (a union's other members fail at its top)
-        first = max(errors, key=lambda err: len(_path(err["loc"], err["type"] == "extra_forbidden")))
-        kind = first["type"]
-        path = _path(first["loc"], kind == "extra_forbidden")
+        errors = e.errors(include_url=False, include_input=False)
+    found = []
+    for err in errors:
+        kind, ctx = err["type"], err.get("ctx") or {}
+        path, tag = _path(err["loc"], kind == "extra_forbidden"), None
         if kind in ("union_tag_invalid", "union_tag_not_found"):
-            path += ".type"
-        top = path.split(".")[0].split("[")[0]
-        if refused and top in refused:
-            raise _invalid(top, f"'{top}' is not supported by this server: {refused[top]}",
-                           "unsupported_field") from None
-        if kind == "extra_forbidden":
-            raise _invalid(path, f"'{path}' is not a field this server accepts here", "unknown_field") from None
-        if kind == "missing":
-            raise _invalid(path, f"'{path}' is required", "missing_field") from None
-        same = [first["msg"]] + [err["msg"] for err in errors if _path(err["loc"], False) == path]
-        kinds = " or ".join(dict.fromkeys(same))
-        raise _invalid(path or None, f"'{path or 'the body'}' is not valid: {kinds}",
-                       "invalid_type" if "type" in kind or kind.endswith("_type") else "invalid_value") from None
+            path = f"{path}.type" if path else "type"
+            tag = ctx.get("tag", "<?>")[1:-1] if kind == "union_tag_invalid" else None
+        found.append((_refusal(refused or {}, path, tag) is None, -len(path), err, path, tag))
+    _, _, first, path, tag = min(found, key=lambda f: f[:2])
+    kind, refusal = first["type"], _refusal(refused or {}, path, tag)
+    if refusal is not None:
+        where, why = refusal
+        raise invalid(where, f"'{where}'{f' {tag!r}' if tag else ''} is not supported by this server: {why}",
+                      "unsupported_field")
+    if kind == "extra_forbidden":
+        raise invalid(path, f"'{path}' is not a field this server accepts here", "unknown_field")
+    if kind in ("missing", "union_tag_not_found"):
+        raise invalid(path, f"'{path}' is required", "missing_field")
+    if kind == "union_tag_invalid":
+        takes = ", ".join(t.strip("'<>") for t in first["ctx"]["expected_tags"].replace("|", "', '").split(", "))
+        raise invalid(path, f"'{path}' is {tag!r}; here this server takes {takes}")
+    same = [first["msg"]] + [err["msg"] for err in errors if _path(err["loc"], False) == path]
+    kinds = " or ".join(dict.fromkeys(same))
+    raise invalid(path or None, f"'{path or 'the body'}' is not valid: {kinds}",
+                  "invalid_type" if "type" in kind or kind.endswith("_type") else "invalid_value")
 
 
-def invalid(param, message, code="invalid_value") -> APIError:
-    return _invalid(param, message, code)
-
-
-def number(body, name, lo=None, hi=None, *, integer=False, lo_open=False, default=None, param=None):
-    """body[name] checked as a number in range (None → default); `param` names it in errors."""
-    try:
-        return _number(body, name, lo, hi, integer=integer, lo_open=lo_open, default=default)
-    except APIError as e:
-        if param is not None:
-            e.param, e.message = param, e.message.replace(f"'{name}'", f"'{param}'")
-            e.args = (e.message,)
-        raise
-
-
-def check_fields(obj, allowed, where, refused=None):
-    """`obj` is an object whose keys are all in `allowed`: an unknown key is a 400 naming it (a
-    field this server does not implement is never silently ignored); `refused` maps a known
-    field to why it is refused."""
-    if not isinstance(obj, dict):
-        raise _invalid(where, f"'{where or 'the body'}' must be an object", "invalid_type")
-    for key in obj:
-        if refused and key in refused and obj[key] is not None:
-            name = f"{where}.{key}" if where else key
-            raise _invalid(name, f"'{name}' is not supported by this server: {refused[key]}", "unsupported_field")
-        if key not in allowed:
-            name = f"{where}.{key}" if where else key
-            raise _invalid(name, f"'{name}' is not a field this server accepts here", "unknown_field")
-
-
-def string(obj, key, where, *, required=False, default=None, empty=True):
-    value = obj.get(key)
-    name = f"{where}.{key}" if where else key
-    if value is None:
-        if required:
-            raise _invalid(name, f"'{name}' is required", "missing_field")
-        return default
-    if not isinstance(value, str) or (not empty and not value):
-        raise _invalid(name, f"'{name}' must be a {'non-empty ' if not empty else ''}string", "invalid_type")
-    return value
-
-
-def flag(obj, key, where, default=False):
-    value = obj.get(key)
-    name = f"{where}.{key}" if where else key
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _invalid(name, f"'{name}' must be true or false", "invalid_type")
-    return value
-
-
-def response_format(rf):
-    """A chat-completions response_format, checked (None for plain text)."""
-    return _check_response_format(rf)

@@ -154,7 +154,7 @@ def encode(orders: Orders) -> bytes:
                 inputs[k] = {"value": v}
         requests.append({"id": handle.id, "inputs": inputs, "tokens": p.tokens, "media": p.media,
                          "sampling": dataclasses.asdict(p.sampling), "max_tokens": p.max_tokens,
-                         "grammar": p.grammar, "kv": p.kv})
+                         "grammar": p.grammar, "kv": p.kv, "drafting": p.drafting})
     buf = io.BytesIO()
     np.savez(buf, **arrays)
     head = {"admit": requests, "cancel": orders.cancel, "expire": orders.expire}
@@ -176,6 +176,7 @@ def decode(data: bytes, grammars) -> Orders:
                     inputs[k] = mx.array(a) if kind == "mlx" else a
             p = Prepared(inputs=inputs, tokens=r["tokens"], media=[tuple(m) for m in r["media"]],
                          sampling=SamplingParams(**r["sampling"]), max_tokens=r["max_tokens"],
-                         grammar=r["grammar"], processors=grammars.build(r["grammar"]), kv=r.get("kv"))
+                         grammar=r["grammar"], processors=grammars.build(r["grammar"]), kv=r.get("kv"),
+                         drafting=r.get("drafting"))
             admit.append(_Ghost(p, r["id"]))
     return Orders(admit=admit, cancel=info["cancel"], expire=info.get("expire", []))
