@@ -140,7 +140,7 @@ def run(M, distributed, path, out_dir, group, args):
 
     # Speculative decoding on every rank's share: the model drafting for itself (every draft kept),
     # the other fixture (loaded sharded too; its drafts mostly rejected) and prompt lookup.
-    other = M.load(FIXTURES / ("tiny-b" if Path(args.model).name == "tiny-a" else "tiny-a"), parallel=args.parallel)
+    other = M.load(FIXTURES / ("tiny-b" if Path(path).name == "tiny-a" else "tiny-a"), parallel=args.parallel)
     spec = {}
     for case in ("image", "video"):
         messages, fps = case_messages(case, rank)

@@ -30,21 +30,22 @@ IMAGE = str(FIXTURES / "media" / "img_123x77.png")
 pytestmark = pytest.mark.skipif(shutil.which("mlx.launch") is None, reason="mlx.launch is not on PATH")
 
 
-def launch(*command, input=None):
+def launch(*command, input=None, timeout=LAUNCH_TIMEOUT):
     """Run `command` on 2 ranks over loopback; mlx.launch itself always exits 0, so callers check output."""
     args = distributed.local_launch_command(2, [sys.executable, *command])
     # No BLAS thread settings: the ranks split this machine's cores themselves (share_this_machine).
     env = {k: v for k, v in os.environ.items() if k not in (*BLAS_ENV, "MLX_QWEN3VL_BLAS_THREADS")}
     env.update(PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
     return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env, input=input,
-                          timeout=LAUNCH_TIMEOUT)
+                          timeout=timeout)
 
 
 def run_worker(checkpoints, out, *extra):
     """One launch of the worker over `checkpoints` (one after another) → {checkpoint: (its folder
     under out, the error if a rank wrote nothing)}; a fixture reads its own from it."""
     models = [a for c in checkpoints for a in ("--model", str(FIXTURES / c))]
-    p = launch(str(ROOT / "tests" / "distributed_worker.py"), *models, "--out", str(out), *extra)
+    p = launch(str(ROOT / "tests" / "distributed_worker.py"), *models, "--out", str(out), *extra,
+               timeout=LAUNCH_TIMEOUT * len(checkpoints))  # each checkpoint's own bound, as in a launch of its own
     done = {c: all((out / c / f"rank{r}.json").is_file() for r in range(2)) for c in checkpoints}
     return {c: (out / c, None if done[c] else p.stdout + p.stderr) for c in checkpoints}
 
@@ -287,7 +288,8 @@ def _logits_script(paths, out_dir, parallel="tensor", before=""):
 def launch_logits(paths, out_dir, parallel="tensor", before=""):
     """_logits_script on 2 ranks (split as `parallel` says) → {path: (its folder, the launch's
     output)}, and the launch's CompletedProcess under "launch"."""
-    p = launch("-c", _logits_script(paths, out_dir, parallel, before))
+    p = launch("-c", _logits_script(paths, out_dir, parallel, before),
+               timeout=LAUNCH_TIMEOUT * (len(paths) + bool(before)))  # a bound per load, as in launches of their own
     return {"launch": p, **{path: (out_dir / path.name, p.stdout + p.stderr) for path in paths}}
 
 
