@@ -1,10 +1,11 @@
 """One rank of tests/test_distributed.py, started by `mlx.launch -n 2 --backend ring`.
 
-Loads a fixture checkpoint with `mlx_qwen3vl.load` (sharded because the group has 2 ranks), runs
-the text, image, two-image and video cases, a padded batch, a two-turn ChatSession and seeded
-sampling, and writes
-what it got to OUT/rank<r>.json. Only rank 0 is given the media: the others get paths that do not
-exist, so the test fails if they read anything themselves.
+Loads each fixture checkpoint it is given (one after another, in one launch: starting two ranks
+costs more than a tiny model's checks) with `mlx_qwen3vl.load` (sharded because the group has 2
+ranks), runs the text, image, two-image and video cases, a padded batch, a two-turn ChatSession
+and seeded sampling, and writes what it got to OUT/<checkpoint folder>/rank<r>.json. Only rank 0
+is given the media: the others get paths that do not exist, so the test fails if they read
+anything themselves.
 """
 
 import argparse
@@ -59,23 +60,36 @@ def quantized_kv(M, model, processor, images, rank):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--model", required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--model", required=True, action="append",
+                   help="a checkpoint folder; several run one after another in this launch (one start for all)")
+    p.add_argument("--out", required=True, help="OUT/<folder name>/rank<r>.json per --model")
     p.add_argument("--heads-too", action="store_true", help="also run the cases with the vision tower split by heads")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--parallel", default="tensor", help="load(..., parallel=): tensor or pipeline")
-    p.add_argument("--logits", action="store_true", help="also write the image case's logits to OUT/rank<r>.npy")
+    p.add_argument("--logits", action="store_true",
+                   help="also write the image case's logits to rank<r>.npy beside the json")
     args = p.parse_args()
 
     import mlx_qwen3vl as M  # before mlx.core: it loads the optimized BLAS MLX's matmuls then use
     from mlx_qwen3vl import distributed
 
     import mlx.core as mx
-    from mlx.utils import tree_flatten
 
     group = mx.distributed.init()
+    for path in args.model:
+        out_dir = Path(args.out, Path(path).name)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        out = run(M, distributed, path, out_dir, group, args)
+        (out_dir / f"rank{group.rank()}.json").write_text(json.dumps(out))
+    return 0
+
+
+def run(M, distributed, path, out_dir, group, args):
+    """Every check on one checkpoint → this rank's results."""
+    from mlx.utils import tree_flatten
+
     rank = group.rank()
-    model, processor = M.load(args.model, parallel=args.parallel)
+    model, processor = M.load(path, parallel=args.parallel)
     out = {"rank": rank, "size": group.size(), "sharded": distributed.is_sharded(model),
            "backend": model.backend.name, "describe": model.backend.describe(),
            "parameters": {k: v.size for k, v in tree_flatten(model.parameters())}}
@@ -104,9 +118,9 @@ def main():
         from mlx_qwen3vl.generate import encode_prompt
 
         inputs = encode_prompt(processor, messages=case_messages("image", rank)[0])
-        np.save(Path(args.out, f"rank{rank}.npy"), np.array(model(**inputs)))
+        np.save(out_dir / f"rank{rank}.npy", np.array(model(**inputs)))
     if args.heads_too:
-        out["cases_heads"] = run_cases(*distributed.load_sharded(args.model, group, vision="heads"))
+        out["cases_heads"] = run_cases(*distributed.load_sharded(path, group, vision="heads"))
 
     batch = [dict(messages=case_messages("batch", rank, row)[0]) for row in range(2)]
     out["batch"] = [r.token_ids for r in M.batch_generate(model, processor, batch, max_tokens=args.max_tokens)]
@@ -126,7 +140,7 @@ def main():
 
     # Speculative decoding on every rank's share: the model drafting for itself (every draft kept),
     # the other fixture (loaded sharded too; its drafts mostly rejected) and prompt lookup.
-    other = M.load(FIXTURES / ("tiny-b" if Path(args.model).name == "tiny-a" else "tiny-a"), parallel=args.parallel)
+    other = M.load(FIXTURES / ("tiny-b" if Path(path).name == "tiny-a" else "tiny-a"), parallel=args.parallel)
     spec = {}
     for case in ("image", "video"):
         messages, fps = case_messages(case, rank)
@@ -164,9 +178,7 @@ def main():
         out["bad_image"] = None
     except M.errors.InputError as e:
         out["bad_image"] = str(e)
-
-    Path(args.out, f"rank{rank}.json").write_text(json.dumps(out))
-    return 0
+    return out
 
 
 if __name__ == "__main__":

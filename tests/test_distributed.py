@@ -30,28 +30,43 @@ IMAGE = str(FIXTURES / "media" / "img_123x77.png")
 pytestmark = pytest.mark.skipif(shutil.which("mlx.launch") is None, reason="mlx.launch is not on PATH")
 
 
-def launch(*command, input=None):
+def launch(*command, input=None, timeout=LAUNCH_TIMEOUT):
     """Run `command` on 2 ranks over loopback; mlx.launch itself always exits 0, so callers check output."""
     args = distributed.local_launch_command(2, [sys.executable, *command])
     # No BLAS thread settings: the ranks split this machine's cores themselves (share_this_machine).
     env = {k: v for k, v in os.environ.items() if k not in (*BLAS_ENV, "MLX_QWEN3VL_BLAS_THREADS")}
     env.update(PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
     return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env, input=input,
-                          timeout=LAUNCH_TIMEOUT)
+                          timeout=timeout)
 
 
-def run_worker(checkpoint, tmp_path_factory, *extra):
-    out = tmp_path_factory.mktemp(f"dist-{checkpoint}")
-    p = launch(str(ROOT / "tests" / "distributed_worker.py"), "--model", str(FIXTURES / checkpoint),
-               "--out", str(out), *extra)
-    ranks = [out / f"rank{r}.json" for r in range(2)]
-    assert all(f.is_file() for f in ranks), p.stdout + p.stderr
-    return [json.loads(f.read_text()) for f in ranks]
+def run_worker(checkpoints, out, *extra):
+    """One launch of the worker over `checkpoints` (one after another) → {checkpoint: (its folder
+    under out, the error if a rank wrote nothing)}; a fixture reads its own from it."""
+    models = [a for c in checkpoints for a in ("--model", str(FIXTURES / c))]
+    p = launch(str(ROOT / "tests" / "distributed_worker.py"), *models, "--out", str(out), *extra,
+               timeout=LAUNCH_TIMEOUT * len(checkpoints))  # each checkpoint's own bound, as in a launch of its own
+    done = {c: all((out / c / f"rank{r}.json").is_file() for r in range(2)) for c in checkpoints}
+    return {c: (out / c, None if done[c] else p.stdout + p.stderr) for c in checkpoints}
 
 
-@pytest.fixture(scope="module", params=["tiny-a", "tiny-b"])
-def sharded_run(request, tmp_path_factory):
-    return request.param, run_worker(request.param, tmp_path_factory, "--heads-too")
+def worker_ranks(runs, checkpoint):
+    folder, error = runs[checkpoint]
+    assert error is None, error
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+SHARDED = ["tiny-a", "tiny-b"]
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory):
+    return run_worker(SHARDED, tmp_path_factory.mktemp("dist"), "--heads-too")
+
+
+@pytest.fixture(scope="module", params=SHARDED)
+def sharded_run(request, sharded_runs):
+    return request.param, worker_ranks(sharded_runs, request.param)
 
 
 @pytest.fixture(scope="module")
@@ -234,40 +249,57 @@ def test_cli_error_under_mlx_launch_is_one_line_from_rank0():
     assert "Traceback" not in p.stderr and p.stdout == ""
 
 
-def test_ranks_with_different_checkpoints_fail_clearly():
-    script = ("import mlx.core as mx, mlx_qwen3vl as M, sys\n"
-              "g = mx.distributed.init()\n"
-              f"paths = [{str(FIXTURES / 'tiny-a')!r}, {str(FIXTURES / 'tiny-b')!r}]\n"
-              "try:\n    M.load(paths[g.rank()])\nexcept M.errors.WeightsError as e:\n"
-              "    print(f'rank{g.rank()}: {e}')\n")
-    p = launch("-c", script)
+# Ranks given different checkpoints: each prints the error its load raised. Run first in the
+# tensor_logits launch (whose loads then agree), to spare this check a launch of its own.
+MISMATCH = ("g = mx.distributed.init()\n"
+            f"paths = [{str(FIXTURES / 'tiny-a')!r}, {str(FIXTURES / 'tiny-b')!r}]\n"
+            "try:\n    M.load(paths[g.rank()])\nexcept M.errors.WeightsError as e:\n"
+            "    print(f'rank{g.rank()}: {e}', flush=True)\n")
+
+
+def test_ranks_with_different_checkpoints_fail_clearly(tensor_logits):
+    p = tensor_logits["launch"]
     lines = sorted(line for line in p.stdout.splitlines() if line.startswith("rank"))
     assert len(lines) == 2, p.stdout + p.stderr
     for line in lines:
         assert "rank(s) [1] have a different checkpoint" in line and "copy the same folder" in line
 
 
-def _logits_script(path, out_dir, parallel="tensor"):
-    """Each rank: all-position logits of an image prompt to rank<r>.npy, a greedy answer to rank<r>.json,
-    how the model is split to rank<r>.txt."""
-    return ("import mlx.core as mx, numpy as np, mlx_qwen3vl as M\n"
+def _logits_script(paths, out_dir, parallel="tensor", before=""):
+    """Each rank, after `before`, for each checkpoint in turn (one launch for all), into
+    out_dir/<folder name>/: all-position logits of an image prompt to rank<r>.npy, a greedy answer
+    to rank<r>.json, how the model is split to rank<r>.txt."""
+    return ("import mlx.core as mx, numpy as np, os, mlx_qwen3vl as M\n"
             "from mlx_qwen3vl.generate import encode_prompt\n"
-            f"model, processor = M.load({str(path)!r}, parallel={parallel!r})\n"
-            f"inputs = encode_prompt(processor, 'Describe the image.', images=[{IMAGE!r}])\n"
+            + before +
             "r = mx.distributed.init().rank()\n"
-            f"np.save({str(out_dir)!r} + f'/rank{{r}}.npy', np.array(model(**inputs)))\n"
-            f"open({str(out_dir)!r} + f'/rank{{r}}.txt', 'w').write(model.backend.describe())\n"
-            f"ids = M.generate(model, processor, 'Describe the image.', images=[{IMAGE!r}], max_tokens=12).token_ids\n"
-            f"open({str(out_dir)!r} + f'/rank{{r}}.json', 'w').write(str(ids))\n")
+            f"for path in {[str(p) for p in paths]!r}:\n"
+            f"    out = os.path.join({str(out_dir)!r}, os.path.basename(path))\n"
+            "    os.makedirs(out, exist_ok=True)\n"
+            f"    model, processor = M.load(path, parallel={parallel!r})\n"
+            f"    inputs = encode_prompt(processor, 'Describe the image.', images=[{IMAGE!r}])\n"
+            "    np.save(out + f'/rank{r}.npy', np.array(model(**inputs)))\n"
+            "    open(out + f'/rank{r}.txt', 'w').write(model.backend.describe())\n"
+            f"    ids = M.generate(model, processor, 'Describe the image.', images=[{IMAGE!r}],\n"
+            "                     max_tokens=12).token_ids\n"
+            "    open(out + f'/rank{r}.json', 'w').write(str(ids))\n")
 
 
-def _sharded_logits_equal_one_process(path, tmp_path, parallel="tensor"):
-    """Launch _logits_script on 2 ranks (split as `parallel` says); its logits agree bitwise across
-    ranks and match one process's within 1e-4 (sums split over ranks round differently, as the CPU path does against
+def launch_logits(paths, out_dir, parallel="tensor", before=""):
+    """_logits_script on 2 ranks (split as `parallel` says) → {path: (its folder, the launch's
+    output)}, and the launch's CompletedProcess under "launch"."""
+    p = launch("-c", _logits_script(paths, out_dir, parallel, before),
+               timeout=LAUNCH_TIMEOUT * (len(paths) + bool(before)))  # a bound per load, as in launches of their own
+    return {"launch": p, **{path: (out_dir / path.name, p.stdout + p.stderr) for path in paths}}
+
+
+def _sharded_logits_equal_one_process(path, run):
+    """`run`, launch_logits' entry for `path`: its logits agree bitwise across ranks and match one
+    process's within 1e-4 (sums split over ranks round differently, as the CPU path does against
     MLX here: ~1e-5). Returns one process's (model, processor) and the ranks' greedy answers."""
-    p = launch("-c", _logits_script(path, tmp_path, parallel))
-    assert all((tmp_path / f"rank{r}.npy").is_file() for r in range(2)), p.stdout + p.stderr
-    got = [np.load(tmp_path / f"rank{r}.npy") for r in range(2)]
+    folder, log = run
+    assert all((folder / f"rank{r}.npy").is_file() for r in range(2)), log
+    got = [np.load(folder / f"rank{r}.npy") for r in range(2)]
     np.testing.assert_array_equal(got[0], got[1])
     model, processor = M.load(path)
     from mlx_qwen3vl.generate import encode_prompt
@@ -275,18 +307,26 @@ def _sharded_logits_equal_one_process(path, tmp_path, parallel="tensor"):
     expected = np.array(model(**encode_prompt(processor, "Describe the image.", images=[IMAGE])))
     assert got[0].shape == expected.shape
     assert np.abs(got[0] - expected).max() <= 1e-4 * np.abs(expected).max()
-    return model, processor, [(tmp_path / f"rank{r}.json").read_text() for r in range(2)]
+    return model, processor, [(folder / f"rank{r}.json").read_text() for r in range(2)]
 
 
-def test_quantized_checkpoint_logits_equal_one_process(tmp_path):
+MIXED, MOE = FIXTURES / "mlxvlm-mixed_3_6", FIXTURES / "tiny-moe"
+
+
+@pytest.fixture(scope="module")
+def tensor_logits(tmp_path_factory):
+    return launch_logits([MIXED, MOE], tmp_path_factory.mktemp("logits"), before=MISMATCH)
+
+
+def test_quantized_checkpoint_logits_equal_one_process(tensor_logits):
     """mlx-vlm's mixed 3/6-bit folder: quantized tied embedding split by vocabulary, 3-bit
     projections split by rows and columns."""
-    _sharded_logits_equal_one_process(FIXTURES / "mlxvlm-mixed_3_6", tmp_path)
+    _sharded_logits_equal_one_process(MIXED, tensor_logits[MIXED])
 
 
-def test_moe_logits_and_greedy_equal_one_process(tmp_path):
+def test_moe_logits_and_greedy_equal_one_process(tensor_logits):
     """Experts' intermediate split over 2 ranks, router replicated, the dense mlp_only layer split too."""
-    model, processor, answers = _sharded_logits_equal_one_process(FIXTURES / "tiny-moe", tmp_path)
+    model, processor, answers = _sharded_logits_equal_one_process(MOE, tensor_logits[MOE])
     ids = M.generate(model, processor, "Describe the image.", images=[IMAGE], max_tokens=12).token_ids
     assert answers == [str(ids)] * 2
 

@@ -1,12 +1,11 @@
 """Pipeline parallel (mlx_qwen3vl/pipeline.py): the decoder's layers split over two ranks with
 `mlx.launch -n 2 --backend ring` on 127.0.0.1, against one process.
 
-One worker launch per fixture (tests/distributed_worker.py with `--parallel pipeline`) runs every
-check: tiny-a (dense, tied table: first and last stage both hold it), tiny-b (three DeepStack taps,
+One worker launch (tests/distributed_worker.py with `--parallel pipeline`) runs every check on each
+fixture in turn: tiny-a (dense, tied table: first and last stage both hold it), tiny-b (three DeepStack taps,
 so tap 2 is added on the second stage) and tiny-moe (sparse and dense layers of different sizes).
 """
 
-import json
 import re
 from itertools import combinations
 
@@ -19,21 +18,23 @@ from distributed_worker import case_messages
 from mlx_qwen3vl import distributed
 from mlx_qwen3vl.errors import ConfigError
 from mlx_qwen3vl.pipeline import balanced_bounds, check_pipelinable, pipeline
-from test_distributed import IMAGE, ROOT, FakeGroup, check_early_stops, launch, pytestmark, single  # noqa: F401 (fixture, mark)
-from test_distributed import _sharded_logits_equal_one_process, kv_single
+from test_distributed import IMAGE, FakeGroup, check_early_stops, launch, pytestmark, single  # noqa: F401 (fixture, mark)
+from test_distributed import run_worker, worker_ranks
+from test_distributed import MIXED, _sharded_logits_equal_one_process, kv_single, launch_logits
 
 # The balanced split of each fixture over 2 ranks (test_split_is_the_most_even asserts it is).
 BOUNDS = {"tiny-a": [0, 2, 3], "tiny-b": [0, 2, 4], "tiny-moe": [0, 2, 4]}
 
 
+@pytest.fixture(scope="module")
+def piped_runs(tmp_path_factory):
+    return run_worker(list(BOUNDS), tmp_path_factory.mktemp("pipe"), "--parallel", "pipeline", "--logits")
+
+
 @pytest.fixture(scope="module", params=list(BOUNDS))
-def piped(request, tmp_path_factory):
+def piped(request, piped_runs):
     checkpoint = request.param
-    out = tmp_path_factory.mktemp(f"pipe-{checkpoint}")
-    p = launch(str(ROOT / "tests" / "distributed_worker.py"), "--model", str(FIXTURES / checkpoint), "--out", str(out),
-               "--parallel", "pipeline", "--logits")
-    assert all((out / f"rank{r}.json").is_file() for r in range(2)), p.stdout + p.stderr
-    return checkpoint, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)], out
+    return checkpoint, worker_ranks(piped_runs, checkpoint), piped_runs[checkpoint][0]
 
 
 def stage_parameters(checkpoint, bounds, rank):
@@ -156,10 +157,10 @@ def test_stopping_early_leaves_the_ranks_in_step(piped):
 def test_quantized_checkpoint_logits_and_greedy_equal_one_process(tmp_path):
     """mlx-vlm's mixed 3/6-bit folder as a pipeline: its 6-bit tied table is kept by both stages
     (the lookup on the first, `as_linear` on the last), 3- and 6-bit layers stay whole on theirs."""
-    model, processor, answers = _sharded_logits_equal_one_process(FIXTURES / "mlxvlm-mixed_3_6", tmp_path,
-                                                                  "pipeline")
+    run = launch_logits([MIXED], tmp_path, "pipeline")[MIXED]
+    model, processor, answers = _sharded_logits_equal_one_process(MIXED, run)
     for r in range(2):
-        assert f"pipeline over 2 ranks (this is rank {r}: decoder layers" in (tmp_path / f"rank{r}.txt").read_text()
+        assert f"pipeline over 2 ranks (this is rank {r}: decoder layers" in (run[0] / f"rank{r}.txt").read_text()
     ids = M.generate(model, processor, "Describe the image.", images=[IMAGE], max_tokens=12).token_ids
     assert answers == [str(ids)] * 2
 
