@@ -27,6 +27,7 @@ from ..video import smart_resize
 from ..agent import GROUNDING_FORMATS, Window, ground, parse_action, parse_grounding, zoom_fraction
 from ..agent.computer_tools import MAX_DISPLAY
 from ..agent.computer_use import AGENT_FORMATS, AGENT_SAMPLING, ComputerStep, computer_messages, map_answer
+from ..server.computer import agent_loop
 from ..server.conversation import template_messages
 from ..server.protocol import ChatRequest
 from . import arguments
@@ -206,14 +207,12 @@ def _ground(model, processor, settings: Settings, call: ToolCall) -> dict:
 
 
 def agent_messages(settings: Settings, call: ToolCall) -> list:
-    """next_action's turns as the trained computer-use prompt (agent.computer_use.computer_messages,
-    as the HTTP server renders a computer-use request): the task, each earlier answer as written,
-    the current screenshot."""
-    turns = call.request.turns
-    steps = [ComputerStep(answer=t.answer) for t in turns if t.role == "assistant"]
-    shot = [p for t in turns for p in t.images()][-1]
-    return computer_messages(call.text(), call.resolve(shot), steps, format=settings.agent_format,
-                             kind=call.options["kind"])
+    """next_action's turns as the trained computer-use prompt: read as the HTTP server reads a
+    computer-use conversation (server.computer.agent_loop: the task, each earlier answer as
+    written, the current screenshot), rendered by agent.computer_use.computer_messages."""
+    system, task, steps, shot = agent_loop(call.request.turns)
+    return computer_messages("\n".join(task), call.resolve(shot), [ComputerStep(answer=s.turn.answer) for s in steps],
+                             format=settings.agent_format, kind=call.options["kind"], system=system)
 
 
 def _next_action(model, processor, settings: Settings, call: ToolCall) -> dict:
