@@ -12,6 +12,8 @@ checkout of this repo (e.g. main, for a before / after).
     python benchmarks/bench_server.py --model tests/fixtures/tiny-a --servers ours --size 1280x720 --turns 3 \
         --server-root /work/main --out before.json
     python benchmarks/bench_server.py --prefix-lookup   # prefix-cache lookup time at 100/1000/5000 entries
+    python benchmarks/bench_server.py --model <2B-shaped checkpoint> --servers ours --text \
+        --conversations 16 --max-batch 16 --turns 3 --max-tokens 8   # 16 agents' text-only turns
 
 `--refused` instead sends our server (default flags) the over-budget and forbidden requests of
 issue #26 one by one and records its RSS and peak RSS (Linux /proc) after each; `--server-root`
@@ -100,14 +102,30 @@ def screenshot(rng, size):
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def conversation(client, model_id, c, turns, size, max_tokens, seed):
+def text_turn(rng, c, t):
+    """A text-only agent turn: the task first, then a tool's result or a short follow-up, of
+    different lengths per agent and turn."""
+    if t == 0:
+        return f"Task {c}: find the cheapest flight from Zurich to Lisbon next week and book it." + \
+            " Keep the receipt." * int(rng.integers(0, 6))
+    if t % 2:
+        rows = "".join(f'{{"id": {int(rng.integers(1000))}, "price": {int(rng.integers(80, 900))}}}, '
+                       for _ in range(int(rng.integers(1, 8))))
+        return f"Tool result (search_flights, call {t}): [{rows}]"
+    return "Thanks. " + "Is that really the cheapest one? " * int(rng.integers(1, 4))
+
+
+def conversation(client, model_id, c, turns, size, max_tokens, seed, text=False):
     rng = np.random.default_rng(seed + c)
     messages = [{"role": "system", "content": "You are a GUI agent. Answer with the next action."}]
     out = []
     for t in range(turns):
-        messages.append({"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": screenshot(rng, size)}},
-            {"type": "text", "text": f"Task {c}, step {t}: open the settings and lower the brightness."}]})
+        if text:
+            messages.append({"role": "user", "content": text_turn(rng, c, t)})
+        else:
+            messages.append({"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": screenshot(rng, size)}},
+                {"type": "text", "text": f"Task {c}, step {t}: open the settings and lower the brightness."}]})
         tic = time.perf_counter()
         # Streamed, with logprobs, so every token arrives as a chunk of its own (its time is known).
         stamps, text, usage = [], "", None
@@ -144,11 +162,11 @@ def run(server, args):
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=3600)
         model_id = args.model
-        conversation(client, model_id, 999, 1, args.size, 2, args.seed)  # warm-up (compiles, caches)
+        conversation(client, model_id, 999, 1, args.size, 2, args.seed, args.text)  # warm-up (compiles, caches)
         tic = time.perf_counter()
         with ThreadPoolExecutor(args.conversations) as pool:
             turns = sum(pool.map(lambda c: conversation(client, model_id, c, args.turns, args.size, args.max_tokens,
-                                                        args.seed), range(args.conversations)), [])
+                                                        args.seed, args.text), range(args.conversations)), [])
         wall = time.perf_counter() - tic
         metrics = None
         if server.startswith("ours"):
@@ -316,6 +334,8 @@ def main():
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--size", default="320x200", help="screenshot WxH")
+    p.add_argument("--text", action="store_true",
+                   help="text-only turns (a task, then tool results and short follow-ups), no screenshots")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-root", default=str(ROOT), help="the checkout whose server runs (default: this one)")

@@ -19,6 +19,8 @@
 #                        screenshot, vision head dims 64 and 72, the plain graph against mlx-vlm (when installed)
 #   graph-ops.json       benchmarks/graph_ops.py: ops of a decode step and a vision block, ours vs mlx-vlm
 #   decode-gap.json      benchmarks/decode_gap.py: decode and first token against mlx-vlm, interleaved (needs mlx-vlm)
+#   server-text-agents.json  benchmarks/bench_server.py --text: 16 agents sending text-only turns to our server
+#                        (h-mid checkpoint), short prompts prefilled together
 #
 # A step that fails is recorded and the next one still runs; the script's exit status is the
 # first failure's. Settings (environment variables): VENV=path (reuse a virtualenv, and INSTALL=0
@@ -99,6 +101,10 @@ if python -c "import mlx_vlm" 2>/dev/null; then
   step "decode gap against mlx-vlm" \
     python benchmarks/decode_gap.py --model "$models/vision-memory/6x6/qwen3vl-h-mid-random" --out "$out-decode-gap.json"
 fi
+
+step "server, 16 agents' text-only turns" \
+  python benchmarks/bench_server.py --model "$models/vision-memory/6x6/qwen3vl-h-mid-random" --servers ours --text \
+    --conversations 16 --max-batch 16 --turns 3 --max-tokens 8 --out "$out-server-text-agents.json"
 
 ls -l "$out"-* >&2
 exit $status

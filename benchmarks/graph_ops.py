@@ -75,6 +75,7 @@ def prompt_ids(n=20):
 
 
 def ours():
+    from mlx_qwen3vl import activations
     from mlx_qwen3vl.generate import decode_step
     from mlx_qwen3vl.weights import load_model
 
@@ -91,13 +92,26 @@ def ours():
             c.trim(1)  # the same context every trace
         return mx.argmax(logits, -1)
 
-    out = {"decode_step": count_ops(step(token), settle=[c.state for c in cache])}
     layer = model.language_model.layers[0]
     x = mx.random.normal((1, 1, model.config.text_config.hidden_size))
     mx.eval(x)
-    rope = model.language_model.rotary(pos, 1)  # built once per step, for every layer
-    out["decoder_layer"] = count_ops(layer(x, rope, None, cache[0]), settle=[cache[0].state])
-    cache[0].trim(1)
+
+    def decode_graphs():
+        counts = {"decode_step": count_ops(step(token), settle=[c.state for c in cache])}
+        rope = model.language_model.rotary(pos, 1)  # built once per step, for every layer
+        counts["decoder_layer"] = count_ops(layer(x, rope, None, cache[0]), settle=[cache[0].state])
+        cache[0].trim(1)
+        return counts
+
+    # "cpu" as built on this device (decode matmuls split over CPU streams, activations.py);
+    # "fused" what a GPU runs: no split, each mx.fast call one kernel.
+    out = decode_graphs()
+    few_rows, activations.FEW_ROWS = activations.FEW_ROWS, 0
+    try:
+        for key, unsplit in decode_graphs().items():
+            out[key]["cpu_unsplit"], out[key]["fused"] = unsplit["cpu"], unsplit["fused"]
+    finally:
+        activations.FEW_ROWS = few_rows
     inputs = np.load(FIXTURES / "cases" / "image.npz")
     visual = model.visual
     layout = visual.layout(inputs["image_grid_thw"])

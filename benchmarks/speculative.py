@@ -11,8 +11,17 @@ weights, cut to --layers decoder layers like decode_gap.py; --layers 28 is the w
    and the next answer's tokens; the drafts PromptLookup would propose at each step against that
    answer, so the acceptance a model producing that answer gets (no model needed: greedy
    verification keeps exactly the drafts that equal the answer's next tokens).
+4. Each drafter's tokens/s and acceptance in the engine, on two workloads:
+   - an agent loop of 3 turns, the history resent each turn (each earlier answer a thought and a
+     computer-use <tool_call>), every answer forced by a logits processor (random weights give
+     no real answer; the processor runs at every verified position, so the verify forward keeps
+     exactly the drafts that equal the forced answer, as it would for a model that answered so):
+     plain against prompt lookup at k = 2, 4, 8;
+   - a JSON-schema answer (llguidance's mask, free fields chosen by the weights): plain against
+     GrammarForced (the schema's forced tokens, k = 8) and prompt lookup (k = 4).
+   Variants alternate, --rounds of them; best decode tokens/s of each (first token to last).
 
-    python benchmarks/speculative.py [--layers 6] [--tokens 48] [--rounds 3] [--out FILE]
+    python benchmarks/speculative.py [--layers 6] [--tokens 48] [--rounds 3] [--workloads] [--out FILE]
     MLX_QWEN3VL_CPU_KERNELS=mlx python benchmarks/speculative.py ...   # the plain MLX graph
 
 Run it alone (it measures the machine); the JSON holds the load average beside every figure.
@@ -35,7 +44,7 @@ import mlx.core as mx  # noqa: E402
 
 from harness.measure import machine_info  # noqa: E402
 from mlx_qwen3vl.backend import backend_of  # noqa: E402
-from mlx_qwen3vl.engine.speculative import Oracle, PromptLookup  # noqa: E402
+from mlx_qwen3vl.engine.speculative import GrammarForced, Oracle, PromptLookup  # noqa: E402
 from mlx_qwen3vl.engine.step import decode_step, verify_step  # noqa: E402
 from mlx_qwen3vl.generate import encode_prompt  # noqa: E402
 from mlx_qwen3vl.prompt_cache import PromptCache  # noqa: E402
@@ -139,18 +148,108 @@ def lookup_acceptance(history, answer, k, max_n=3):
             "acceptance": kept / max(proposed, 1), "tokens_per_step": (len(answer) - 1) / steps}
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--tokens", type=int, default=48)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
-    path = checkpoint(args.layers)
-    model, processor = M.load(path)
-    backend = backend_of(model).describe()
-    log("model", path, "backend", backend)
+def force_answer(answer, prompt_tokens):
+    """A logits processor that allows only `answer`'s next token (its last one past the end)."""
+    ids = mx.array(answer)
+
+    def processor(history, logits):
+        n = min(history.shape[-1] - prompt_tokens, len(answer) - 1)
+        return mx.where(mx.arange(logits.shape[-1]) == ids[n], logits, -float("inf"))
+
+    return processor
+
+
+def engine_run(model, processor, inputs, max_tokens, processors, drafter=None, k=0, ignore_eos=True):
+    """One request through the engine: (tokens, seconds first token to last, proposed, accepted)."""
+    from mlx_qwen3vl.engine import Done, Engine, Request, Token
+
+    engine = Engine(model, processor, max_batch=1)
+    engine.add(Request(inputs, M.SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), processors=processors,
+                       **({"drafter": drafter, "num_draft_tokens": k} if drafter else {})))
+    tokens, times, done = [], [], None
+    for e in engine.run():
+        if isinstance(e, Token):
+            tokens.append(e.token)
+            times.append(time.perf_counter())
+        elif isinstance(e, Done):
+            done = e
+    return tokens, times[-1] - times[0], done.draft_proposed, done.draft_accepted
+
+
+AGENT_ANSWERS = [("I will type the city next.", "type", 412, 88, ', "text": "weather in Paris"'),
+                 ("The results list is open. I will left click the first result.", "left_click", 530, 212, ""),
+                 ("The hourly tab is visible below the forecast. I will left click it next.", "left_click", 702, 356, "")]
+
+
+def agent_loop(model, processor, variants, rounds):
+    """Per variant: decode tokens/s over the 3 turns' answers (tokens / decode seconds), drafts
+    proposed and kept; each turn's prompt holds every earlier turn's answer."""
+    base = [{"role": "system", "content": "You are a GUI agent. Use the computer_use tool: one action per turn, as "
+             "<tool_call>{\"name\": \"computer_use\", \"arguments\": {...}}</tool_call>."},
+            {"role": "user", "content": "Find tomorrow's weather in Paris and open the hourly view."},
+            {"role": "assistant", "content": "I will left click the search box.\n"
+             + AGENT_TURN.format(action="left_click", x=412, y=88, extra="")},
+            {"role": "user", "content": "The screen changed. Continue."}]
+    turns, messages = [], list(base)
+    tok = processor.tokenizer
+    for thought, action, x, y, extra in AGENT_ANSWERS:
+        answer = thought + "\n" + AGENT_TURN.format(action=action, x=x, y=y, extra=extra)
+        inputs = encode_prompt(processor, messages=messages)
+        turns.append((inputs, tok.encode(answer + "<|im_end|>", add_special_tokens=False)))
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "The screen changed. Continue."}]
+    return _interleave(model, processor, variants, rounds, turns)
+
+
+def _interleave(model, processor, variants, rounds, turns, make_processors=None):
+    """turns: [(inputs, forced answer ids or None, max tokens)]; variants: {name: (drafter factory or
+    None, k)}. Best round of each variant."""
+    runs = {name: [] for name in variants}
+    for r in range(rounds):
+        for name, (make, k) in variants.items():
+            load, n, secs, proposed, accepted, outputs = load_avg(), 0, 0.0, 0, 0, []
+            for turn in turns:
+                inputs, answer = turn[0], turn[1]
+                prompt_tokens = inputs["input_ids"].shape[-1]
+                procs = make_processors() if make_processors else [force_answer(answer, prompt_tokens)]
+                max_tokens = turn[2] if len(turn) > 2 else len(answer)
+                tokens, sec, p, a = engine_run(model, processor, inputs, max_tokens, procs,
+                                               make(procs) if make else None, k, ignore_eos=make_processors is None)
+                n, secs, proposed, accepted = n + len(tokens) - 1, secs + sec, proposed + p, accepted + a
+                outputs.append(tokens)
+            runs[name].append(dict(tokens_per_s=n / secs, tokens=n, proposed=proposed, accepted=accepted,
+                                   acceptance=accepted / proposed if proposed else None, load=load, outputs=outputs))
+            log(f"round {r + 1} {name}: {n / secs:.2f} tokens/s, {accepted}/{proposed} drafts kept (load {load:.2f})")
+    best = {name: dict(max(v, key=lambda x: x["tokens_per_s"])) for name, v in runs.items()}
+    plain = best["plain"]
+    for b in best.values():
+        b["speedup"] = b["tokens_per_s"] / plain["tokens_per_s"]
+        b["same_tokens_as_plain"] = b["outputs"] == plain["outputs"]
+    for b in best.values():
+        del b["outputs"]
+    return best
+
+
+def json_schema_answer(model, processor, variants, rounds):
+    from mlx_qwen3vl.server.grammar import GrammarFactory
+
+    tok = processor.tokenizer
+    grammars = GrammarFactory(tok, model.config.text_config.vocab_size, tok.eos_token_id)
+    schema = {"type": "object", "properties": {
+        "action": {"enum": ["left_click", "double_click", "type", "scroll"]},
+        "target": {"type": "string", "maxLength": 24},
+        "coordinate": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 1920},
+                       "minItems": 2, "maxItems": 2},
+        "reason": {"type": "string", "maxLength": 40}},
+        "required": ["action", "target", "coordinate", "reason"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Answer with the next action as JSON with the keys action, target, "
+                 "coordinate and reason: open the hourly forecast."}]
+    inputs = encode_prompt(processor, messages=messages)
+    return _interleave(model, processor, variants, rounds, [(inputs, None, 96)],
+                       make_processors=lambda: [grammars.json_schema(schema)])
+
+
+def oracle_and_costs(model, processor, args):
+    """1.-3.: the oracle's decode speed at each k, the verify costs, prompt lookup's acceptance."""
     prompt = prompt_text()
     ids = encode_prompt(processor, prompt)["input_ids"][0].tolist()
     cache = PromptCache(model.make_cache())
@@ -178,13 +277,48 @@ def main():
             f"{row['tokens_per_step']:.2f} tokens per verify step")
     for name in best:
         log(f"best {name}: {best[name]['tokens_per_s']:.2f} tokens/s, x{speedup[name]:.2f}")
-    result = {"checkpoint": f"2b preset, {args.layers} decoder layers", "backend": backend,
-              "tokens": args.tokens, "prompt_tokens": len(ids), "rounds": rates, "best": best, "speedup": speedup,
-              "step_seconds": costs, "step_cost_vs_decode": cost_ratio, "step_load": load,
-              "prompt_lookup_agent": lookup, "machine": machine_info()}
+    return {"tokens": args.tokens, "prompt_tokens": len(ids), "rounds": rates, "best": best, "speedup": speedup,
+            "step_seconds": costs, "step_cost_vs_decode": cost_ratio, "step_load": load, "prompt_lookup_agent": lookup}
+
+
+def workloads(model, processor, rounds):
+    """4.: each drafter on the agent loop and on the JSON-schema answer."""
+    lookup3 = lambda procs: PromptLookup(max_n=3)  # noqa: E731
+    agent = agent_loop(model, processor, {"plain": (None, 0)} | {f"prompt lookup k={k}": (lookup3, k) for k in KS},
+                       rounds)
+    answer = json_schema_answer(model, processor, {"plain": (None, 0),
+                                                   "grammar forced k=8": (lambda procs: GrammarForced(procs[0]), 8),
+                                                   "prompt lookup k=4": (lookup3, 4)}, rounds)
+    for title, res in (("agent loop", agent), ("json schema", answer)):
+        for name, b in res.items():
+            log(f"{title} best {name}: {b['tokens_per_s']:.2f} tokens/s (x{b['speedup']:.2f}), "
+                f"{b['accepted']}/{b['proposed']} drafts kept, same tokens as plain: {b['same_tokens_as_plain']}")
+    return {"agent_loop": agent, "json_schema": answer}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", default=None)
+    p.add_argument("--workloads", action="store_true", help="also the agent loop and the JSON-schema answer (4.)")
+    p.add_argument("--only-workloads", action="store_true", help="only those (not 1.-3.)")
+    args = p.parse_args()
+    path = checkpoint(args.layers)
+    model, processor = M.load(path)
+    backend = backend_of(model).describe()
+    log("model", path, "backend", backend)
+    result = {"checkpoint": f"2b preset, {args.layers} decoder layers", "backend": backend}
+    if not args.only_workloads:
+        result |= oracle_and_costs(model, processor, args)
+    if args.workloads or args.only_workloads:
+        result |= workloads(model, processor, args.rounds)
+    result["machine"] = machine_info()
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
-    print(json.dumps({"speedup": speedup, "step_cost_vs_decode": cost_ratio}, indent=2))
+    print(json.dumps({k: result[k] for k in ("speedup", "step_cost_vs_decode") if k in result}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """SwiGLU and the tanh GELU as MLX's CPU device computes them fastest, put in place of the model's
 standard ones when its plain MLX graph runs on the CPU (backend.plain_graph_on_cpu); with them the
-decoder's text rotary by its tables (TextRotary below).
+decoder's text rotary by its tables (TextRotary below), and, once the plain graph is chosen, the
+decode step's matmuls over row blocks of their weights on two CPU streams (split_matmuls).
 
 MLX's CPU backend evaluates exp with vectorized code but sigmoid and tanh with scalar code, so
 both are written through exp, each one compiled kernel in float32 inside (benchmarks/README.md,
@@ -12,6 +13,7 @@ import math
 from functools import partial
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from . import language, rope, vision
 
@@ -32,9 +34,60 @@ def gelu_tanh(x):
     return (y / (1 + mx.exp(-2 * math.sqrt(2 / math.pi) * (y + 0.044715 * y * y * y)))).astype(x.dtype)
 
 
+# A decode step's matmul (a few rows of x) is one BLAS call on one core, bound by that core's
+# memory bandwidth; its weight's row blocks on separate CPU streams (each its own thread) are read
+# by every core. Each output element is the same dot product, so the result is bit for bit the
+# same (benchmarks/README.md, "The plain MLX graph").
+PARTS = 2
+FEW_ROWS = 4  # beyond this many rows BLAS threads the product itself
+_streams = []
+
+
+def row_blocks(w):
+    """w's PARTS row blocks, views of it (no copy); a tuple, which nn.Module neither counts among its
+    parameters nor walks as children."""
+    step = -(-w.shape[0] // PARTS)
+    blocks = tuple(w[a:a + step] for a in range(0, w.shape[0], step))
+    mx.eval(blocks)
+    return blocks
+
+
+def matmul(x, w, blocks=None):
+    """x @ w.T; for a few rows of x, as one product per row block of w, each on its own CPU stream."""
+    if blocks is None or x.size // x.shape[-1] > FEW_ROWS:
+        return x @ w.T
+    if not _streams:
+        _streams.extend(mx.new_stream(mx.cpu) for _ in range(PARTS))
+    return mx.concatenate([mx.matmul(x, b.T, stream=s) for b, s in zip(blocks, _streams)], axis=-1)
+
+
 class MLP(language.MLP):
     def __call__(self, x):
         return self.down_proj(swiglu(*self.gate_up(x)))
+
+    def gate_up(self, x):
+        blocks = self.get("_gate_up_blocks")
+        if blocks is None:
+            return super().gate_up(x)
+        return mx.split(matmul(x, self._gate_up, blocks), 2, axis=-1)
+
+
+class Attention(language.Attention):
+    def project(self, x):
+        blocks = self.get("_qkv_blocks")
+        if blocks is None:
+            return super().project(x)
+        return mx.split(matmul(x, self._qkv, blocks), self._qkv_split, axis=-1)
+
+
+class Linear(nn.Linear):
+    def __call__(self, x):
+        return matmul(x, self.weight, self._blocks)
+
+
+class Embedding(nn.Embedding):
+    def as_linear(self, x):
+        return matmul(x, self.weight, self._blocks)
 
 
 class VisionMLP(vision.VisionMLP):
@@ -57,6 +110,30 @@ class TextRotary(rope.TextRotary):
 
 
 TWINS = {language.MLP: MLP, vision.VisionMLP: VisionMLP}
+
+
+def split_matmuls(model):
+    """The plain graph's decoder and LM head (float, unquantized, unbiased: what backend.fuse stacks)
+    with their decode matmuls split as `matmul` does, in place; returns the model."""
+    def linear(m):
+        if type(m) is nn.Linear and "bias" not in m:
+            m.__class__, m._blocks = Linear, row_blocks(m.weight)
+
+    text = model.language_model
+    for layer in text.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if type(attn) is language.Attention and attn.get("_qkv") is not None:
+            attn.__class__, attn._qkv_blocks = Attention, row_blocks(attn._qkv)
+            linear(attn.o_proj)
+        if type(mlp) is MLP and mlp.get("_gate_up") is not None:
+            mlp._gate_up_blocks = row_blocks(mlp._gate_up)
+            linear(mlp.down_proj)
+    if model.config.tie_word_embeddings:
+        if type(text.embed_tokens) is nn.Embedding:
+            text.embed_tokens.__class__, text.embed_tokens._blocks = Embedding, row_blocks(text.embed_tokens.weight)
+    else:
+        linear(model.lm_head)
+    return model
 
 
 def install(model):

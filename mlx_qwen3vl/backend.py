@@ -121,6 +121,17 @@ def fuse(model):
     return model
 
 
+def plain_graph(model):
+    """The plain graph's load-time work: stacked projections (fuse), and on the CPU device the
+    decode matmuls split over its cores (activations.split_matmuls)."""
+    fuse(model)
+    if mx.default_device().type == mx.DeviceType.cpu:
+        from . import activations
+
+        activations.split_matmuls(model)
+    return model
+
+
 def install(model, backend=None):
     """Put a backend in place on a loaded model, once; returns the model.
 
@@ -132,13 +143,13 @@ def install(model, backend=None):
         raise ConfigError(f"backend {backend!r} is not one of 'mlx', 'cpu' or None (automatic)")
     choice = env_choice()
     if backend == "mlx" or (backend is None and choice == "mlx"):
-        return fuse(model)
+        return plain_graph(model)
     why_not = cpu_path_fits(model)
     if why_not:
         if backend == "cpu":
             raise ConfigError(f"the CPU path cannot run this model: {why_not}; load it in float32 on the CPU "
                               "or use backend='mlx'")
-        return fuse(model)
+        return plain_graph(model)
     from . import cpu  # the CPU path (numpy + C) is imported only for a model that runs on it
 
     return cpu.install(model, ops=None if choice in ("auto", "mlx") else choice)

@@ -122,15 +122,24 @@ class _Rows:
     @classmethod
     def merge(cls, caches: Sequence["_Rows"]):
         """One cache with the rows of `caches`, in order, right-aligned to the longest; each row
-        keeps its positions and gains left padding. The sources stay as they were."""
-        if any(c.empty() for c in caches):
-            raise ValueError("merge needs caches that hold positions")
+        keeps its positions and gains left padding. The sources stay as they were. An empty cache
+        (a one-row cache that holds nothing yet) joins as a row of padding only; if all are empty,
+        the result is empty too (its rows come with the first update)."""
         if len({c.kind for c in caches}) > 1:
             raise ValueError("merge needs caches of one kind (all float, or all of the same bits and group size)")
         out = caches[0].empty_like()
+        full = [c for c in caches if not c.empty()]
+        if not full:
+            return out
         T = max(c.offset for c in caches)
+        blank = lambda a: mx.zeros((1, a.shape[1], T, a.shape[3]), a.dtype)  # noqa: E731
         keys, values, pads = [], [], []
         for c in caches:
+            if c.empty():
+                keys.append(_map(blank, full[0].keys))
+                values.append(_map(blank, full[0].values))
+                pads.append(T)
+                continue
             extra = T - c.offset
             pad = [(0, 0), (0, 0), (extra, 0), (0, 0)]
             used = lambda a: a[..., :c.offset, :]  # noqa: E731

@@ -19,9 +19,9 @@ array is evaluated, and nothing is), so the figures are this engine's own module
   patches and LLM tokens, an estimate of the activations live at once, and the size of the full
   attention-score matrix (fused away on Apple GPUs, computed in bounded chunks by the CPU path);
 - whether each weight format fits this machine: weights + KV cache of --context tokens + the
-  larger of the vision tower's working memory (its activations, and the attention scores where
-  this device holds them: none on an Apple GPU, the CPU path's chunks on a CPU, all of them
-  elsewhere) and a prefill chunk's activations, against MLX's recommended working set on an
+  larger of the vision tower's working memory (its activations, and the attention scores this
+  device holds at once: none where an Apple GPU's fused kernel runs, else one query chunk's, the
+  CPU path's or the plain graph's, attention.py) and a prefill chunk's activations, against MLX's recommended working set on an
   Apple GPU (mx.device_info(), the wired limit mlx-lm sets while generating), else the memory the
   OS reports available. "fits" leaves 10% free, "tight" fits only without it.
 
@@ -40,6 +40,7 @@ from huggingface_hub import hf_hub_download
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from . import attention
 from .architectures import HUB_IDS, PRESETS, QWEN3VL_PREPROCESSOR, preset_config
 from .cli import Parser, run
 from .config import ModelConfig
@@ -187,8 +188,8 @@ def vision_plan(config, image_config, size, max_pixels=None, dtype_bytes=2) -> d
     vision tower's working memory: pixels in, the larger of one block's attention and MLP phases
     (everything a phase holds at once: residual, norm, q/k/v, q and k rotated in float32, outputs),
     and the DeepStack features kept for the decoder. The full attention-score matrix is given
-    apart: Apple GPUs run a fused kernel that never holds it, and this engine's CPU path computes
-    it in chunks of 128 MB."""
+    apart: Apple GPUs run a fused kernel that never holds it (head dims 64/80/128), and elsewhere
+    this engine computes it in query chunks of bounded memory (attention_working_bytes)."""
     vc = config.vision_config
     w, h = size
     lo, hi = image_budget(image_config, None, max_pixels, names={"max_pixels": "--max-pixels"})
@@ -209,12 +210,17 @@ def vision_plan(config, image_config, size, max_pixels=None, dtype_bytes=2) -> d
 CPU_PATH_SCORES = 2 * 128 * 10**6  # cpu/kernels.py: query chunks of 2**25 float32 scores, and their softmax
 
 
-def attention_working_bytes(scores_bytes, device=None) -> int:
-    """What the vision tower's attention holds beyond its activations on this device: nothing on
-    an Apple GPU (a fused kernel), the CPU path's chunks on a CPU, the whole matrix elsewhere."""
+def attention_working_bytes(scores_bytes, device=None, head_dim=None, cpu_path=False) -> int:
+    """What the vision tower's attention holds beyond its activations: nothing where MLX's fused
+    kernel runs (an Apple GPU at head dims attention.FUSED_HEAD_DIMS); else one query chunk's
+    scores, the CPU path's (`cpu_path`: float32 weights on the CPU) or the plain graph's (chunks
+    sized so that scores and softmax fit attention.SCORE_BUDGET; MLX's softmax overwrites the
+    scores, so one chunk holds half of it); the whole matrix where that is smaller."""
     if device is None:
         device = ("metal" if mx.metal.is_available() else "gpu") if mx.default_device().type == mx.DeviceType.gpu else "cpu"
-    return 0 if device == "metal" else min(scores_bytes, CPU_PATH_SCORES) if device == "cpu" else scores_bytes
+    if device == "metal" and head_dim in attention.FUSED_HEAD_DIMS:
+        return 0
+    return min(scores_bytes, CPU_PATH_SCORES if cpu_path and device == "cpu" else attention.SCORE_BUDGET // 2)
 
 
 def prefill_bytes(config, tokens, dtype_bytes=2) -> int:
@@ -272,7 +278,10 @@ def make_plan(raw, label="model", folder=None, *, screenshot=DEFAULT_SCREENSHOT,
         float_bytes = 4 if row["name"] == "float32" else 2
         vis = vision_plan(config, image_config, screenshot, max_pixels, float_bytes)
         kv_bytes = kv_per_token["float32" if float_bytes == 4 else "bfloat16"] * context
-        vision_work = vis["activation_bytes"] + attention_working_bytes(vis["attention_scores_bytes"], device)
+        vc = config.vision_config
+        scores = attention_working_bytes(vis["attention_scores_bytes"], device, vc.hidden_size // vc.num_heads,
+                                         cpu_path=row["name"] == "float32")
+        vision_work = vis["activation_bytes"] + scores
         work = max(vision_work, prefill_bytes(config, context, float_bytes))
         need = row["bytes"] + kv_bytes + work
         fits.append(dict(weights=row["name"], weight_bytes=row["bytes"], kv_bytes=int(kv_bytes), working_bytes=work,
@@ -327,7 +336,8 @@ def format_plan(plan) -> str:
               f"screenshot {v['screenshot'][0]}x{v['screenshot'][1]} -> {v['resized'][0]}x{v['resized'][1]} "
               f"({v['pixel_budget_from']}): {v['patches']} patches, {v['tokens']} tokens; vision activations "
               f"~{size_label(v['activation_bytes'])} in bfloat16, attention scores {size_label(v['attention_scores_bytes'])} if "
-              "unfused (Apple GPUs fuse them away, the CPU path computes them in 128 MB chunks)",
+              "unfused (Apple GPUs fuse them away at head dims 64/80/128; elsewhere they are computed in "
+              f"query chunks of at most {size_label(attention.SCORE_BUDGET)})",
               f"total memory {size_label(m.get('total'))}" + (f", available {size_label(m['available'])}" if m.get("available") else "")
               + (f", GPU working set {size_label(m['working_set'])}" if m.get("working_set") else "")]
     return "\n".join(lines)

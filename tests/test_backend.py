@@ -185,3 +185,36 @@ def test_plain_mlp_is_silu_gate_times_up_stacked_or_not(on_cpu):
     assert mlp.get("_gate_up") is not None
     for x, e in zip(xs, expected):
         np.testing.assert_allclose(np.array(mlp(x)), np.array(e), rtol=1e-5, atol=1e-5)
+
+
+def test_plain_graph_on_cpu_splits_decode_matmuls_bit_for_bit(on_cpu, monkeypatch):
+    """On the CPU device the plain graph's decode matmuls (stacked q/k/v and gate/up, o, down, the
+    tied LM head) run as row blocks of their weights on two CPU streams (activations.
+    split_matmuls): the parameters keep their names, and a decode step's logits equal the
+    unsplit products' to the bit."""
+    from mlx.utils import tree_flatten
+
+    from mlx_qwen3vl import activations
+    from mlx_qwen3vl.engine.step import decode_step
+
+    model = load_model(FIXTURES / "tiny-a", dtype="float32", backend="mlx")
+    layer, text = model.language_model.layers[0], model.language_model
+    assert type(layer.self_attn) is activations.Attention and type(layer.mlp.down_proj) is activations.Linear
+    assert type(text.embed_tokens) is activations.Embedding
+    assert not [k for k, _ in tree_flatten(model.parameters()) if "_blocks" in k]
+    cache = model.make_cache()
+    inputs = case_inputs("text")
+    mx.eval(model(inputs["input_ids"], cache=cache))
+    positions = mx.array([inputs["input_ids"].shape[1]])
+    token = mx.array([7])
+
+    def step():
+        logits = decode_step(model, token, cache, positions)
+        mx.eval(logits)
+        for c in cache:
+            c.trim(1)
+        return np.array(logits)
+
+    split = step()
+    monkeypatch.setattr(activations, "FEW_ROWS", 0)  # every product whole
+    assert np.array_equal(split, step())

@@ -157,6 +157,25 @@ def test_pool_sets_a_library_loaded_after_it():
     assert a.calls == [1, 2, 2] and b.calls == [2, 2]
 
 
+def test_one_blas_thread_inside_and_the_count_back_after(monkeypatch):
+    """A verify forward's few-query attention runs its BLAS calls on the calling thread only (woken
+    workers would spin beside matmul_rows' threads), and the pool's count is back afterwards, also
+    when the work inside fails; with one thread already nothing is called."""
+    a = FakeLibrary()
+    pool = threads.BlasPool(find=lambda: [a])
+    monkeypatch.setattr(threads, "_pool", pool)
+    pool.set(2)
+    with threads.one_blas_thread():
+        assert a.calls == [2, 1]
+    with pytest.raises(ZeroDivisionError), threads.one_blas_thread():
+        1 / 0
+    assert a.calls == [2, 1, 2, 1, 2] and pool.current == 2
+    pool.set(1)
+    with threads.one_blas_thread():
+        pass
+    assert a.calls == [2, 1, 2, 1, 2, 1]
+
+
 def test_environment_fixes_the_count_and_a_bad_value_fails_the_load(monkeypatch):
     monkeypatch.setenv(threads.ENV, "1")
     assert threads.policy().fixed == 1 and threads.apply() == 1

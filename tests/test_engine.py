@@ -13,6 +13,7 @@ from conftest import FIXTURES, case_inputs, load_fixture_model, reference, rel_e
 from mlx_qwen3vl.engine import Done, Engine, Request, Token
 from mlx_qwen3vl.engine.caches import PrefixCache
 from mlx_qwen3vl.errors import InputError
+from mlx_qwen3vl.kv_settings import KVSettings
 from mlx_qwen3vl.generate import encode_prompt
 from mlx_qwen3vl.spans import media_keys, reusable_prefix
 from mlx_qwen3vl.vision import vision_items
@@ -361,3 +362,37 @@ def test_one_request_object_added_twice_gets_two_answers_and_is_left_as_it_was(p
         engine.add(Request(req.inputs, req.params, id=a))
     out = drive(engine)
     assert tokens_of(out[a]) == tokens_of(out[b]) == want.token_ids
+
+
+@pytest.mark.parametrize("name,backend", [("tiny-a", "mlx"), ("tiny-a", "cpu-all"), ("tiny-moe", "cpu-all")])
+def test_short_prompts_waiting_together_are_prefilled_in_one_forward_each_equal_alone(name, backend, monkeypatch,
+                                                                                     on_cpu):
+    """Text prompts arriving together go through one forward per cache kind (float, 8-bit, 4-bit,
+    each row's positions its own: one continues a cached prefix that holds an image, so its
+    text positions carry a rope delta), rows of different lengths finishing at different steps
+    (one at its prefill); each answer equals generate() on its conversation alone."""
+    from conftest import cpu_path_for_every_size
+
+    if backend == "cpu-all":
+        cpu_path_for_every_size(monkeypatch)
+    model = load_fixture_model(name, backend=backend)
+    processor = M.Processor.from_pretrained(FIXTURES / name)
+    kvs = [{}, dict(kv_bits=8, kv_group_size=32, quantized_kv_start=0), dict(kv_bits=4, kv_group_size=32,
+                                                                              quantized_kv_start=0)]
+    first = conversation("Describe the picture.", image("img_123x77.png"))
+    engine = Engine(model, processor, max_batch=8, prefix_cache_bytes=1 << 26)
+    rid = engine.add(request(processor, first, max_tokens=6, ignore_eos=True))
+    turn1 = done_of(drive(engine)[rid])
+    turn2 = first + [{"role": "assistant", "content": [{"type": "text", "text": turn1.text}]},
+                     conversation("Tool result: clicked. What next?")[0]]
+    asks = [(turn2, 7, 0), (conversation("Hello there, " * 4), 3, 0), (conversation("Short."), 1, 0),
+            (conversation("Count to ten."), 5, 1), (conversation("Name a colour, please " * 3), 2, 1),
+            (conversation("Why?"), 4, 2), (conversation("Tell me a story about a cat."), 6, 2)]
+    wants = [M.generate(model, processor, messages=m, max_tokens=n, ignore_eos=True, **kvs[k]).token_ids
+             for m, n, k in asks]
+    ids = [engine.add(Request(encode_prompt(processor, messages=m), M.SamplingParams(max_tokens=n, ignore_eos=True),
+                              kv=KVSettings.build(**kvs[k]))) for m, n, k in asks]
+    out = drive(engine)
+    assert [tokens_of(out[i]) for i in ids] == wants
+    assert done_of(out[ids[0]]).cached_tokens > turn1.prompt_tokens - 2  # its prefix came from the cache
+    assert engine.metrics["prefills_together"] == 3 and engine.metrics["prefilled_together"] == len(asks)

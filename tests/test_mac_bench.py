@@ -14,11 +14,11 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_qwen3vl import Processor, plan
+from mlx_qwen3vl import Processor, attention, plan
 from mlx_qwen3vl import memory
 from mlx_qwen3vl.bench import machine
 from mlx_qwen3vl.bench.__main__ import main as bench_main
-from mlx_qwen3vl.bench.inputs import screenshot_messages, text_messages
+from mlx_qwen3vl.bench.inputs import screenshot_messages, text_messages, tool_history_messages
 from mlx_qwen3vl.architectures import HUB_IDS, PRESETS, preset_config
 from mlx_qwen3vl.bench.report import validate
 from mlx_qwen3vl.config import ModelConfig
@@ -162,6 +162,27 @@ def test_plan_vision_memory_estimate_against_a_measurement(on_cpu):
         assert 0.8 < measured / estimate < 1.6, (size, measured, estimate)
 
 
+@pytest.mark.parametrize("budget", [None, 1 << 21])
+def test_plan_attention_working_bytes_against_a_measurement(on_cpu, monkeypatch, budget):
+    """What the plan counts for attention beyond its inputs and output (the whole score matrix, or
+    one query chunk's under attention.SCORE_BUDGET) against MLX's peak while the plain graph's
+    attention runs over 4 heads x 1024 patches (16.8 MB of float32 scores): within -20%..+60%,
+    so a plan that still counted the whole matrix under chunking (16x here) fails."""
+    if budget is not None:
+        monkeypatch.setattr(attention, "SCORE_BUDGET", budget)
+    heads, n, d = 4, 1024, 64
+    q, k, v = (mx.random.normal((1, heads, n, d), key=mx.random.key(i)) for i in range(3))
+    mx.eval(q, k, v)
+    machine.fresh_mlx_measurement()
+    base = mx.get_active_memory()
+    out = attention.scaled_dot_product_attention(q, k, v, d**-0.5)
+    mx.eval(out)
+    measured = mx.get_peak_memory() - base - out.nbytes
+    estimate = plan.attention_working_bytes(heads * n * n * 4, "cpu", d)
+    assert estimate == (heads * n * n * 4 if budget is None else budget // 2)
+    assert 0.8 < measured / estimate < 1.6, (measured, estimate)
+
+
 def test_plan_fits_against_the_gpu_working_set_on_macos(monkeypatch):
     """On an Apple GPU mx.device_info() reports the recommended working set (not on Linux): stubbed."""
     info = {"device_name": "Apple M2", "memory_size": 8 * 2**30, "max_recommended_working_set_size": 4_000_000_000}
@@ -267,7 +288,8 @@ def test_readme_table_is_the_planners():
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench.json"
-    argv = ["--model", str(FIXTURES / "tiny-a"), "--quick", "--max-pixels", str(MAX_PIXELS), "--json", str(out)]
+    argv = ["--model", str(FIXTURES / "tiny-a"), "--quick", "--max-pixels", str(MAX_PIXELS), "--speculative",
+            "--json", str(out)]
     p = subprocess.run([sys.executable, "-m", "mlx_qwen3vl.bench"] + argv, capture_output=True, text=True,
                        timeout=300, env=ENV)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -326,6 +348,54 @@ def test_quick_bench_figures_match_what_the_run_measured(quick_run):
     assert total + a["total_s"] < report["wall_s"]
 
 
+def test_speculative_row_is_the_librarys_prompt_lookup(quick_run):
+    """--speculative: on the agent conversation whose tool calls are resent, prompt lookup's run
+    kept the drafts a library call with the same settings keeps, its tokens are the plain run's,
+    and the table says both rates."""
+    report, p = quick_run
+    import mlx_qwen3vl as M
+
+    spec = report["engines"]["mlx_qwen3vl"]["results"]["speculative"]
+    assert report["settings"]["speculative"] == {"num_draft_tokens": 4, "prompt_lookup": 3, "draft_model": None}
+    model = load_model(FIXTURES / "tiny-a")
+    processor = Processor.from_pretrained(FIXTURES / "tiny-a")
+    inputs = processor.apply_chat_template(tool_history_messages(), add_generation_prompt=True, tokenize=True,
+                                           max_pixels=MAX_PIXELS)
+    kw = dict(inputs=inputs, max_tokens=32, temperature=0.0, ignore_eos=True)
+    plain = M.generate(model, processor, **kw)
+    looked = M.generate(model, processor, prompt_lookup=3, num_draft_tokens=4, **kw)
+    assert looked.token_ids == plain.token_ids and looked.draft_accepted > 0
+    assert spec["prompt_tokens"] == inputs["input_ids"].shape[1] and spec["decode_tokens"] == 32
+    rows = spec["drafters"]
+    assert set(rows) == {"plain", "prompt_lookup"} and rows["plain"]["proposed"] == 0
+    lookup = rows["prompt_lookup"]
+    assert (lookup["proposed"], lookup["accepted"]) == (looked.draft_proposed, looked.draft_accepted)
+    assert lookup["same_tokens"] and lookup["acceptance"] == pytest.approx(lookup["accepted"] / lookup["proposed"])
+    assert lookup["speedup"] == pytest.approx(lookup["decode_tps"] / rows["plain"]["decode_tps"])
+    line = next(line for line in p.stdout.splitlines() if line.startswith("speculative decoding"))
+    assert f"{lookup['accepted']}/{lookup['proposed']} drafts kept" in line and "TOKENS DIFFER" not in line
+    broken = json.loads(json.dumps(report))
+    del broken["engines"]["mlx_qwen3vl"]["results"]["speculative"]["drafters"]["prompt_lookup"]["same_tokens"]
+    assert validate(broken) == ["engines.mlx_qwen3vl.results.speculative.drafters.prompt_lookup.same_tokens is missing"]
+
+
+def test_speculative_row_with_a_draft_model(tmp_path):
+    """--draft-model: the fixture as its own draft model proposes exactly the model's greedy
+    tokens, so every draft is kept and the tokens are the plain run's."""
+    out = tmp_path / "b.json"
+    model = str(FIXTURES / "tiny-a")
+    argv = ["--model", model, "--quick", "--max-pixels", str(MAX_PIXELS), "--prompt-tokens", "32", "--decode-tokens",
+            "12", "--agent-turns", "0", "--speculative", "--num-draft-tokens", "3", "--draft-model", model, "--json",
+            str(out)]
+    assert bench_main(argv) == 0
+    report = json.loads(out.read_text())
+    assert validate(report) == []
+    rows = report["engines"]["mlx_qwen3vl"]["results"]["speculative"]["drafters"]
+    assert set(rows) == {"plain", "prompt_lookup", "draft_model"}
+    d = rows["draft_model"]
+    assert d["same_tokens"] and d["proposed"] > 0 and d["accepted"] == d["proposed"] and d["acceptance"] == 1.0
+
+
 def test_bench_flags_are_checked_before_any_work(tmp_path, capsys):
     model = str(FIXTURES / "tiny-a")
     cases = [(["--model", model, "--decode-tokens", "1"], "--decode-tokens 1"),
@@ -337,6 +407,9 @@ def test_bench_flags_are_checked_before_any_work(tmp_path, capsys):
              (["--model", model, "--max-pixels", "100"], "--max-pixels"),
              (["--model", str(tmp_path / "nowhere")], "--model"),
              (["--preset", "2b"], "--preset is for --plan"),
+             (["--model", model, "--speculative", "--num-draft-tokens", "0"], "--num-draft-tokens 0"),
+             (["--model", model, "--draft-model", model], "go with --speculative"),
+             (["--model", model, "--speculative", "--draft-model", str(tmp_path / "nowhere")], "--draft-model"),
              ([], "give --model")]
     for argv, words in cases:
         assert bench_main(argv) == 2, argv

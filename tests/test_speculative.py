@@ -328,8 +328,8 @@ def test_drop_last_on_every_cache_kind():
 
 def test_linear_of_a_few_rows_reads_the_weight_once_with_the_same_result(monkeypatch):
     """The CPU path's linear for 2..SMALL_ROWS rows (the C extension's matmul_rows over column
-    ranges on several threads, rows in groups of 10) equals numpy's matmul; one row and many rows
-    keep numpy's."""
+    ranges on several threads; more rows than one tile group holds go over the weight a panel at a
+    time) equals numpy's matmul; one row and many rows keep numpy's."""
     from mlx_qwen3vl.cpu import kernels
 
     if kernels._native is None:

@@ -32,6 +32,8 @@ from ..architectures import PRESETS
 from ..backend import backend_of
 from ..cli import FLAGS, Parser, check_media_flags, run
 from ..config import ModelConfig
+from ..engine.draft_model import DraftModel
+from ..engine.speculative import DEFAULT_DRAFT, MAX_DRAFT
 from ..errors import InputError
 from ..hub import resolve_model_path
 from ..plan import (add_json_argument, add_plan_arguments, check_json_path, parameter_counts, quant_label, run_plan,
@@ -47,6 +49,7 @@ LIMITS = dict(prompt_tokens=(32, 32768), decode_tokens=(2, 4096), repeats=(1, 20
               agent_tokens=(1, 1024))
 SCREENSHOTS = [(1280, 720), (1920, 1080)]
 ENGINES = ("mlx-vlm",)
+PROMPT_LOOKUP = 3  # the longest n-gram prompt lookup matches in the --speculative workload
 
 
 def build_parser():
@@ -61,6 +64,13 @@ def build_parser():
                    help="largest image area (as agents cap screenshots); none = the checkpoint's")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="compute dtype; none = float32 on the CPU, the checkpoint's on a GPU")
+    p.add_argument("--speculative", action="store_true",
+                   help="also time speculative decoding: plain against prompt lookup (and --draft-model) on an agent "
+                        "conversation whose tool calls are resent")
+    p.add_argument("--num-draft-tokens", type=int, default=None, metavar="K",
+                   help=f"with --speculative: draft tokens per step, 1..{MAX_DRAFT}; default {DEFAULT_DRAFT}")
+    p.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="with --speculative: also a draft model (a smaller checkpoint with the same tokenizer)")
     p.add_argument("--compare", default="", metavar="ENGINE", help="also run " + ", ".join(ENGINES) + " on the same inputs")
     add_json_argument(p, "bench.json", "the results (schema in docs/bench.md)")
     p.add_argument("--plan", action="store_true", help="only plan the memory (python -m mlx_qwen3vl.plan) and exit")
@@ -84,6 +94,15 @@ def resolve_settings(args) -> dict:
         if engine not in ENGINES:
             raise InputError(f"--compare {engine!r} is not one of {', '.join(ENGINES)}")
     settings["compare"] = compare
+    settings["speculative"] = None
+    if args.speculative:
+        k = DEFAULT_DRAFT if args.num_draft_tokens is None else args.num_draft_tokens
+        if not 1 <= k <= MAX_DRAFT:
+            raise InputError(f"--num-draft-tokens {k} is not allowed; use 1 to {MAX_DRAFT}")
+        settings["speculative"] = dict(num_draft_tokens=k, prompt_lookup=PROMPT_LOOKUP,
+                                       draft_model=args.draft_model)
+    elif args.num_draft_tokens is not None or args.draft_model:
+        raise InputError("--num-draft-tokens and --draft-model go with --speculative")
     return settings
 
 
@@ -108,7 +127,9 @@ def _bench(args, argv) -> int:
     if "mlx-vlm" in settings["compare"] and engine_mlx_vlm.missing():
         notes.append(engine_mlx_vlm.missing())
         log(f"[bench] {notes[-1]}")
+    spec = settings["speculative"]
     path = resolve_model_path(args.model, flag="--model")
+    draft_path = resolve_model_path(spec["draft_model"], flag="--draft-model") if spec and spec["draft_model"] else None
     check_media_flags(path, None, args.max_pixels)
     config = ModelConfig.from_pretrained(path)
     limit = config.text_config.max_position_embeddings
@@ -122,9 +143,14 @@ def _bench(args, argv) -> int:
                   machine=machine_info(), model=model_info(model, config, args.model, path, load_s),
                   settings=settings, engines={}, notes=notes)
     log(f"[bench] {args.model}: loaded in {load_s:.1f} s; {report['model']['dtype']}, {report['model']['quantization']}")
+    draft = None
+    if draft_path:  # loaded once; its tokenizer and vision settings are checked against the model's
+        draft = DraftModel.of(load(draft_path, dtype=args.dtype))
+        draft.check(model, processor.tokenizer)
     prepared = prepare(processor, settings)
     report["engines"][OURS] = dict(info=dict(engine=OURS, version=__version__, backend=backend_of(model).describe()),
-                                   results=run_ours(model, processor, prepared, settings, log))
+                                   results=run_ours(model, processor, prepared, settings, log, draft))
+    del draft
     if "mlx-vlm" in settings["compare"] and not engine_mlx_vlm.missing():
         del model
         gc.collect()

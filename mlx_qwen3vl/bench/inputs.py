@@ -138,3 +138,24 @@ def screenshot_messages(width, height, prompt=PROMPT):
 def agent_turns(turns, width=1280, height=720):
     """[(screenshot, instruction)] of the agent loop: a new screen each turn, the same for every engine."""
     return [(screenshot(width, height, variant=t + 1), AGENT_ASKS[t % len(AGENT_ASKS)]) for t in range(turns)]
+
+
+TOOL_CALL = ('<tool_call>\n{{"name": "computer_use", "arguments": {{"action": "{action}", "coordinate": [{x}, {y}]}}}}'
+             '\n</tool_call>')
+TOOL_TURNS = [("left_click", 412, 88), ("type", 412, 88), ("left_click", 530, 212), ("scroll", 640, 400),
+              ("left_click", 702, 356)]
+
+
+def tool_history_messages(turns=4):
+    """A text-only agent conversation as a UI agent resends it each turn: an instruction, then
+    `turns` answers that are computer-use tool calls, each followed by "Continue" (the next answer
+    repeats their JSON, which is what prompt lookup drafts from)."""
+    messages = [{"role": "system", "content": "You are a GUI agent. Use the computer_use tool: one action per turn, as "
+                 '<tool_call>{"name": "computer_use", "arguments": {...}}</tool_call>.'},
+                {"role": "user", "content": "Find tomorrow's weather in Paris and open the hourly view."}]
+    for t in range(turns):
+        action, x, y = TOOL_TURNS[t % len(TOOL_TURNS)]
+        messages.append({"role": "assistant", "content": f"I will {action.replace('_', ' ')} next.\n"
+                         + TOOL_CALL.format(action=action, x=x, y=y)})
+        messages.append({"role": "user", "content": "The screen changed. Continue."})
+    return messages

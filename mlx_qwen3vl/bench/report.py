@@ -21,6 +21,10 @@ SINGLE = {"prompt_tokens": INT, "ttft_s": NUM, "prompt_tps": NUM, "decode_tokens
 AGENT = {"turns": INT, "tokens_per_turn": INT, "image_size": LIST, "total_s": NUM, "turn_s": LIST, "ttft_s": LIST,
          "prompt_tokens": LIST, "cached_tokens": LIST, "generated_tokens": LIST, "peak_memory_gb": LIST,
          "peak_rss_gb": NUM}
+SPECULATIVE = {"prompt_tokens": INT, "decode_tokens": INT, "num_draft_tokens": INT, "prompt_lookup": INT,
+               "repeats": INT, "drafters": DICT}
+DRAFTER = {"decode_tps": (float, int, OPT), "proposed": INT, "accepted": INT, "acceptance": (float, int, OPT),
+           "speedup": (float, int, OPT), "same_tokens": BOOL}
 
 
 def _check(obj, spec, where, problems):
@@ -54,7 +58,15 @@ def validate(report) -> list:
             problems.append(f"engines.{engine} needs info and results objects")
             continue
         for name, r in res["results"].items():
-            _check(r, AGENT if name == "agent" else SINGLE, f"engines.{engine}.results.{name}", problems)
+            where = f"engines.{engine}.results.{name}"
+            if name == "speculative":  # only with --speculative (an addition to schema 1: older reports lack it)
+                _check(r, SPECULATIVE, where, problems)
+                for drafter, row in (r.get("drafters") or {}).items():
+                    _check(row, DRAFTER, f"{where}.drafters.{drafter}", problems)
+                if isinstance(r.get("drafters"), dict) and "plain" not in r["drafters"]:
+                    problems.append(f"{where}.drafters.plain is missing")
+                continue
+            _check(r, AGENT if name == "agent" else SINGLE, where, problems)
             if name == "agent" and isinstance(r, dict):
                 for key in ("turn_s", "ttft_s", "prompt_tokens", "cached_tokens", "generated_tokens", "peak_memory_gb"):
                     if isinstance(r.get(key), list) and len(r[key]) != r.get("turns"):
@@ -85,7 +97,7 @@ def format_report(report) -> str:
     for engine, res in report["engines"].items():
         label = engine + (f" {res['info']['version']}" if res["info"].get("version") and engine != OURS else "")
         for name, r in res["results"].items():
-            if name == "agent":
+            if name in ("agent", "speculative"):
                 continue
             lines.append(f"{label:<18}{workload_label(name):<22}{r['prompt_tokens']:>7}{_f(r.get('preprocess_s'), '.2f'):>8}"
                          f"{r['ttft_s']:>15.2f}{r['prompt_tps']:>14.1f}{_f(r['decode_tps'], '.2f'):>14}"
@@ -104,6 +116,14 @@ def format_report(report) -> str:
         if engine != OURS and ours_agent:
             line += f"  ->  ours {a['total_s'] / ours_agent['total_s']:.2f}x faster"
         lines.append(line)
+    spec = report["engines"].get(OURS, {}).get("results", {}).get("speculative")
+    if spec:
+        rows = [f"{name.replace('_', ' ')} {_f(r['decode_tps'], '.2f')} tok/s"
+                + ("" if name == "plain" else f" ({_f(r['speedup'], '.2f')}x, {r['accepted']}/{r['proposed']} drafts kept"
+                   + ("" if r["same_tokens"] else ", TOKENS DIFFER FROM PLAIN") + ")")
+                for name, r in spec["drafters"].items()]
+        lines.append(f"speculative decoding, an agent conversation with its tool calls resent ({spec['prompt_tokens']} "
+                     f"prompt tokens, k = {spec['num_draft_tokens']}): " + "; ".join(rows))
     s = report["settings"]
     lines.append(f"\ngreedy, EOS ignored: {s['decode_tokens']} tokens per run, median of {s['repeats']} run(s); first token "
                  "from ready inputs (prep s: our preprocessing, apart); peak GB: MLX's peak allocation, weights included")

@@ -13,11 +13,16 @@ decodes exactly the tokens asked for:
 
 With repeats, the run of median total_s is reported and every run's total_s is kept. The agent
 loop is ChatSession turns as a user runs them (each turn's new screenshot preprocessed inside).
+
+With --speculative, one more workload: the same greedy answer to an agent conversation whose
+earlier tool calls are resent (inputs.tool_history_messages), decoded plain and with each drafter
+(prompt lookup; a draft model when given), interleaved run by run, best decode tokens/s of each,
+with the drafts proposed and kept and whether the tokens equal the plain run's.
 """
 
 import time
 
-from .inputs import AGENT_SYSTEM, agent_turns, screenshot_messages, text_messages
+from .inputs import AGENT_SYSTEM, agent_turns, screenshot_messages, text_messages, tool_history_messages
 from .machine import fresh_mlx_measurement, rss_peak_gb
 
 
@@ -48,6 +53,49 @@ def timed_run(model, processor, inputs, decode_tokens):
                 total_s=ttft + decode_s, peak_memory_gb=peak, peak_rss_gb=rss_peak_gb(),
                 engine_reported=dict(prompt_tps=last.prompt_tps, generation_tps=last.generation_tps,
                                      generation_tokens=last.generation_tokens, peak_memory_gb=last.peak_memory))
+
+
+def speculative_run(model, processor, inputs, decode_tokens, **drafting):
+    """One greedy run with `drafting` (stream_generate's draft arguments; none: plain): decode
+    tokens/s, the drafts proposed and kept, the tokens."""
+    from .. import stream_generate
+
+    times, tokens, last = [], [], None
+    for last in stream_generate(model, processor, inputs=inputs, max_tokens=decode_tokens, temperature=0.0,
+                                ignore_eos=True, **drafting):
+        times.append(time.perf_counter())
+        tokens.append(int(last.token))
+    decode_s = times[-1] - times[0]
+    return dict(decode_tps=(len(times) - 1) / decode_s if len(times) > 1 and decode_s > 0 else None,
+                proposed=int(last.draft_proposed), accepted=int(last.draft_accepted), tokens=tokens)
+
+
+def speculative(model, processor, settings, draft_model=None, log=None):
+    """Plain decode against each drafter on tool_history_messages (see the module's docstring)."""
+    spec, log = settings["speculative"], log or (lambda msg: None)
+    inputs, _ = encode(processor, tool_history_messages(), settings["max_pixels"])
+    k = spec["num_draft_tokens"]
+    variants = {"plain": {}, "prompt_lookup": dict(prompt_lookup=spec["prompt_lookup"], num_draft_tokens=k)}
+    if draft_model is not None:
+        variants["draft_model"] = dict(draft_model=draft_model, num_draft_tokens=k)
+    speculative_run(model, processor, inputs, 4, **variants["prompt_lookup"])  # warm-up of the verify shapes
+    runs = {name: [] for name in variants}
+    for _ in range(settings["repeats"]):  # interleaved, so a slow moment of the machine hits every variant
+        for name, drafting in variants.items():
+            runs[name].append(speculative_run(model, processor, inputs, settings["decode_tokens"], **drafting))
+    best = {name: max(r, key=lambda x: x["decode_tps"] or 0) for name, r in runs.items()}
+    plain = best["plain"]
+    out = dict(prompt_tokens=int(inputs["input_ids"].shape[-1]), decode_tokens=len(plain["tokens"]),
+               num_draft_tokens=k, prompt_lookup=spec["prompt_lookup"], repeats=settings["repeats"], drafters={})
+    for name, r in best.items():
+        row = dict(decode_tps=r["decode_tps"], proposed=r["proposed"], accepted=r["accepted"],
+                   acceptance=r["accepted"] / r["proposed"] if r["proposed"] else None,
+                   speedup=r["decode_tps"] / plain["decode_tps"] if r["decode_tps"] and plain["decode_tps"] else None,
+                   same_tokens=r["tokens"] == plain["tokens"])
+        out["drafters"][name] = row
+        log(f"[bench] speculative, {name}: decode {row['decode_tps'] or 0:.1f} tok/s, "
+            f"{row['accepted']}/{row['proposed']} drafts kept")
+    return out
 
 
 def measure(model, processor, inputs, decode_tokens, repeats=1, **extra):
@@ -108,8 +156,8 @@ def prepare(processor, settings) -> dict:
     return prepared
 
 
-def run_ours(model, processor, prepared, settings, log=None):
-    """Every workload on our engine, then the agent loop: {workload: figures}."""
+def run_ours(model, processor, prepared, settings, log=None, draft_model=None):
+    """Every workload on our engine, then the agent loop (and the speculative one): {workload: figures}."""
     log = log or (lambda msg: None)
     warm_up(model, processor, settings["max_pixels"])
     results = {}
@@ -122,4 +170,6 @@ def run_ours(model, processor, prepared, settings, log=None):
         a = results["agent"] = agent_loop(model, processor, settings["agent_turns"], settings["agent_tokens"],
                                           settings["max_pixels"])
         log(f"[bench] agent: {a['total_s']:.2f} s for {a['turns']} turns")
+    if settings.get("speculative"):
+        results["speculative"] = speculative(model, processor, settings, draft_model, log)
     return results

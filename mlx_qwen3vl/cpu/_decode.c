@@ -20,6 +20,7 @@
 /* One build runs on any x86-64, with AVX2/FMA loops where the CPU has them (GCC's ifunc). */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
 #define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define VECTOR_512
 #else
 #define VECTOR_CLONES
 #endif
@@ -86,7 +87,6 @@ static inline float max_of(const float *a, Py_ssize_t n) {
     return best;
 }
 
-#define MAX_ROWS 10 /* accumulators of rows_block: with the weight's and a row's lanes, 12 of 16 AVX registers */
 
 static inline float dot(const float *a, const float *b, Py_ssize_t n) {
     float s = 0.0f;
@@ -496,50 +496,117 @@ fail:
 
 /* ---- a few rows against a streamed weight --------------------------------------------- */
 
-/* out[m, n] = a[m] . w[n] for n in [n0, n1), m < mg (a compile-time count where inlined): each
- * weight row is read once for all mg rows of `a` (which stay in cache), so a verify forward's
- * few tokens cost about one GEMV's weight traffic, where OpenBLAS's GEMM streams a weight far
- * slower for a few rows than its GEMV does. */
-static inline __attribute__((always_inline)) void rows_block(const float *a, const float *w, float *out,
-                                                             Py_ssize_t K, Py_ssize_t N, Py_ssize_t n0,
-                                                             Py_ssize_t n1, const int mg) {
-    for (Py_ssize_t n = n0; n < n1; n++) {
-        const float *wr = w + n * K;
-        v8f acc[MAX_ROWS];
-        for (int j = 0; j < mg; j++) acc[j] = splat(0.0f);
-        Py_ssize_t k = 0;
-        for (; k + 8 <= K; k += 8) {
-            v8f wv = load8(wr + k);
-            for (int j = 0; j < mg; j++) acc[j] += wv * load8(a + j * K + k);
+/* out[j, n + r] = a[j] . w[n + r] for j < mg, r < nb, in vectors of type VT (W lanes): each
+ * step loads the mg rows' lanes once and each of the nb weight rows' once, for mg * nb independent
+ * accumulators (enough of them to hide the FMA latency; few enough to stay in registers). */
+#define ROWS_TILE(VT, W)                                                                       \
+    VT acc[4][MAX_GROUP];                                                                      \
+    for (int r = 0; r < nb; r++)                                                               \
+        for (int j = 0; j < mg; j++) acc[r][j] = (VT){0};                                      \
+    Py_ssize_t k = 0;                                                                          \
+    for (; k + W <= K; k += W) {                                                               \
+        VT av[MAX_GROUP];                                                                      \
+        for (int j = 0; j < mg; j++) memcpy(&av[j], a + j * K + k, sizeof(VT));                \
+        for (int r = 0; r < nb; r++) {                                                         \
+            VT wv;                                                                             \
+            memcpy(&wv, w + (n + r) * K + k, sizeof(VT));                                      \
+            for (int j = 0; j < mg; j++) acc[r][j] += wv * av[j];                              \
+        }                                                                                      \
+    }                                                                                          \
+    for (int r = 0; r < nb; r++)                                                               \
+        for (int j = 0; j < mg; j++) {                                                         \
+            float s = 0.0f;                                                                    \
+            for (int l = 0; l < W; l++) s += acc[r][j][l];                                     \
+            for (Py_ssize_t kk = k; kk < K; kk++) s += w[(n + r) * K + kk] * a[j * K + kk];    \
+            out[j * N + n + r] = s;                                                            \
         }
-        for (int j = 0; j < mg; j++) {
-            float s = 0.0f;
-            for (int l = 0; l < 8; l++) s += acc[j][l];
-            for (Py_ssize_t kk = k; kk < K; kk++) s += wr[kk] * a[j * K + kk];
-            out[j * N + n] = s;
-        }
-    }
+
+#define MAX_GROUP 8 /* rows of `a` per pass over a weight panel */
+typedef float v16f __attribute__((vector_size(64)));
+
+static inline __attribute__((always_inline)) void tile8(const float *a, const float *w, float *out, Py_ssize_t K,
+                                                        Py_ssize_t N, Py_ssize_t n, const int mg, const int nb) {
+    ROWS_TILE(v8f, 8)
 }
 
+static inline __attribute__((always_inline)) void tile16(const float *a, const float *w, float *out, Py_ssize_t K,
+                                                         Py_ssize_t N, Py_ssize_t n, const int mg, const int nb) {
+    ROWS_TILE(v16f, 16)
+}
+
+/* Weight rows [n0, n1) against the mg rows of `a`, nb weight rows a tile (the last few one by one). */
+#define ROWS_PANEL(TILE, NB)                                                                   \
+    switch (mg) {                                                                              \
+    case 1: ROWS_SPAN(TILE, 1, NB(1)) break;                                                   \
+    case 2: ROWS_SPAN(TILE, 2, NB(2)) break;                                                   \
+    case 3: ROWS_SPAN(TILE, 3, NB(3)) break;                                                   \
+    case 4: ROWS_SPAN(TILE, 4, NB(4)) break;                                                   \
+    case 5: ROWS_SPAN(TILE, 5, NB(5)) break;                                                   \
+    case 6: ROWS_SPAN(TILE, 6, NB(6)) break;                                                   \
+    case 7: ROWS_SPAN(TILE, 7, NB(7)) break;                                                   \
+    default: ROWS_SPAN(TILE, 8, NB(8)) break;                                                  \
+    }
+#define ROWS_SPAN(TILE, MG, NBV)                                                               \
+    {                                                                                          \
+        Py_ssize_t n = n0;                                                                     \
+        for (; n + (NBV) <= n1; n += (NBV)) TILE(a, w, out, K, N, n, MG, NBV);                 \
+        for (; n < n1; n++) TILE(a, w, out, K, N, n, MG, 1);                                   \
+    }
+/* Weight rows per tile for mg rows: 16 AVX2 registers (v8f), 32 AVX-512 ones (v16f). */
+#define NB8(mg) ((mg) <= 2 ? 4 : (mg) <= 3 ? 3 : (mg) <= 5 ? 2 : 1)
+#define NB16(mg) ((mg) <= 4 ? 4 : (mg) <= 6 ? 3 : 2)
+#define GROUP8 4
+#define GROUP16 8
+#define PANEL 16 /* weight rows each group of `a` rows reads in turn (from cache after the first) */
+
+static inline __attribute__((always_inline)) void panel8(const float *a, const float *w, float *out, Py_ssize_t K,
+                                                         Py_ssize_t N, Py_ssize_t n0, Py_ssize_t n1, int mg) {
+    ROWS_PANEL(tile8, NB8)
+}
+
+static inline __attribute__((always_inline)) void panel16(const float *a, const float *w, float *out, Py_ssize_t K,
+                                                          Py_ssize_t N, Py_ssize_t n0, Py_ssize_t n1, int mg) {
+    ROWS_PANEL(tile16, NB16)
+}
+
+/* All M rows: one group reads the weight once; more rows go over it a panel at a time, group by
+ * group, so the weight still comes from memory once (later groups read the panel from cache). */
+#define ROWS_ALL(PANEL_FN, G)                                                                  \
+    if (M <= G) {                                                                              \
+        PANEL_FN(a, w, out, K, N, n0, n1, (int)M);                                             \
+        return;                                                                                \
+    }                                                                                          \
+    for (Py_ssize_t p = n0; p < n1; p += PANEL) {                                              \
+        Py_ssize_t p1 = p + PANEL < n1 ? p + PANEL : n1;                                       \
+        for (Py_ssize_t m0 = 0; m0 < M; m0 += G)                                               \
+            PANEL_FN(a + m0 * K, w, out + m0 * N, K, N, p, p1, M - m0 < G ? (int)(M - m0) : G); \
+    }
+
 VECTOR_CLONES
+static void matmul_rows_v8(const float *a, const float *w, float *out, Py_ssize_t M, Py_ssize_t K, Py_ssize_t N,
+                           Py_ssize_t n0, Py_ssize_t n1) {
+    ROWS_ALL(panel8, GROUP8)
+}
+
+#ifdef VECTOR_512
+/* AVX-512: twice the lanes per FMA and twice the registers, where the loop is bound by the FMAs
+ * (from ~4 rows on) rather than by the weight's memory traffic. */
+__attribute__((target("arch=x86-64-v4"))) static void matmul_rows_v16(const float *a, const float *w, float *out,
+                                                                      Py_ssize_t M, Py_ssize_t K, Py_ssize_t N,
+                                                                      Py_ssize_t n0, Py_ssize_t n1) {
+    ROWS_ALL(panel16, GROUP16)
+}
+#endif
+
 static void matmul_rows_vec(const float *a, const float *w, float *out, Py_ssize_t M, Py_ssize_t K, Py_ssize_t N,
                             Py_ssize_t n0, Py_ssize_t n1) {
-    for (Py_ssize_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-        const float *am = a + m0 * K;
-        float *om = out + m0 * N;
-        switch (M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS) {
-        case 1: rows_block(am, w, om, K, N, n0, n1, 1); break;
-        case 2: rows_block(am, w, om, K, N, n0, n1, 2); break;
-        case 3: rows_block(am, w, om, K, N, n0, n1, 3); break;
-        case 4: rows_block(am, w, om, K, N, n0, n1, 4); break;
-        case 5: rows_block(am, w, om, K, N, n0, n1, 5); break;
-        case 6: rows_block(am, w, om, K, N, n0, n1, 6); break;
-        case 7: rows_block(am, w, om, K, N, n0, n1, 7); break;
-        case 8: rows_block(am, w, om, K, N, n0, n1, 8); break;
-        case 9: rows_block(am, w, om, K, N, n0, n1, 9); break;
-        default: rows_block(am, w, om, K, N, n0, n1, MAX_ROWS); break;
-        }
+#ifdef VECTOR_512
+    if (__builtin_cpu_supports("x86-64-v4")) {
+        matmul_rows_v16(a, w, out, M, K, N, n0, n1);
+        return;
     }
+#endif
+    matmul_rows_v8(a, w, out, M, K, N, n0, n1);
 }
 
 /* matmul_rows(a (M, K), w (N, K), out (M, N), n0, n1): out[:, n0:n1] = a @ w[n0:n1].T, without

@@ -13,6 +13,7 @@ MLX_QWEN3VL_BLAS_THREADS=auto (default) or N fixes the count (the CLI's --blas-t
 
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -201,6 +202,26 @@ def share_cores(k: int) -> int:
         p.count = min(p.count, p.ncores)
     blas_pool().set(p.threads(), force=True)
     return p.threads()
+
+
+@contextmanager
+def one_blas_thread():
+    """The BLAS on the calling thread only, inside: for small calls beside work on threads of our
+    own (a verify forward's attention beside matmul_rows' column ranges), since woken BLAS workers
+    keep spinning after each call and take a core from ours (benchmarks/README.md, "The tiled
+    matmul_rows")."""
+    pool = blas_pool()
+    n = pool.current
+    if pool.libraries is None or n is None or n <= 1:
+        yield
+        return
+    for lib in pool.libraries:
+        lib.set_num_threads(1)
+    try:
+        yield
+    finally:
+        for lib in pool.libraries:
+            lib.set_num_threads(n)
 
 
 def apply() -> int:

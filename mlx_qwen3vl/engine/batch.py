@@ -59,13 +59,15 @@ class Batch:
     def __len__(self):
         return len(self.rows)
 
-    def join(self, row: Row, cache: list, y, lp, position):
-        """Add a prefilled row: its cache (batch 1), first token y (1,), lp (1, V), next position (1,)."""
+    def join(self, row, cache: list, y, lp, position):
+        """Add a prefilled row: its cache (batch 1), first token y (1,), lp (1, V), next position (1,);
+        or several (`row` a list of Rows, their cache's rows in that order), merged in at once."""
+        rows = row if isinstance(row, list) else [row]
         if not self.rows:
-            self.rows, self.cache, self.y, self.lp, self.positions = [row], cache, y, lp, position
+            self.rows, self.cache, self.y, self.lp, self.positions = rows, cache, y, lp, position
             return
         self.cache = [type(group[0]).merge(group) for group in zip(self.cache, cache)]
-        self.rows.append(row)
+        self.rows.extend(rows)
         self.y = mx.concatenate([self.y, y])
         self.lp = mx.concatenate([self.lp, lp])
         self.positions = mx.concatenate([self.positions, position])

@@ -29,7 +29,7 @@ from .answer import AnswerText, close_thinking, eos_token_ids, prompt_opens_thin
 from .batch import Batch, Row, cache_bytes
 from .caches import FeatureCache, PrefixCache, pipeline_scale
 from .draft_model import DraftModel, DraftRow, WithDraft
-from .prefill import Costs, PrefillJob
+from .prefill import Costs, PrefillJob, prefill_together, together_cost
 from .speculative import DEFAULT_DRAFT, MAX_DRAFT
 from .step import sample
 
@@ -791,18 +791,25 @@ class Engine:
     def _prefill(self, events):
         """Prefill work of this step → (FLOPs spent, budget held to or None). A request prefilled
         whole (nothing decoding, or no budget) ends the step's prefill: its first token goes out
-        with this step's events, not after the next request's prefill too."""
+        with this step's events, not after the next request's prefill too. Short text prompts
+        waiting together go through one forward (`_together`)."""
         spent, held = 0.0, None
         evaluate = "async" if self.lookahead else True
         while True:
-            j = self.jobs[0] if self.jobs else self._admit(events)
-            if j is None:
-                break
             budget = self.budget_flops if (self.budget_flops and self.rows) else None
+            group = self._together(events, budget, spent)
+            if not group:
+                break
+            j = group[0]
             if budget is not None:
                 held = budget
                 if spent >= budget:
                     break
+            if len(group) > 1:
+                spent += self._prefill_together(group, events)
+                if budget is None:
+                    break
+                continue
             try:
                 if budget is None:
                     j.job.advance(None)
@@ -817,11 +824,108 @@ class Engine:
             except Exception as e:  # noqa: BLE001 — this request fails, the others go on
                 if j in self.jobs:
                     self.jobs.remove(j)
-                self._drop_job(j)
-                self._deadlines.pop(j.id, None)
-                self.metrics["errors"] += 1
-                events.append(Failed(j.id, e))
+                self._fail_job(j, e, events)
         return spent, held
+
+    def _fail_job(self, j: _Job, error, events):
+        self._drop_job(j)
+        self._deadlines.pop(j.id, None)
+        self.metrics["errors"] += 1
+        events.append(Failed(j.id, error))
+
+    def _together(self, events, budget, spent) -> List[_Job]:
+        """The jobs of the next prefill work: the first job (a waiting request admitted when none
+        is prefilling), and, when it is one decoder chunk of text (PrefillJob.one_chunk: its media
+        are before its cached prefix or have their features cached), the jobs after it that are
+        too and of its cache kind, admitted in turn (others passed over, keeping their order),
+        while they fit one forward: rows x the longest prompt within prefill_step_size, its FLOPs
+        within what is left of `budget`. Requests with a cache of their own (their caller's
+        cache is continued in place) or a draft model (its own prefill follows) go alone."""
+        first = self.jobs[0] if self.jobs else self._admit(events)
+        if first is None or not self._joinable(first):
+            return [first] if first is not None else []
+        group, kind = [first], first.job.cache[0].kind
+        seen = 1  # jobs looked at; the others (another cache kind, media work) keep their order
+        while True:
+            j = self.jobs[seen] if seen < len(self.jobs) else (self._admit(events) if self.waiting else None)
+            if j is None:
+                break
+            seen += 1
+            if not self._joinable(j) or j.job.cache[0].kind != kind:
+                continue
+            trial = group + [j]
+            if len(trial) * max(g.job.length for g in trial) > self.prefill_step_size:
+                break
+            if budget is not None and spent + together_cost([g.job for g in trial]) > budget:
+                break
+            group = trial
+        return group
+
+    @staticmethod
+    def _joinable(j: _Job) -> bool:
+        if j.waiting.request.cache is not None or not isinstance(j.job, PrefillJob):  # own cache, a draft's prefill
+            return False
+        try:
+            return j.job.one_chunk()
+        except Exception:  # noqa: BLE001 — its prefill alone reports the error
+            return False
+
+    def _prefill_together(self, group: List[_Job], events) -> float:
+        """`group`'s prompts through one forward (prefill.prefill_together), their first tokens
+        sampled, the rows joined to their batch → FLOPs spent."""
+        jobs = [j.job for j in group]
+        cost = together_cost(jobs)
+        for j in group:
+            self.jobs.remove(j)
+        try:
+            logits, positions, cache = prefill_together(jobs)
+            waiting = [j.waiting for j in group]
+            histories = [mx.array(w.request.tokens) if w.sampler.processors else None for w in waiting]
+            y, lp = sample(logits, [w.sampler for w in waiting], histories, self.log_softmax)
+        except Exception as e:  # noqa: BLE001 — these requests fail, the others go on
+            for j in group:
+                self._fail_job(j, e, events)
+            return cost
+        self.metrics["prefills_together"] += 1
+        self.metrics["prefilled_together"] += len(group)
+        self._complete_together(group, y, lp, positions, cache, histories, events)
+        return cost
+
+    def _complete_together(self, group, y, lp, positions, cache, histories, events):
+        """_complete for rows prefilled together (one cache holding them all, in order)."""
+        rows = []
+        share = cache_bytes(cache) // len(group)
+        for j, history in zip(group, histories):
+            r, w = j.waiting.request, j.waiting
+            row = Row(r, w.sampler, AnswerText(self.tokenizer.detokenizer, self.eos, r.params), j.prompt_tokens,
+                      j.cached, history, w.kv)
+            row.made, row.kv_bytes = 1, share
+            rows.append(row)
+        batch = self._batch(cache[0].kind)
+        if self.lookahead:  # their first tokens are read with the next step's
+            mx.async_eval(y, lp)
+            for row in rows:
+                row.fresh = True
+            batch.join(rows, cache, y, lp, positions)
+            return
+        mx.eval(y, lp)
+        for b, (row, token) in enumerate(zip(rows, y.tolist())):
+            self._token(row, token, lp[b], events)
+        keep = [b for b, row in enumerate(rows) if not row.answer.finish]
+        for b, row in enumerate(rows):
+            if row.answer.finish:
+                if self.prefix.max_bytes:
+                    self.prefix.insert(row.request.tokens[:row.held], row.request.media,
+                                       [c.extract(b, row.held) for c in cache], row.kv)
+                self._finish(row, row.answer.finish, None, events)
+        if not keep:
+            return
+        if len(keep) < len(rows):
+            for c in cache:
+                c.filter(keep)
+            index = mx.array(keep)
+            y, lp, positions = y[index], lp[index], positions[index]
+        batch.join([rows[b] for b in keep], cache, y, lp, positions)
 
     def _complete(self, j: _Job, events):
         """A finished prefill: sample its first token, then join the batch of its cache's kind (or

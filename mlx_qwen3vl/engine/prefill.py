@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..kv_settings import FLOAT, quantize_if_due
-from ..model import VisualFeatures
+from ..model import PreparedInputs, VisualFeatures
 from ..positions import IMAGE, VIDEO
 from ..spans import media_after, media_hashes, media_spans
 from ..vision import vision_items
@@ -205,6 +205,20 @@ class PrefillJob:
             n = self.kv.start - at  # the positions before it float, the rest against the quantized cache
         return n, self._next + n
 
+    def one_chunk(self) -> bool:
+        """Whether what is left is one decoder chunk and nothing else: no vision work, not begun,
+        and its cache's kind unchanged by it (it ends before kv.start) — a job `prefill_together`
+        may take. Prepares the prompt's embeddings and positions when it is."""
+        if self._items or self._next or self.done:
+            return False
+        if self._prepared is None:
+            self._prepare()
+            quantize_if_due(self.cache, self.kv)  # a cache handed in already past kv.start
+        if self._chunk(None)[1] != self.length:
+            return False
+        kv = self.kv
+        return not (kv.quantized and self.cache[0].kind is None and self.start + self.length >= kv.start)
+
     def advance(self, budget: Optional[float] = None, *, force_first=True, evaluate=True) -> float:
         """Run items while they fit in `budget` FLOPs (None: all of them); the first one runs even
         if it does not fit when `force_first`. Each item's arrays are evaluated (asynchronously when
@@ -259,6 +273,56 @@ class PrefillJob:
     def result(self):
         """(logits of the last position (B, V), next 1D position per row (B,)), once done."""
         return self._result
+
+
+def together_cost(jobs) -> float:
+    """FLOPs of `prefill_together(jobs)`: every row padded to the longest, and the LM head per row."""
+    T = max(j.length for j in jobs)
+    return sum(j.costs.chunk(T, j.start + T) + j.costs.head for j in jobs)
+
+
+def prefill_together(jobs):
+    """Several jobs whose rest is one chunk each (`PrefillJob.one_chunk`, caches of one kind)
+    through one forward, as mlx-lm's PromptProcessingBatch prefills several prompts: their caches
+    merged (rows right-aligned, left-padded), each row's new positions appended after its own and
+    right-padded to the longest (causal attention keeps a row's padding out of its real
+    positions), each with its own positions (text: offset + rope delta), then the padding dropped
+    (`drop_last`), leaving the rows right-aligned as a decode batch holds them.
+
+    Returns (logits of each row's last position (B, V), next 1D position per row (B,), the rows'
+    one merged cache); the jobs are done (their own `result` is not set)."""
+    model = jobs[0].model
+    lengths = [j.length for j in jobs]
+    T = max(lengths)
+    preps = [j._prepared for j in jobs]
+
+    def right_pad(a, n, axis):
+        if n == T:
+            return a
+        widths = [(0, 0)] * a.ndim
+        widths[axis] = (0, T - n)
+        return mx.pad(a, widths)
+
+    embeds = mx.concatenate([right_pad(p.inputs_embeds, n, 1) for p, n in zip(preps, lengths)])
+    positions = mx.concatenate([right_pad(p.position_ids, n, 2) for p, n in zip(preps, lengths)], axis=1)
+    taps = max(len(p.deepstack) for p in preps)
+    deepstack = [mx.concatenate([right_pad(p.deepstack[k], n, 1) if p.deepstack else mx.zeros((1, T, embeds.shape[2]),
+                                                                                               embeds.dtype)
+                                 for p, n in zip(preps, lengths)]) for k in range(taps)]
+    rope_deltas = mx.concatenate([p.rope_deltas for p in preps])
+    cache = [type(layer[0]).merge(layer) for layer in zip(*(j.cache for j in jobs))]
+    key_mask = cache[0].key_mask(T)
+    hidden = model.decode_hidden(PreparedInputs(embeds, positions, rope_deltas, deepstack), key_mask, cache, 0, T)
+    last = hidden[mx.arange(len(jobs)), mx.array(lengths) - 1]
+    logits = model.logits(last)
+    if T > min(lengths):
+        for c in cache:
+            c.drop_last([T - n for n in lengths])
+    ends = mx.array([j.start + j.length for j in jobs])
+    for j in jobs:
+        j.spent += j.costs.chunk(T, j.start + T) + j.costs.head
+        j._next, j._prepared, j.done = j.length, None, True
+    return logits, rope_deltas[:, 0] + ends, cache
 
 
 def media_features(model, inputs, start=0, features=None) -> dict:
