@@ -496,7 +496,8 @@ def test_a_call_s_screenshot_is_read_under_its_media_budget(world):
 def test_arguments_are_read_into_the_one_request_form():
     """Each tool's arguments become server.protocol.ChatRequest turns of conversation parts, each
     part naming its argument; `ask` renders them with the HTTP server's template_messages, and the
-    tools' declarations name exactly the wire models' arguments."""
+    tools' declarations (the models' schemas) refuse what the models refuse."""
+    from mlx_qwen3vl.errors import InputError
     from mlx_qwen3vl.mcp import arguments
     from mlx_qwen3vl.mcp.tools import TOOL_DECLARATIONS, Settings, prepare
     from mlx_qwen3vl.server.conversation import template_messages
@@ -519,7 +520,29 @@ def test_arguments_are_read_into_the_one_request_form():
     assert (call.request.sampling.repetition_penalty, call.request.sampling.max_tokens) == (1.05, 2048)
     assert (call.request.min_pixels, call.request.max_pixels, call.options["kind"]) == (3136, 500_000, "mobile")
     assert (call.text(), call.size, call.screen) == ("go", (200, 120), (200, 120))
-    for d in TOOL_DECLARATIONS:
-        model = arguments.MODELS[d["name"]]
-        assert list(d["inputSchema"]["properties"]) == arguments._names(model)
-        assert d["inputSchema"]["required"] == [n for n, f in model.model_fields.items() if f.is_required()]
+    # The declarations are the models' own schemas: what one refuses, the other refuses.
+    jsonschema = pytest.importorskip("jsonschema")
+    schemas = {d["name"]: d["inputSchema"] for d in TOOL_DECLARATIONS}
+    assert list(schemas["ground"]["properties"]) == ["screenshot", "instruction", "format", "zoom", "screen_width",
+                                                     "screen_height"]
+    shot = content(data)
+    for name, args, good in [
+            ("ground", {"screenshot": shot, "instruction": "x", "zoom": 0.5, "format": "qwen"}, True),
+            ("ground", {"screenshot": {**shot, "_meta": {}}, "instruction": "x", "screen_width": 9,
+                        "screen_height": 9}, True),
+            ("ground", {"screenshot": shot, "instruction": "x", "zoom": 2}, False),
+            ("ground", {"screenshot": shot, "instruction": "x", "format": "ui-tars"}, False),
+            ("ground", {"screenshot": shot, "instruction": "x", "screen_width": 0, "screen_height": 9}, False),
+            ("ground", {"screenshot": {**shot, "alt": ""}, "instruction": "x"}, False),
+            ("next_action", {"screenshot": "a.png", "task": "x", "history": ["a"], "kind": "mobile"}, True),
+            ("next_action", {"screenshot": "a.png", "task": "x", "history": ["a", 1]}, False),
+            ("next_action", {"screenshot": "a.png", "task": " "}, False),
+            ("ask", {"screenshot": "a.png", "question": "x", "format": "qwen"}, False),
+            ("ask", {"screenshot": "", "question": "x"}, False)]:
+        schema_ok = jsonschema.Draft202012Validator(schemas[name]).is_valid(args)
+        try:
+            arguments.validate(name, args)
+            model_ok = True
+        except InputError:
+            model_ok = False
+        assert schema_ok == model_ok == good, (name, args)

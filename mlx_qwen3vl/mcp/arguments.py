@@ -1,7 +1,9 @@
 """The tools' arguments as wire models (pydantic, as the HTTP server's protocols: strict types, no
 unknown argument) and their reading into the one internal request (server.protocol.ChatRequest:
 turns of conversation parts, each remembering its argument, the sampling, the pixel settings).
-A failing argument is one line naming its path (`history[2]`) and what to send instead.
+A failing argument is one line naming its path (`history[2]`) and what to send instead. The
+tools' MCP declarations are these models' JSON schemas (`declaration`), so what a client is told
+and what is checked are one definition.
 
 The screenshot part's value is the argument as given (a path or data: URL, or the MCP image
 content): tools.prepare reads it under the call's media budget.
@@ -11,6 +13,7 @@ import re
 from typing import Annotated, Any, List, Literal, Optional, Union
 
 from pydantic import Field, StringConstraints, ValidationError, model_validator
+from pydantic.json_schema import GenerateJsonSchema
 from pydantic_core import PydanticCustomError
 
 from ..agent import GROUNDING_FORMATS
@@ -34,18 +37,23 @@ class ImageContent(Wire):
     type: Literal["image"] = "image"
     data: str
     mimeType: Optional[str] = None
-    annotations: Optional[Any] = None  # MCP's hints for the client: ignored
-    meta: Optional[Any] = Field(None, alias="_meta")
+    annotations: Optional[Any] = Field(None, description="MCP's hints for the client: ignored.")
+    meta: Optional[Any] = Field(None, alias="_meta", description="Ignored.")
 
 
-Screenshot = Union[Annotated[str, StringConstraints(min_length=1)], ImageContent]
+Screenshot = Annotated[Union[Annotated[str, StringConstraints(min_length=1)], ImageContent], Field(
+    description="The screenshot: MCP image content {\"type\": \"image\", \"data\": <base64>, \"mimeType\": ...}, "
+                "a data:image/...;base64 URL, or the path of a PNG / JPEG / WebP / GIF / BMP / TIFF file under a "
+                "folder the server allows (--allowed-local-media-path; none by default).")]
 
 
 class Screen(Wire):
     """The screen answers are given in (default: the screenshot's pixels)."""
 
-    screen_width: Side = None
-    screen_height: Side = None
+    screen_width: Side = Field(None, description="Width of the screen to answer in (e.g. points on a Retina "
+                                                 "display); default: the screenshot's pixels. Give both or neither.")
+    screen_height: Side = Field(None, description="Height of the screen to answer in; default: the screenshot's "
+                                                  "pixels.")
 
     @model_validator(mode="after")
     def _both(self):
@@ -56,21 +64,37 @@ class Screen(Wire):
 
 
 class Ground(Screen):
+    """Locate a UI element on a screenshot. Returns its point [x, y] and, where the model gives one,
+    its box [x1, y1, x2, y2] in screen pixels, and status: ok, refused (the element is absent) or
+    malformed."""
+
     screenshot: Screenshot
-    instruction: Text
-    format: Optional[Literal[GROUNDING_FORMATS]] = None
-    zoom: Optional[Union[bool, Annotated[float, Field(gt=0, le=1)]]] = None
+    instruction: Text = Field(description="The element, e.g. 'the Save button'.")
+    format: Optional[Literal[GROUNDING_FORMATS]] = Field(
+        None, description="The trained prompt to ask with (default: the server's).")
+    zoom: Optional[Union[bool, Annotated[float, Field(gt=0, le=1)]]] = Field(
+        None, description="Two-stage grounding for small targets on large screens: ask again on a crop around the "
+                          "first answer, this fraction of each side (true: 0.5). Default: one pass.")
 
 
 class NextAction(Screen):
+    """The next GUI action towards a task on the current screenshot: status (action, message, done,
+    unmapped), actions in screen pixels (click, double_click, triple_click, mouse_move, drag,
+    mouse_down, mouse_up, scroll, type, key, wait, screenshot), text, reasoning and the raw answer.
+    Pass earlier answers back as history."""
+
     screenshot: Screenshot
-    task: Text
+    task: Text = Field(description="What the agent should achieve.")
     history: Optional[Annotated[List[Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS)]],
-                                Field(max_length=MAX_HISTORY)]] = None
-    kind: Optional[Literal["web", "mobile"]] = None
+                                Field(max_length=MAX_HISTORY)]] = Field(
+        None, description="The `answer` of each earlier next_action call, oldest first.")
+    kind: Optional[Literal["web", "mobile"]] = Field(
+        None, description="UI-Venus format only: its web or mobile prompt (default web).")
 
 
 class Ask(Wire):
+    """Answer a question about a screenshot."""
+
     screenshot: Screenshot
     question: Text
 
@@ -133,6 +157,38 @@ def _message(err, model) -> str:
         shown = f"; '{path}' " + ("is not one of its fields" if kind == "extra_forbidden" else
                                   "is required" if kind == "missing" else f"is not valid: {err['msg']}")
     return f"'{name}' {_MUST.get(name, 'is not valid')}{shown}"
+
+
+class _Declared(GenerateJsonSchema):
+    """A tool's input schema as a client reads it: an optional argument as its own type (leaving it
+    out is its default), no titles."""
+
+    def nullable_schema(self, schema):
+        return self.generate_inner(schema["schema"])
+
+    def default_schema(self, schema):
+        return self.generate_inner(schema["schema"])
+
+    def field_title_should_be_set(self, schema) -> bool:
+        return False
+
+
+def _inline(node, defs):
+    if isinstance(node, dict):
+        if "$ref" in node:
+            node = {**defs[node["$ref"].rsplit("/", 1)[-1]], **{k: v for k, v in node.items() if k != "$ref"}}
+        return {k: _inline(v, defs) for k, v in node.items() if k != "title"}
+    return [_inline(v, defs) for v in node] if isinstance(node, list) else node
+
+
+def declaration(name: str) -> dict:
+    """The MCP declaration of tool `name` from its wire model: its description and input schema
+    (every constraint the model checks, the arguments in the declaration's order, no $ref)."""
+    model = MODELS[name]
+    schema = model.model_json_schema(by_alias=True, schema_generator=_Declared)
+    schema = _inline({k: v for k, v in schema.items() if k not in ("$defs", "description")}, schema.get("$defs", {}))
+    schema["properties"] = {k: schema["properties"][k] for k in _names(model)}
+    return {"name": name, "description": " ".join(model.__doc__.split()), "inputSchema": schema}
 
 
 def validate(name: str, args):

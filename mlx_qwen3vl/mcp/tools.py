@@ -25,13 +25,12 @@ from ..generate import generate
 from ..processor import image_budget
 from ..video import smart_resize
 from ..agent import GROUNDING_FORMATS, Window, ground, parse_action, parse_grounding, zoom_fraction
-from ..agent.computer_tools import MAX_DISPLAY
 from ..agent.computer_use import AGENT_FORMATS, AGENT_SAMPLING, ComputerStep, computer_messages, map_answer
 from ..server.computer import agent_loop
 from ..server.conversation import template_messages
 from ..server.protocol import ChatRequest
 from . import arguments
-from .arguments import MAX_HISTORY, ImageContent
+from .arguments import ImageContent
 
 DEFAULT_MAX_REQUEST_PIXELS = 32 << 20  # as the HTTP server's --max-request-pixels
 DEFAULT_MAX_IMAGE_BYTES = 32 << 20
@@ -259,56 +258,4 @@ TOOLS = {"ground": ground_tool, "next_action": next_action_tool, "ask": ask_tool
 # ---------------------------------------------------------------------------------------------
 # Their declarations (MCP input schemas)
 # ---------------------------------------------------------------------------------------------
-_SCREENSHOT = {
-    "description": "The screenshot: MCP image content {\"type\": \"image\", \"data\": <base64>, \"mimeType\": ...}, "
-                   "a data:image/...;base64 URL, or the path of a PNG / JPEG / WebP / GIF / BMP / TIFF file under a "
-                   "folder the server allows (--allowed-local-media-path; none by default).",
-    "anyOf": [{"type": "string"},
-              {"type": "object", "properties": {"type": {"const": "image"}, "data": {"type": "string"},
-                                                "mimeType": {"type": "string"}}, "required": ["data"]}],
-}
-_SCREEN = {
-    "screen_width": {"type": "integer", "minimum": 1, "maximum": MAX_DISPLAY,
-                     "description": "Width of the screen to answer in (e.g. points on a Retina display); default: "
-                                    "the screenshot's pixels. Give both or neither."},
-    "screen_height": {"type": "integer", "minimum": 1, "maximum": MAX_DISPLAY,
-                      "description": "Height of the screen to answer in; default: the screenshot's pixels."},
-}
-
-
-def _schema(properties, required):
-    return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
-
-
-TOOL_DECLARATIONS = [
-    {"name": "ground",
-     "description": "Locate a UI element on a screenshot. Returns its point [x, y] and, where the model gives one, "
-                    "its box [x1, y1, x2, y2] in screen pixels, and status: ok, refused (the element is absent) "
-                    "or malformed.",
-     "inputSchema": _schema({"screenshot": _SCREENSHOT,
-                             "instruction": {"type": "string", "description": "The element, e.g. 'the Save button'."},
-                             "format": {"type": "string", "enum": list(GROUNDING_FORMATS),
-                                        "description": "The trained prompt to ask with (default: the server's)."},
-                             "zoom": {"anyOf": [{"type": "boolean"},
-                                                {"type": "number", "exclusiveMinimum": 0, "maximum": 1}],
-                                      "description": "Two-stage grounding for small targets on large screens: "
-                                                     "ask again on a crop around the first answer, this "
-                                                     "fraction of each side (true: 0.5). Default: one pass."},
-                             **_SCREEN}, ["screenshot", "instruction"])},
-    {"name": "next_action",
-     "description": "The next GUI action towards a task on the current screenshot: status (action, message, done, "
-                    "unmapped), actions in screen pixels (click, double_click, triple_click, mouse_move, drag, "
-                    "mouse_down, mouse_up, scroll, type, key, wait, screenshot), text, reasoning and the raw "
-                    "answer. Pass earlier answers back as history.",
-     "inputSchema": _schema({"screenshot": _SCREENSHOT,
-                             "task": {"type": "string", "description": "What the agent should achieve."},
-                             "history": {"type": "array", "items": {"type": "string"}, "maxItems": MAX_HISTORY,
-                                         "description": "The `answer` of each earlier next_action call, oldest "
-                                                        "first."},
-                             "kind": {"type": "string", "enum": ["web", "mobile"],
-                                      "description": "UI-Venus format only: its web or mobile prompt (default web)."},
-                             **_SCREEN}, ["screenshot", "task"])},
-    {"name": "ask",
-     "description": "Answer a question about a screenshot.",
-     "inputSchema": _schema({"screenshot": _SCREENSHOT, "question": {"type": "string"}}, ["screenshot", "question"])},
-]
+TOOL_DECLARATIONS = [arguments.declaration(name) for name in ("ground", "next_action", "ask")]
