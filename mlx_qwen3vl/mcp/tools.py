@@ -147,6 +147,7 @@ class ToolCall:
         return self.media[part.param]
 
     def text(self) -> str:
+        """The user's words: ground's instruction, next_action's task, ask's question."""
         return "\n".join(t.text("\n") for t in self.request.turns if t.role == "user" and t.text())
 
 
@@ -177,7 +178,7 @@ def prepare(name: str, processor, settings: Settings, args) -> ToolCall:
         screen = (wire.screen_width, wire.screen_height)
     if name == "ground":
         options = {"format": wire.format or settings.ground_format,
-                   "zoom": None if wire.zoom in (None, False) else zoom_fraction(wire.zoom, "'zoom'")}
+                   "zoom": None if wire.zoom is None or wire.zoom is False else zoom_fraction(wire.zoom, "'zoom'")}
     else:
         options = {"kind": getattr(wire, "kind", None) or "web"}
     return ToolCall(name, req, media, size, screen, options)
