@@ -245,12 +245,21 @@ def test_budgets_and_bad_arguments_are_one_line_errors(client, world):
         ("next_action", {"screenshot": shot, "task": "x", "history": "Click"}, "'history' must be a list"),
         ("next_action", {"screenshot": shot, "task": "x", "history": [1]}, "'history[0]' must be a string"),
         ("ask", {"screenshot": shot, "question": "x" * 9000}, "at most 8192"),
+        # strict types, each error naming the argument's path
+        ("ask", {"screenshot": shot, "question": 5}, "'question' must be a non-empty string"),
+        ("ground", {"screenshot": shot, "instruction": "x", "screen_width": "100", "screen_height": 100},
+         "'screen_width' must be an integer"),
+        ("ground", {"screenshot": shot, "instruction": "x", "zoom": "0.5"}, "'zoom' must be true, false or"),
+        ("next_action", {"screenshot": shot, "task": "x", "history": ["Click", 2]}, "'history[1]' must be a string"),
+        ("next_action", {"screenshot": shot, "task": "x", "kind": "desktop"}, "'kind' must be one of web, mobile"),
+        ("ask", {"screenshot": {"type": "image", "data": "AAAA", "alt": "x"}, "question": "x"}, "MCP image content"),
         ("teleport", {}, "unknown tool 'teleport'"),
     ]
     for name, args, says in cases:
         text = error(client.call(name, args))
         assert says in text and not text.startswith(f"{name}: {name}:"), (name, args, text)  # named once
-    # The server is still serving.
+    # The server is still serving; MCP's own fields of image content (annotations, _meta) are accepted.
+    shot = {**shot, "annotations": {"audience": ["user"]}, "_meta": {}}
     assert ok(client.call("ask", {"screenshot": shot, "question": "@ask"}))["answer"] == "It says Apply."
 
 
@@ -482,3 +491,58 @@ def test_a_call_s_screenshot_is_read_under_its_media_budget(world):
     call = prepare("ground", None, Settings(), {"screenshot": content(png(SHOT)), "instruction": "the box",
                                                 "screen_width": 400, "screen_height": 240})
     assert (call.size, call.screen, call.options["format"]) == ((200, 120), (400, 240), "venus")
+
+
+def test_arguments_are_read_into_the_one_request_form():
+    """Each tool's arguments become server.protocol.ChatRequest turns of conversation parts, each
+    part naming its argument; `ask` renders them with the HTTP server's template_messages, and the
+    tools' declarations (the models' schemas) refuse what the models refuse."""
+    from mlx_qwen3vl.errors import InputError
+    from mlx_qwen3vl.mcp import arguments
+    from mlx_qwen3vl.mcp.tools import TOOL_DECLARATIONS, Settings, prepare
+    from mlx_qwen3vl.server.conversation import template_messages
+    from mlx_qwen3vl.server.protocol import ChatRequest
+
+    data = png(SHOT)
+    call = prepare("ask", None, Settings(), {"screenshot": content(data), "question": "what?"})
+    assert isinstance(call.request, ChatRequest) and call.request.sampling.temperature == 0.0
+    assert [(p.kind, p.param) for p in call.request.turns[0].parts] == [("image", "screenshot"), ("text", "question")]
+    messages, images, videos = template_messages(call.request.turns, call.resolve)
+    assert messages == [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]}]
+    assert images == [data] and videos == []
+    venus = Settings(agent_format="venus", max_pixels=500_000)
+    call = prepare("next_action", None, venus, {"screenshot": content(data), "task": "go", "history": ["a", "b"],
+                                                "kind": "mobile"})
+    turns = call.request.turns
+    assert [(t.role, t.param, t.answer) for t in turns] == [
+        ("user", "task", None), ("assistant", "history[0]", "a"), ("assistant", "history[1]", "b"),
+        ("user", "screenshot", None)]
+    assert (call.request.sampling.repetition_penalty, call.request.sampling.max_tokens) == (1.05, 2048)
+    assert (call.request.min_pixels, call.request.max_pixels, call.options["kind"]) == (3136, 500_000, "mobile")
+    assert (call.text(), call.size, call.screen) == ("go", (200, 120), (200, 120))
+    # The declarations are the models' own schemas: what one refuses, the other refuses.
+    jsonschema = pytest.importorskip("jsonschema")
+    schemas = {d["name"]: d["inputSchema"] for d in TOOL_DECLARATIONS}
+    assert list(schemas["ground"]["properties"]) == ["screenshot", "instruction", "format", "zoom", "screen_width",
+                                                     "screen_height"]
+    shot = content(data)
+    for name, args, good in [
+            ("ground", {"screenshot": shot, "instruction": "x", "zoom": 0.5, "format": "qwen"}, True),
+            ("ground", {"screenshot": {**shot, "_meta": {}}, "instruction": "x", "screen_width": 9,
+                        "screen_height": 9}, True),
+            ("ground", {"screenshot": shot, "instruction": "x", "zoom": 2}, False),
+            ("ground", {"screenshot": shot, "instruction": "x", "format": "ui-tars"}, False),
+            ("ground", {"screenshot": shot, "instruction": "x", "screen_width": 0, "screen_height": 9}, False),
+            ("ground", {"screenshot": {**shot, "alt": ""}, "instruction": "x"}, False),
+            ("next_action", {"screenshot": "a.png", "task": "x", "history": ["a"], "kind": "mobile"}, True),
+            ("next_action", {"screenshot": "a.png", "task": "x", "history": ["a", 1]}, False),
+            ("next_action", {"screenshot": "a.png", "task": " "}, False),
+            ("ask", {"screenshot": "a.png", "question": "x", "format": "qwen"}, False),
+            ("ask", {"screenshot": "", "question": "x"}, False)]:
+        schema_ok = jsonschema.Draft202012Validator(schemas[name]).is_valid(args)
+        try:
+            arguments.validate(name, args)
+            model_ok = True
+        except InputError:
+            model_ok = False
+        assert schema_ok == model_ok == good, (name, args)

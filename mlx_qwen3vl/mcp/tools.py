@@ -1,8 +1,10 @@
 """The MCP server's three tools, `ground`, `next_action` and `ask`, each in two steps: `prepare`
-(arguments dict → ToolCall: every argument checked against its allow-list and the screenshot read
-under the call's media budget, before any model work; on a preparation thread) and `answer` (the
-model's answer, on the model's thread); `ground_tool` and the others do both. No MCP SDK here:
-server.py puts these behind the protocol.
+(arguments dict → ToolCall: the arguments validated by their wire models and read into the one
+request form, `server.protocol.ChatRequest` (arguments.py), and the screenshot read under the
+call's media budget, before any model work; on a preparation thread) and `answer` (on the model's
+thread: the turns rendered as the HTTP server renders them: `ask` by conversation.template_messages,
+`next_action` by the trained computer-use prompt, `ground` by agent.ground's grounding prompt);
+`ground_tool` and the others do both. No MCP SDK here: server.py puts these behind the protocol.
 
 A screenshot arrives as MCP image content ({"type": "image", "data": <base64>, "mimeType": ...};
 the type is told from the bytes, never from mimeType), a data: URL, or a path (or file:// URL) of a
@@ -23,17 +25,19 @@ from ..generate import generate
 from ..processor import image_budget
 from ..video import smart_resize
 from ..agent import GROUNDING_FORMATS, Window, ground, parse_action, parse_grounding, zoom_fraction
-from ..agent.computer_tools import MAX_DISPLAY
 from ..agent.computer_use import AGENT_FORMATS, AGENT_SAMPLING, ComputerStep, computer_messages, map_answer
+from ..server.computer import agent_loop
+from ..server.conversation import template_messages
+from ..server.protocol import ChatRequest
+from . import arguments
+from .arguments import ImageContent
 
 DEFAULT_MAX_REQUEST_PIXELS = 32 << 20  # as the HTTP server's --max-request-pixels
 DEFAULT_MAX_IMAGE_BYTES = 32 << 20
-MAX_TEXT_CHARS = 8192
 # HTTP sessions (the SDK's own defaults keep 10,000 for 30 minutes; a desktop client holds one).
 DEFAULT_MAX_SESSIONS = 32
 DEFAULT_MAX_SESSIONS_PER_CLIENT = 4
 DEFAULT_SESSION_IDLE_TIMEOUT_S = 300.0
-MAX_HISTORY = 32
 
 
 @dataclass
@@ -67,60 +71,6 @@ class Settings:
 
 
 # ---------------------------------------------------------------------------------------------
-# Arguments
-# ---------------------------------------------------------------------------------------------
-def _check_names(args, allowed):
-    if not isinstance(args, dict):
-        raise InputError("the arguments must be an object")  # the server names the tool
-    unknown = sorted(set(args) - set(allowed))
-    if unknown:
-        raise InputError(f"unknown argument {unknown[0]!r}; it takes {', '.join(allowed)}")
-
-
-def _text(args, name, required=True) -> Optional[str]:
-    value = args.get(name)
-    if value is None and not required:
-        return None
-    if not isinstance(value, str) or not value.strip():
-        raise InputError(f"'{name}' must be a non-empty string")
-    if len(value) > MAX_TEXT_CHARS:
-        raise InputError(f"'{name}' is {len(value)} characters; at most {MAX_TEXT_CHARS}")
-    return value
-
-
-def _choice(args, name, choices, default):
-    value = args.get(name, default)
-    if value is None:
-        return default
-    if value not in choices:
-        raise InputError(f"'{name}' must be one of {', '.join(choices)}; got {str(value)[:40]!r}")
-    return value
-
-
-def _screen(args, image_size):
-    """(width, height) answers are given in: screen_width x screen_height, else the screenshot's."""
-    w, h = args.get("screen_width"), args.get("screen_height")
-    if w is None and h is None:
-        return image_size
-    for name, v in (("screen_width", w), ("screen_height", h)):
-        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_DISPLAY:
-            raise InputError(f"'{name}' must be an integer from 1 to {MAX_DISPLAY} (give both or neither); got {v!r}")
-    return w, h
-
-
-def _history(args) -> List[str]:
-    value = args.get("history")
-    if value is None:
-        return []
-    if not isinstance(value, list) or len(value) > MAX_HISTORY:
-        raise InputError(f"'history' must be a list of at most {MAX_HISTORY} earlier answers (strings)")
-    for i, step in enumerate(value):
-        if not isinstance(step, str) or len(step) > MAX_TEXT_CHARS:
-            raise InputError(f"'history[{i}]' must be a string of at most {MAX_TEXT_CHARS} characters")
-    return value
-
-
-# ---------------------------------------------------------------------------------------------
 # Screenshots
 # ---------------------------------------------------------------------------------------------
 ALLOW_FLAG = "--allowed-local-media-path"  # the HTTP server's spelling (--allowed-image-dir still works)
@@ -134,6 +84,8 @@ def read_screenshot(value, settings: Settings, processor=None, pixels=None, budg
     same budget."""
     budget = budget if budget is not None else settings.budget()
     limit = dict(max_bytes=settings.max_image_bytes, budget=budget)
+    if isinstance(value, ImageContent):  # validated by arguments.py
+        value = {"type": value.type, "data": value.data}
     if isinstance(value, dict):
         if value.get("type", "image") != "image" or not isinstance(value.get("data"), str):
             raise InputError("'screenshot' as an object must be MCP image content: {\"type\": \"image\", "
@@ -168,15 +120,6 @@ def read_screenshot(value, settings: Settings, processor=None, pixels=None, budg
 # ---------------------------------------------------------------------------------------------
 # The tools
 # ---------------------------------------------------------------------------------------------
-def _zoom(args):
-    value = args.get("zoom")
-    if value is None or value is False:
-        return None
-    if not isinstance(value, (bool, int, float)):
-        raise InputError("'zoom' must be true, false or the window's fraction of each side, in (0, 1]")
-    return zoom_fraction(value, "'zoom'")
-
-
 def _on_screen(hit, size, screen):
     """The answer in screen pixels: read again at the screen's size, pass 2's through its window
     scaled to the screen exactly (Fractions), so both land on the same relative place."""
@@ -194,33 +137,51 @@ class ToolCall:
     model thread needs to answer it (`answer`)."""
 
     name: str
-    data: bytes  # the screenshot, encoded
-    size: tuple  # its (width, height)
+    request: ChatRequest  # the one request form: the conversation's turns, sampling, pixels
+    media: dict  # each image part's encoded bytes, by its argument (the part's param)
+    size: tuple  # the screenshot's (width, height)
     screen: tuple  # the (width, height) answers are given in
-    options: dict  # the tool's own: instruction, format, zoom / task, history, kind / question
+    options: dict  # what the request form has no place for: ground's format and zoom, next_action's kind
+
+    def resolve(self, part) -> bytes:
+        return self.media[part.param]
+
+    def text(self) -> str:
+        """The user's words: ground's instruction, next_action's task, ask's question."""
+        return "\n".join(t.text("\n") for t in self.request.turns if t.role == "user" and t.text())
+
+
+def _sampling_and_pixels(name: str, settings: Settings):
+    """A tool's sampling (next_action: the agent format's, AGENT_SAMPLING; else greedy) and pixel
+    settings (the format's, then the operator's)."""
+    if name != "next_action":
+        return None, settings.pixel_options()
+    options = dict(AGENT_SAMPLING[settings.agent_format])
+    pixels = {k: options.pop(k) for k in ("min_pixels", "max_pixels") if k in options}
+    return options, {**pixels, **settings.pixel_options()}
 
 
 def prepare(name: str, processor, settings: Settings, args) -> ToolCall:
-    """Every argument of a call checked against its allow-list, then the screenshot read under the
-    call's media budget (bytes and one deadline, media_access.MediaBudget) and its pixels checked
-    from the header: all before the model is asked. InputError (one line) otherwise."""
-    budget = settings.budget()
+    """Every argument of a call checked (arguments.py's wire models) and read into the one request
+    form, then the screenshot read under the call's media budget (bytes and one deadline,
+    media_access.MediaBudget) and its pixels checked from the header: all before the model is
+    asked. InputError (one line) otherwise."""
+    wire = arguments.validate(name, args)
+    sampling, pixels = _sampling_and_pixels(name, settings)
+    req = arguments.request(name, wire, max_tokens=settings.max_tokens, sampling=sampling, pixels=pixels)
+    budget, media, size = settings.budget(), {}, None
+    for turn in req.turns:
+        for part in turn.images():
+            media[part.param], size = read_screenshot(part.value, settings, processor, pixels, budget)
+    screen = size
+    if name != "ask" and getattr(wire, "screen_width", None) is not None:
+        screen = (wire.screen_width, wire.screen_height)
     if name == "ground":
-        _check_names(args, ("screenshot", "instruction", "format", "zoom", "screen_width", "screen_height"))
-        options = {"instruction": _text(args, "instruction"),
-                   "format": _choice(args, "format", GROUNDING_FORMATS, settings.ground_format), "zoom": _zoom(args)}
-        pixels = None
-    elif name == "next_action":
-        _check_names(args, ("screenshot", "task", "history", "kind", "screen_width", "screen_height"))
-        options = {"task": _text(args, "task"), "history": _history(args),
-                   "kind": _choice(args, "kind", ("web", "mobile"), "web")}
-        pixels = next_action_options(settings)
+        options = {"format": wire.format or settings.ground_format,
+                   "zoom": None if wire.zoom is None or wire.zoom is False else zoom_fraction(wire.zoom, "'zoom'")}
     else:
-        _check_names(args, ("screenshot", "question"))
-        options, pixels = {"question": _text(args, "question")}, None
-    data, size = read_screenshot(args.get("screenshot"), settings, processor, pixels, budget)
-    screen = _screen(args, size) if name != "ask" else size
-    return ToolCall(name, data, size, screen, options)
+        options = {"kind": getattr(wire, "kind", None) or "web"}
+    return ToolCall(name, req, media, size, screen, options)
 
 
 def answer(model, processor, settings: Settings, call: ToolCall) -> dict:
@@ -228,10 +189,15 @@ def answer(model, processor, settings: Settings, call: ToolCall) -> dict:
     return ANSWERS[call.name](model, processor, settings, call)
 
 
+def _pixels(req: ChatRequest) -> dict:
+    return {"min_pixels": req.min_pixels, "max_pixels": req.max_pixels}
+
+
 def _ground(model, processor, settings: Settings, call: ToolCall) -> dict:
-    o, size, screen = call.options, call.size, call.screen
-    hit = ground(model, processor, call.data, o["instruction"], format=o["format"], zoom=o["zoom"],
-                 **settings.pixel_options())
+    """The grounding prompt of the format (agent.ground), as POST /v1/ground asks it."""
+    o, size, screen, req = call.options, call.size, call.screen, call.request
+    hit = ground(model, processor, call.media["screenshot"], call.text(), format=o["format"], zoom=o["zoom"],
+                 max_tokens=req.sampling.max_tokens, **_pixels(req))
     g = _on_screen(hit, size, screen) if screen != size else hit
     out = {"point": list(g.point) if g.point else None, "box": list(g.box) if g.box else None, "status": g.status,
            "answer": hit.answer, "format": o["format"], "screen_size": list(screen), "image_size": list(size)}
@@ -240,22 +206,18 @@ def _ground(model, processor, settings: Settings, call: ToolCall) -> dict:
     return out
 
 
-def next_action_messages(settings: Settings, task, data, history, kind):
-    return computer_messages(task, data, [ComputerStep(answer=a) for a in history], format=settings.agent_format,
-                             kind=kind)
-
-
-def next_action_options(settings: Settings) -> dict:
-    options = dict(AGENT_SAMPLING[settings.agent_format])
-    options.setdefault("max_tokens", settings.max_tokens)
-    options.update(settings.pixel_options())
-    return options
+def agent_messages(settings: Settings, call: ToolCall) -> list:
+    """next_action's turns as the trained computer-use prompt: read as the HTTP server reads a
+    computer-use conversation (server.computer.agent_loop: the task, each earlier answer as
+    written, the current screenshot), rendered by agent.computer_use.computer_messages."""
+    system, task, steps, shot = agent_loop(call.request.turns)
+    return computer_messages("\n".join(task), call.resolve(shot), [ComputerStep(answer=s.turn.answer) for s in steps],
+                             format=settings.agent_format, kind=call.options["kind"], system=system)
 
 
 def _next_action(model, processor, settings: Settings, call: ToolCall) -> dict:
-    o, screen = call.options, call.screen
-    messages = next_action_messages(settings, o["task"], call.data, o["history"], o["kind"])
-    out = generate(model, processor, messages=messages, **next_action_options(settings))
+    screen, req = call.screen, call.request
+    out = generate(model, processor, messages=agent_messages(settings, call), sampling=req.sampling, **_pixels(req))
     turn = map_answer(out.text, screen)
     parsed = parse_action(out.text, *screen)
     result = turn.to_dict()
@@ -265,13 +227,11 @@ def _next_action(model, processor, settings: Settings, call: ToolCall) -> dict:
     return result
 
 
-def ask_messages(data, question):
-    return [{"role": "user", "content": [{"type": "image", "image": data}, {"type": "text", "text": question}]}]
-
-
 def _ask(model, processor, settings: Settings, call: ToolCall) -> dict:
-    out = generate(model, processor, messages=ask_messages(call.data, call.options["question"]),
-                   max_tokens=settings.max_tokens, temperature=0.0, **settings.pixel_options())
+    """The chat template's messages, rendered from the turns as the HTTP server renders a chat."""
+    req = call.request
+    messages, images, _ = template_messages(req.turns, call.resolve)
+    out = generate(model, processor, messages=messages, images=images, sampling=req.sampling, **_pixels(req))
     return {"answer": out.text, "finish_reason": out.finish_reason}
 
 
@@ -299,56 +259,4 @@ TOOLS = {"ground": ground_tool, "next_action": next_action_tool, "ask": ask_tool
 # ---------------------------------------------------------------------------------------------
 # Their declarations (MCP input schemas)
 # ---------------------------------------------------------------------------------------------
-_SCREENSHOT = {
-    "description": "The screenshot: MCP image content {\"type\": \"image\", \"data\": <base64>, \"mimeType\": ...}, "
-                   "a data:image/...;base64 URL, or the path of a PNG / JPEG / WebP / GIF / BMP / TIFF file under a "
-                   "folder the server allows (--allowed-local-media-path; none by default).",
-    "anyOf": [{"type": "string"},
-              {"type": "object", "properties": {"type": {"const": "image"}, "data": {"type": "string"},
-                                                "mimeType": {"type": "string"}}, "required": ["data"]}],
-}
-_SCREEN = {
-    "screen_width": {"type": "integer", "minimum": 1, "maximum": MAX_DISPLAY,
-                     "description": "Width of the screen to answer in (e.g. points on a Retina display); default: "
-                                    "the screenshot's pixels. Give both or neither."},
-    "screen_height": {"type": "integer", "minimum": 1, "maximum": MAX_DISPLAY,
-                      "description": "Height of the screen to answer in; default: the screenshot's pixels."},
-}
-
-
-def _schema(properties, required):
-    return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
-
-
-TOOL_DECLARATIONS = [
-    {"name": "ground",
-     "description": "Locate a UI element on a screenshot. Returns its point [x, y] and, where the model gives one, "
-                    "its box [x1, y1, x2, y2] in screen pixels, and status: ok, refused (the element is absent) "
-                    "or malformed.",
-     "inputSchema": _schema({"screenshot": _SCREENSHOT,
-                             "instruction": {"type": "string", "description": "The element, e.g. 'the Save button'."},
-                             "format": {"type": "string", "enum": list(GROUNDING_FORMATS),
-                                        "description": "The trained prompt to ask with (default: the server's)."},
-                             "zoom": {"anyOf": [{"type": "boolean"},
-                                                {"type": "number", "exclusiveMinimum": 0, "maximum": 1}],
-                                      "description": "Two-stage grounding for small targets on large screens: "
-                                                     "ask again on a crop around the first answer, this "
-                                                     "fraction of each side (true: 0.5). Default: one pass."},
-                             **_SCREEN}, ["screenshot", "instruction"])},
-    {"name": "next_action",
-     "description": "The next GUI action towards a task on the current screenshot: status (action, message, done, "
-                    "unmapped), actions in screen pixels (click, double_click, triple_click, mouse_move, drag, "
-                    "mouse_down, mouse_up, scroll, type, key, wait, screenshot), text, reasoning and the raw "
-                    "answer. Pass earlier answers back as history.",
-     "inputSchema": _schema({"screenshot": _SCREENSHOT,
-                             "task": {"type": "string", "description": "What the agent should achieve."},
-                             "history": {"type": "array", "items": {"type": "string"}, "maxItems": MAX_HISTORY,
-                                         "description": "The `answer` of each earlier next_action call, oldest "
-                                                        "first."},
-                             "kind": {"type": "string", "enum": ["web", "mobile"],
-                                      "description": "UI-Venus format only: its web or mobile prompt (default web)."},
-                             **_SCREEN}, ["screenshot", "task"])},
-    {"name": "ask",
-     "description": "Answer a question about a screenshot.",
-     "inputSchema": _schema({"screenshot": _SCREENSHOT, "question": {"type": "string"}}, ["screenshot", "question"])},
-]
+TOOL_DECLARATIONS = [arguments.declaration(name) for name in ("ground", "next_action", "ask")]

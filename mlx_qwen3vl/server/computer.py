@@ -30,7 +30,7 @@ from ..agent.prompts import VENUS_HISTORY_LENGTH
 from ..errors import InputError
 from ..processor import extract_media
 from .computer_answers import ComputerAnswers
-from .conversation import Call, Turn, leading_system
+from .conversation import Call, Part, Turn, leading_system
 from .fetch import resolve_image
 from .limits import check_pixel_options
 from .protocol import APIError, ChatRequest
@@ -75,6 +75,26 @@ class _Step:
     result: List[str]
 
 
+def agent_loop(turns: List[Turn]) -> Tuple[Optional[str], List[str], List[_Step], Optional[Part]]:
+    """Turns read as an agent loop → (the system text, the task's lines, the steps, the current
+    screenshot's part or None): the task is the text of the user turns before the first assistant
+    turn; each assistant turn is a step, taken on the last screenshot before it; text coming back
+    after a step is its result. The MCP server's next_action reads its turns this way too."""
+    system, rest = leading_system(turns)
+    task, steps, shot = [], [], None
+    for t in rest:
+        if t.role == "assistant":
+            steps.append(_Step(t, shot, []))
+            continue
+        images = t.images()
+        if images:
+            shot = images[-1]
+        text = t.text("\n").strip()
+        if text:
+            (steps[-1].result if steps else task).append(text)
+    return system, task, steps, shot
+
+
 def _read(part, builder, cap, budget) -> Tuple[bytes, Tuple[int, int]]:
     data = resolve_image(part.value, builder.policy, part.param, budget)
     try:
@@ -109,18 +129,7 @@ def prepare(builder, req: ChatRequest, turns: List[Turn], tool: ComputerTool, ag
     `history_length`: earlier steps replayed (default: the format's, QWEN_HISTORY_LENGTH or
     VENUS_HISTORY_LENGTH)."""
     check_pixel_options(req, builder.limits)
-    system, rest = leading_system(turns)
-    task, steps, shot = [], [], None
-    for t in rest:
-        if t.role == "assistant":
-            steps.append(_Step(t, shot, []))
-            continue
-        images = t.images()
-        if images:
-            shot = images[-1]
-        text = t.text("\n").strip()
-        if text:
-            (steps[-1].result if steps else task).append(text)
+    system, task, steps, shot = agent_loop(turns)
     if shot is None:
         raise APIError(400, "a computer-use request needs a screenshot: send the current screen as an image in the "
                        "first user message or in a tool result (this model decides each action from one)",
