@@ -61,7 +61,7 @@ SHARDED = ["tiny-a", "tiny-b"]
 
 @pytest.fixture(scope="module")
 def sharded_runs(tmp_path_factory):
-    return run_worker(SHARDED, tmp_path_factory.mktemp("dist"), "--heads-too")
+    return run_worker(SHARDED, tmp_path_factory.mktemp("dist"), "--heads-too", "--speculative")
 
 
 @pytest.fixture(scope="module", params=SHARDED)
