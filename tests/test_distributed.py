@@ -153,11 +153,12 @@ def same_until_a_near_tie(got, want, margins) -> bool:
     return True
 
 
-def test_speculative_decoding_under_ranks_answers_as_one_process(sharded_run, single):
+def test_speculative_decoding_under_ranks_answers_as_one_process(sharded_runs, single):
     """A draft model (the model itself, and the other fixture, both sharded) and prompt lookup,
     with an image and a video: every rank's greedy answer is one process's plain one, the
-    self-draft keeps every draft."""
-    checkpoint, ranks = sharded_run
+    self-draft keeps every draft (tiny-a: the worker drafts on its first checkpoint only)."""
+    checkpoint = SHARDED[0]
+    ranks = worker_ranks(sharded_runs, checkpoint)
     expected = single(checkpoint)["cases"]
     for out in ranks:
         for key, (tokens, proposed, accepted) in out["speculative"].items():
