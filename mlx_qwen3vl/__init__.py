@@ -27,28 +27,13 @@ from .generate import GenerationResponse, GenerationResult, batch_generate, gene
 from .chat_session import ChatSession  # noqa: E402
 from .prompt_cache import PromptCache  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
-from .hub import check_tokenizer_files, resolve_model_path  # noqa: E402
+from .hub import check_tokenizer_files, resolve_model_path  # noqa: E402, F401  (public names)
 from .processor import Processor  # noqa: E402
 from .weights import load_model  # noqa: E402
+from .loading import load  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["load", "generate", "stream_generate", "batch_generate", "ChatSession", "PromptCache",
            "SamplingParams", "GenerationResult", "GenerationResponse", "Processor", "load_model",
            "Qwen3VLError", "InputError", "ConfigError", "WeightsError", "ModelNotFoundError", "ContextLengthError",
            "Engine", "Request", "Token", "Done", "Failed"]
-
-
-def load(path_or_hub_id, dtype=None, backend=None, parallel="tensor"):
-    """A local checkpoint folder or a hub repo id → (model, processor). dtype defaults to float32
-    on the CPU backend and to the checkpoint's dtype on a GPU; backend "mlx", "cpu" or None
-    (automatic, see backend.py). Under `mlx.launch -n N`, parallel "tensor" splits every layer
-    over the N ranks, "pipeline" splits the layers (see distributed.py, pipeline.py)."""
-    path = resolve_model_path(path_or_hub_id, flag="load()'s path")
-    check_tokenizer_files(path)  # before the weights: a broken folder fails fast, in one line
-    from . import distributed
-
-    distributed.check_parallel(parallel)
-    group = distributed.world()  # under `mlx.launch -n N`: split the model over the N ranks
-    if group is not None:
-        return distributed.load_sharded(path, group, dtype, backend, parallel=parallel)
-    return load_model(path, dtype, backend), Processor.from_pretrained(path)

@@ -121,7 +121,7 @@ def _main(args):
     KVSettings.build(**kv_args, name=kv_flags.get)
     sampling = SamplingParams(**values)
     from .engine.draft_model import DraftModel
-    from .engine.speculative import drafting
+    from .engine.drafting import drafting
 
     drafts = dict(prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens)
     drafting(**drafts)  # checked before the models load

@@ -15,7 +15,7 @@ import re
 
 import numpy as np
 
-from .engine.speculative import drafting
+from .engine.drafting import drafting
 from .errors import InputError
 from .kv_settings import FIELDS as KV_FIELDS
 from .kv_settings import KVSettings, resolve

@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from ..errors import ConfigError
 from ..kv_settings import FLOAT, quantize_if_due, resolve
+from ..loading import load
 from .caches import PrefixCache, _common, pipeline_scale
 from .prefill import Costs, PrefillJob
 from .step import verify_step
@@ -53,8 +54,6 @@ class DraftModel:
             model, processor = draft_model
             return cls(model, getattr(processor, "tokenizer", processor))
         if isinstance(draft_model, (str, bytes)) or hasattr(draft_model, "__fspath__"):
-            from .. import load
-
             model, processor = load(draft_model)
             return cls(model, processor.tokenizer)
         if not hasattr(draft_model, "language_model") or not hasattr(draft_model, "make_cache"):

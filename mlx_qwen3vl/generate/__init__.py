@@ -18,7 +18,7 @@ import numpy as np
 from ..backend import backend_of
 from ..engine import (AnswerText, Done, Engine, Failed, Request, Token, decode_step, eos_token_ids,  # noqa: F401
                       fit_to_context, prefill, sample, token_bytes)
-from ..engine.speculative import NAMES as DRAFT_NAMES, pop_drafting
+from ..engine.drafting import NAMES as DRAFT_NAMES, pop_drafting
 from ..errors import InputError
 from ..kv_settings import FLOAT, FIELDS as KV_FIELDS, KVSettings, resolve
 from ..processor import renamed_source_fps

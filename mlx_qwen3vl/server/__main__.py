@@ -185,7 +185,7 @@ def main(argv=None):
         from .. import load
         from ..engine.core import auto_kv_budget, kv_bytes_per_token, weight_bytes
         from ..engine.draft_model import DraftModel
-        from ..engine.speculative import drafting
+        from ..engine.drafting import drafting
         from ..errors import InputError, Qwen3VLError
         from ..hub import resolve_model_path
         from . import build_server

@@ -7,7 +7,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from ..engine import Request, speculative
+from ..engine import Request
+from ..engine.drafting import drafting as drafts_of
 from ..kv_settings import KVSettings
 from ..sampling import SamplingParams
 
@@ -39,8 +40,8 @@ class Prepared:
         drafts = dict(drafting or {})
         if self.drafting:
             if "prompt_lookup" in self.drafting:
-                drafts = speculative.drafting(prompt_lookup=self.drafting["prompt_lookup"],
-                                              num_draft_tokens=drafts.get("num_draft_tokens"))
+                drafts = drafts_of(prompt_lookup=self.drafting["prompt_lookup"],
+                                   num_draft_tokens=drafts.get("num_draft_tokens"))
             if drafts and "num_draft_tokens" in self.drafting:
                 drafts["num_draft_tokens"] = self.drafting["num_draft_tokens"]
         return Request(self.inputs, dataclasses.replace(self.sampling, max_tokens=self.max_tokens),
