@@ -3,8 +3,9 @@ the MLP activations and the sampler's log-softmax.
 
 MLX's CPU backend has no fused attention, evaluates exp/tanh/sigmoid with scalar code, and sends
 every float32 matmul, even a matrix-vector product, to `cblas_sgemm`. numpy vectorizes the
-transcendentals and calls its own OpenBLAS, whose GEMV and GEMM beat that path (benchmarks/README.md,
-"What bounds each figure"). Each function takes and returns MLX arrays: it evaluates its inputs (a
+transcendentals, and the C extension's matmul_rows (or, without it, numpy's OpenBLAS) beats that
+path at every row count (benchmarks/README.md, "What bounds each figure"); matmul_rows also gives
+a row the same numbers whatever the other rows and the thread count. Each function takes and returns MLX arrays: it evaluates its inputs (a
 host sync), computes in numpy with the same float32 formulas as MLX (only the summation order
 differs) and hands the result back to MLX. Below the size thresholds MLX's own op is cheaper than
 the sync and runs instead.
