@@ -47,6 +47,11 @@ def test_attention_queries_are_the_same_in_any_chunk_and_thread_count():
             got = np.concatenate([kernels.np_attention(q[:, :, s:s + c], k[:, :, :s + c], v[:, :, :s + c], 0.2,
                                                        causal=True) for s in range(0, 45, c)], axis=2)
             assert np.array_equal(got, whole), (n, c)
+    # A boolean mask (rows prefilled together, right-padded) gives its queries the same numbers.
+    allowed = np.tril(np.ones((45, 45), bool))[None, None]
+    assert np.array_equal(kernels.np_attention(q, k, v, 0.2, causal=False, allowed=allowed), whole)
+    near = mx.fast.scaled_dot_product_attention(*map(mx.array, (q, k, v)), scale=0.2, mask=mx.array(allowed))
+    assert np.allclose(np.array(near), whole, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -107,22 +107,31 @@ def linear(x, weight, bias=None):
 def attention(q, k, v, scale: float, mask=None):
     """softmax(q k^T * scale, masked) v for q (B, H, L, D), k / v (B, Hkv, S, D) with H a multiple
     of Hkv (grouped queries), mask None, "causal" (lower-right aligned, as with a KV cache) or a
-    boolean array (left to MLX). Returns (B, H, L, D)."""
+    boolean array (B or 1, 1, L, S), True where a query may look. Returns (B, H, L, D).
+
+    With the C extension every prefill chunk, whatever its size or mask, runs np_attention, so a
+    query's numbers do not depend on the chunk it comes in (MLX's kernel rounds differently); one
+    query under a mask (a decode step of left-padded rows) stays with MLX, which reads the cache in
+    place."""
     H, L, S = q.shape[1], q.shape[2], k.shape[2]
-    if isinstance(mask, mx.array) or H * L * S < ATTENTION_MIN_SCORES:
+    masked = isinstance(mask, mx.array)
+    if (masked and L == 1) if _native is not None else (masked or H * L * S < ATTENTION_MIN_SCORES):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    mx.eval(q, k, v)
+    mx.eval(q, k, v, *([mask] if masked else []))
+    args = (np.asarray(q), np.asarray(k), np.asarray(v), scale)
+    kw = dict(causal=isinstance(mask, str) and mask == "causal", allowed=np.asarray(mask) if masked else None)
     if q.shape[2] <= SMALL_ROWS:  # a verify forward's few queries: small GEMMs, beside matmul_rows' threads
         with threads.one_blas_thread():
-            out = np_attention(np.asarray(q), np.asarray(k), np.asarray(v), scale, causal=mask == "causal")
+            out = np_attention(*args, **kw)
     else:
-        out = np_attention(np.asarray(q), np.asarray(k), np.asarray(v), scale, causal=mask == "causal")
+        out = np_attention(*args, **kw)
     return mx.array(out)
 
 
-def np_attention(q, k, v, scale, causal):
+def np_attention(q, k, v, scale, causal, allowed=None):
     """`attention` in numpy: q (B, H, L, D), k / v (B, Hkv, S, D) float32 arrays (k and v may be
-    views of the KV cache) → (B, H, L, D), in query chunks of bounded memory.
+    views of the KV cache) → (B, H, L, D), in query chunks of bounded memory; `allowed`: a boolean
+    mask (B or 1, 1, L, S) instead of `causal` (with the C extension only).
 
     With the C extension each query's result is the same whatever the chunk it comes in and the
     thread count: its scores are matmul_rows' dot products, and the softmax's weighted sum of the
@@ -131,6 +140,7 @@ def np_attention(q, k, v, scale, causal):
     key's position). The BLAS's GEMMs round a query differently with the chunk's shape and the
     thread count."""
     if _native is None:
+        assert allowed is None, "a boolean mask is MLX's without the C extension"
         return _np_attention_blas(q, k, v, scale, causal)
     B, H, L, D = q.shape
     S, Hkv, Dv = k.shape[2], k.shape[1], v.shape[-1]
@@ -141,6 +151,9 @@ def np_attention(q, k, v, scale, causal):
     rows = max(16, CHUNK_SCORES // max(1, B * H * P))
     offset = S - L
     qs = (q * np.float32(scale)).reshape(B, Hkv, rep, L, D)
+    if allowed is not None:
+        allowed = np.broadcast_to(allowed, (B, 1, L, S))
+        causal = False
     for b in range(B):
         for g in range(Hkv):
             keys = np.zeros((P, D), np.float32)
@@ -159,6 +172,8 @@ def np_attention(q, k, v, scale, causal):
                     view[:, np.arange(s, e)[:, None] + offset < np.arange(kp)[None, :]] = -np.inf
                 else:
                     view[..., S:] = -np.inf
+                    if allowed is not None:
+                        view[..., :S][:, ~allowed[b, 0, s:e]] = -np.inf
                 np.subtract(scores, scores.max(-1, keepdims=True), out=scores)
                 np.exp(scores, out=scores)
                 wsum = _rows_in_parallel(scores, np.ascontiguousarray(vt[:, :kp]),
