@@ -412,7 +412,8 @@ def test_draft_model_greedy_answers_equal_the_plain_run(processor, on_cpu):
 def test_draft_model_prefix_reuse_chat_session_and_plain_graph(processor, on_cpu, tmp_path):
     """The draft model's own prefix cache: a ChatSession's later turns prefill only what is new for
     the draft too (its entries reused), answers every turn as the plain session (and saves without
-    the draft model, which changes no answer); an engine's prefix cache and the draft's both serve
+    the draft model, which changes no answer; given again to load, the loaded session drafts
+    from the draft's kept caches); an engine's prefix cache and the draft's both serve
     a repeated request, answered as plain; on the plain graph (steps queued ahead) a drafting
     request answers as plain."""
     from mlx_qwen3vl.engine.draft_model import DraftModel
@@ -429,6 +430,11 @@ def test_draft_model_prefix_reuse_chat_session_and_plain_graph(processor, on_cpu
     assert draft.prefix.hits == 2 and draft.prefix.reused_tokens >= spec.last.cached_tokens
     spec.save(tmp_path / "chat.safetensors")
     assert "draft_model" not in M.ChatSession.load(tmp_path / "chat.safetensors", target, processor).generation_kwargs
+    # The draft model is given again to load: the loaded session drafts, its draft caches still kept.
+    loaded = M.ChatSession.load(tmp_path / "chat.safetensors", target, processor, draft_model=draft)
+    hits = draft.prefix.hits
+    assert loaded.send("Once more.") == plain.send("Once more.")
+    assert loaded.last.draft_accepted == loaded.last.draft_proposed > 0 and draft.prefix.hits == hits + 1
     engine = Engine(target, processor, max_batch=2, prefix_cache_bytes=1 << 26)
     inputs = encode_prompt(processor, messages=asks()[0])
     want = M.generate(target, processor, messages=asks()[0], max_tokens=10, ignore_eos=True).token_ids
