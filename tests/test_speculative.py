@@ -576,3 +576,25 @@ def test_cli_draft_model_answers_as_plain(capsys):
     assert main(args + ["--draft-model", str(FIXTURES / "tiny-b"), "--num-draft-tokens", "2"]) == 0
     out = capsys.readouterr()
     assert out.out == plain and "Drafts: " in out.err
+
+
+@pytest.mark.parametrize("backend", ["mlx", None])
+def test_greedy_verify_breaks_ties_of_the_log_probs_as_plain(processor, on_cpu, backend):
+    """Two tokens whose logits differ by one ulp but whose log-probabilities round to the same
+    value: the plain run takes the first (the argmax of its log-probs); a draft of the other one,
+    the argmax of the raw logits, must be rejected."""
+    from mlx_qwen3vl.weights import load_model
+
+    model = load_model(FIXTURES / "tiny-a", backend=backend)  # its own: `logits` is replaced
+    V = model.config.text_config.vocab_size
+    base = np.zeros(V, np.float32)
+    base[5], base[9] = 1.0, np.nextafter(np.float32(1.0), np.float32(2.0))
+    lp = np.asarray(mx.array(base) - mx.logsumexp(mx.array(base)))
+    assert lp[5] == lp[9] and base[9] > base[5]  # the tie exists only after normalising
+    model.logits = lambda hidden: mx.broadcast_to(mx.array(base), hidden.shape[:-1] + (V,))
+    messages = asks()[1]
+    want = M.generate(model, processor, messages=messages, max_tokens=6, ignore_eos=True)
+    assert want.token_ids == [5] * 6
+    nine = type("Nine", (), {"propose": lambda self, ids, k: [9] * k})()
+    got = M.generate(model, processor, messages=messages, max_tokens=6, ignore_eos=True, drafter=nine)
+    assert got.token_ids == want.token_ids and got.draft_accepted == 0 < got.draft_proposed
