@@ -255,8 +255,11 @@ def test_sampled_answers_keep_the_plain_distribution(processor, on_cpu, drafting
     or a draft model (the 4-bit tiny-a) drawing its drafts from its own distribution (q its probabilities),
     kept sometimes, rejected sometimes: their frequencies against the exact plain distribution,
     computed from the model's own forwards, by chi-square at the 0.1% level (cells with expected
-    counts under 5 merged). A rule that always kept drafts, resampled from p instead of the
-    residual, or ignored q, fails it."""
+    counts under 5 merged). Each request checks one draft, kept with probability
+    sum_b min(p(b), q(b)) (for a one-hot q: p(draft)): the count kept against that expectation,
+    computed from both models' forwards, at the same level. A rule that always kept drafts or
+    resampled from p instead of the residual fails the first; one that ignored q (keeping a draft
+    with p(d): exact, but keeping far fewer) fails the second, which the first cannot see."""
     from mlx_lm.sample_utils import apply_top_k
 
     model = load_fixture_model("tiny-a", backend="mlx")
@@ -264,7 +267,7 @@ def test_sampled_answers_keep_the_plain_distribution(processor, on_cpu, drafting
     prompt = encode_prompt(processor, messages=messages)["input_ids"][0].tolist()
     temp, top_k, N = 1.5, 3, 1200 if drafting == "fixed" else 600  # the draft model's: 13 s at 1200
 
-    def dist(prefix):
+    def dist(prefix, model=model):
         logits = model(mx.array([prompt + prefix]))[0, -1:].astype(mx.float32)
         lp = apply_top_k(logits - mx.logsumexp(logits, axis=-1, keepdims=True), top_k) / temp
         p = np.asarray(mx.softmax(lp, axis=-1)[0])
@@ -277,10 +280,13 @@ def test_sampled_answers_keep_the_plain_distribution(processor, on_cpu, drafting
                 exact[(a, b, c)] = pa * pb * pc
     d1 = max(dist([max(dist([]), key=dist([]).get)]).items(), key=lambda x: x[1])[0]
     drafter = type("Fixed", (), {"propose": lambda self, ids, k: [d1, d1][:k]})()
+    q = lambda a: {d1: 1.0}  # noqa: E731 — the distribution of the draft after the first token a
     if drafting == "draft model":
         from mlx_qwen3vl.engine.draft_model import DraftModel
 
-        drafter = DraftModel(load_fixture_model("mlxvlm-q4", backend="mlx"))  # tiny-a in 4 bits: q near p
+        draft = load_fixture_model("mlxvlm-q4", backend="mlx")  # tiny-a in 4 bits: q near p
+        drafter, q = DraftModel(draft), lambda a: dist([a], draft)
+    kept = sum(pa * sum(min(pb, q(a).get(b, 0.0)) for b, pb in dist([a]).items()) for a, pa in dist([]).items())
     engine = Engine(model, processor, max_batch=64, prefix_cache_bytes=1 << 26)
     inputs = encode_prompt(processor, messages=messages)
     for seed in range(N):
@@ -293,7 +299,8 @@ def test_sampled_answers_keep_the_plain_distribution(processor, on_cpu, drafting
             proposed, accepted = proposed + ev.draft_proposed, accepted + ev.draft_accepted
         assert not isinstance(ev, Failed)
     assert set(counts) <= set(exact) and sum(counts.values()) == N
-    assert 0 < accepted < proposed  # drafts were both kept and rejected
+    assert 0 < accepted < proposed == N  # drafts were both kept and rejected
+    assert abs(accepted - N * kept) < 3.29 * math.sqrt(N * kept * (1 - kept)), (accepted, N * kept)
     cells = sorted(exact, key=exact.get, reverse=True)
     big = [c for c in cells if exact[c] * N >= 5]
     small = [c for c in cells if exact[c] * N < 5]
