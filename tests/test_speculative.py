@@ -387,23 +387,29 @@ def test_draft_model_greedy_answers_equal_the_plain_run(processor, on_cpu):
     """A draft model (its own prefill of the prompt, image or video, its own caches): tiny-b (a
     different random checkpoint of the same tokenizer: its drafts are rejected) and the target
     itself (every draft kept: its prefill, positions and trimmed cache are right), in one batch
-    with prompt lookup and plain rows of other k; float and 8-bit KV (quantized from mid-answer);
-    the dense and the MoE target; each row's tokens are the plain run's."""
+    with prompt lookup and plain rows of other k, finishing at different steps; float, 8-bit KV
+    quantized from mid-answer and 4-bit from the start; the dense and the MoE target; each row's
+    tokens are the plain run's."""
     target = load_fixture_model("tiny-a", backend=None)
     other = load_fixture_model("tiny-b", backend=None)
     shot = Image.open(MEDIA / "img_123x77.png")
     clip = [{"role": "user", "content": [{"type": "video", "video": video()},
                                          {"type": "text", "text": "What happens?"}]}]
-    for messages in (user("Describe the picture, then describe it again.", shot), clip):
-        for kv in ({}, "mid"):
+    four = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0)
+    for messages, kvs in ((user("Describe the picture, then describe it again.", shot), ({}, "mid", four)),
+                          (clip, ({}, "mid"))):
+        for kv in kvs:
             kv = kv_args("8-bit mid-answer", messages, processor) if kv == "mid" else kv
             want = M.generate(target, processor, messages=messages, max_tokens=20, ignore_eos=True, source_fps=8, **kv)
-            rows = [dict(draft_model=other, num_draft_tokens=3), dict(draft_model=target, num_draft_tokens=4),
-                    dict(prompt_lookup=2, num_draft_tokens=2), {}]
+            # rows leaving the batch at different steps while the others go on drafting
+            rows = [dict(draft_model=other, num_draft_tokens=3, max_tokens=13),
+                    dict(draft_model=target, num_draft_tokens=4, max_tokens=20),
+                    dict(draft_model=target, num_draft_tokens=3, max_tokens=7),
+                    dict(prompt_lookup=2, num_draft_tokens=2, max_tokens=5), dict(max_tokens=16)]
             got = M.batch_generate(target, processor, [dict(messages=messages, source_fps=8, **r) for r in rows],
-                                   max_tokens=20, ignore_eos=True, **kv)
+                                   ignore_eos=True, **kv)
             for r, g in zip(rows, got):
-                assert g.token_ids == want.token_ids, (r, kv)
+                assert g.token_ids == want.token_ids[:r["max_tokens"]], (r, kv)
             wrong, right = got[0], got[1]
             assert wrong.draft_proposed > 0 and wrong.draft_accepted < wrong.draft_proposed
             assert right.draft_proposed > 0 and right.draft_accepted == right.draft_proposed, kv
