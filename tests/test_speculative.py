@@ -422,6 +422,36 @@ def test_draft_model_greedy_answers_equal_the_plain_run(processor, on_cpu):
     assert got.draft_accepted == got.draft_proposed > 0
 
 
+def test_a_draft_cut_back_after_rejections_proposes_as_a_fresh_one(processor, on_cpu):
+    """DraftRow.propose after the model rejected its drafts (its cache cut back with trim_to, float
+    and 4-bit) proposes what a draft prefilled afresh with the same tokens proposes: the answers
+    above are exact whatever the draft proposes, so only this sees a draft cache left uncut."""
+    from mlx_qwen3vl.backend import backend_of
+    from mlx_qwen3vl.engine.draft_model import DraftModel
+    from mlx_qwen3vl.sampling import Sampler
+    from mlx_qwen3vl.spans import media_keys
+
+    model = load_fixture_model("tiny-b", backend=None)
+    draft, V = DraftModel(model, prefix_cache_bytes=0), model.config.text_config.vocab_size
+    prompt = encode_prompt(processor, messages=asks()[1])["input_ids"][0].tolist()
+
+    def started(ids, kv):
+        inputs = {"input_ids": np.array([ids]), "attention_mask": np.ones((1, len(ids)), np.int64),
+                  "mm_token_type_ids": np.zeros((1, len(ids)), np.int64)}
+        row = draft.start(Request(inputs, tokens=list(ids), media=media_keys(inputs)), kv)
+        row.job.advance(None)
+        row.begin(Sampler(M.SamplingParams()), backend_of(model).log_softmax)
+        return row
+
+    for kv in (KVSettings(), KVSettings.build(kv_bits=4, kv_group_size=32, quantized_kv_start=0)):
+        row, ids = started(prompt, kv), prompt + [100]
+        drafts = row.propose(ids, 4)
+        for keep in (1, 0, 3):  # the model kept `keep` drafts, then chose another token
+            ids = ids + drafts[:keep] + [(drafts[keep] + 1) % V]
+            drafts = row.propose(ids, 4)
+            assert drafts == started(ids[:-1], kv).propose(ids, 4), (kv, keep)
+
+
 def test_draft_model_prefix_reuse_chat_session_and_plain_graph(processor, on_cpu, tmp_path):
     """The draft model's own prefix cache: a ChatSession's later turns prefill only what is new for
     the draft too (its entries reused), answers every turn as the plain session (and saves without
