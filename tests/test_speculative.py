@@ -351,6 +351,38 @@ def test_linear_of_a_few_rows_reads_the_weight_once_with_the_same_result(monkeyp
             np.testing.assert_allclose(got, a @ w.T, rtol=1e-4, atol=1e-4)
 
 
+def test_matmul_rows_tiles_at_every_row_count_with_either_vector_width():
+    """The C extension's matmul_rows, its 8-lane loop (AVX2, tiles of up to 4 rows) and, where the CPU
+    has it, its 16-lane one (AVX-512, up to 8), whichever this machine picks by itself: every row
+    count from 1 to SMALL_ROWS, K leaving a tail of either width, an odd N, column ranges that
+    cut a panel of weight rows; only the range asked for is written."""
+    from mlx_qwen3vl.cpu import kernels
+
+    if kernels._native is None:
+        pytest.skip("the C extension is not built")
+    rng = np.random.default_rng(2)
+    lanes = [8]
+    try:
+        kernels._native.matmul_rows(np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32),
+                                    np.zeros((1, 1), np.float32), 0, 1, 16)
+        lanes.append(16)
+    except ValueError:  # no AVX-512 here
+        pass
+    for K in (7, 300):
+        w = rng.standard_normal((37, K)).astype(np.float32)
+        for m in range(1, kernels.SMALL_ROWS + 1):
+            a = rng.standard_normal((m, K)).astype(np.float32)
+            want = a.astype(np.float64) @ w.T.astype(np.float64)
+            for n0, n1 in ((0, 37), (5, 30)):
+                for lane in lanes:
+                    out = np.full((m, 37), np.nan, np.float32)
+                    kernels._native.matmul_rows(a, w, out, n0, n1, lane)
+                    np.testing.assert_allclose(out[:, n0:n1], want[:, n0:n1], rtol=1e-4, atol=1e-4)
+                    assert np.isnan(out[:, :n0]).all() and np.isnan(out[:, n1:]).all()
+    with pytest.raises(ValueError, match="lanes"):
+        kernels._native.matmul_rows(a, w, out, 0, 37, 4)
+
+
 def test_bad_drafters_and_arguments_get_one_line(processor, on_cpu):
     model = load_fixture_model("tiny-a", backend=None)
     messages = asks()[1]
