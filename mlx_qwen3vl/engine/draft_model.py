@@ -176,10 +176,6 @@ class WithDraft:
     def spent(self) -> float:
         return self.target.spent + self.draft.job.spent
 
-    @property
-    def length(self) -> int:
-        return self.target.length
-
     def result(self):
         return self.target.result()
 
