@@ -454,10 +454,11 @@ def test_draft_model_greedy_answers_equal_the_plain_run(processor, on_cpu):
     assert got.draft_accepted == got.draft_proposed > 0
 
 
-def test_a_draft_cut_back_after_rejections_proposes_as_a_fresh_one(processor, on_cpu):
+def test_a_draft_cut_back_after_rejections_proposes_as_a_fresh_one(processor, on_cpu, monkeypatch):
     """DraftRow.propose after the model rejected its drafts (its cache cut back with trim_to, float
     and 4-bit) proposes what a draft prefilled afresh with the same tokens proposes: the answers
-    above are exact whatever the draft proposes, so only this sees a draft cache left uncut."""
+    above are exact whatever the draft proposes, so only this sees a draft cache left uncut. The
+    draft's prefill runs no LM head (nothing reads its last logits)."""
     from mlx_qwen3vl.backend import backend_of
     from mlx_qwen3vl.engine.draft_model import DraftModel
     from mlx_qwen3vl.sampling import Sampler
@@ -465,13 +466,17 @@ def test_a_draft_cut_back_after_rejections_proposes_as_a_fresh_one(processor, on
 
     model = load_fixture_model("tiny-b", backend=None)
     draft, V = DraftModel(model, prefix_cache_bytes=0), model.config.text_config.vocab_size
+    calls = []
+    monkeypatch.setattr(model, "logits", lambda hidden, head=model.logits: calls.append(1) or head(hidden))
     prompt = encode_prompt(processor, messages=asks()[1])["input_ids"][0].tolist()
 
     def started(ids, kv):
         inputs = {"input_ids": np.array([ids]), "attention_mask": np.ones((1, len(ids)), np.int64),
                   "mm_token_type_ids": np.zeros((1, len(ids)), np.int64)}
         row = draft.start(Request(inputs, tokens=list(ids), media=media_keys(inputs)), kv)
+        heads = len(calls)
         row.job.advance(None)
+        assert len(calls) == heads
         row.begin(Sampler(M.SamplingParams()), backend_of(model).log_softmax)
         return row
 

@@ -87,7 +87,7 @@ class DraftModel:
             self.prefix.misses += bool(self.prefix.max_bytes)
             cache = self.model.make_cache()
         job = PrefillJob(self.model, request.inputs, cache, start=start, item_budget=item_budget,
-                         prefill_step_size=prefill_step_size, costs=self.costs, kv=kv)
+                         prefill_step_size=prefill_step_size, costs=self.costs, kv=kv, head=False)
         return DraftRow(self, job, list(request.tokens), request.media, kv)
 
 
