@@ -534,7 +534,8 @@ def test_draft_model_prefix_reuse_chat_session_and_plain_graph(processor, on_cpu
 
 def test_draft_model_with_another_vocabulary_is_refused_in_one_line(processor, on_cpu):
     """A draft model that would read the prompt's ids otherwise, or whose caches do not fit the
-    KV budget beside the request's own: one line, before any work."""
+    KV budget beside the request's own: one line, before any work; the KV bytes in use count the
+    draft's caches while its request runs."""
     import dataclasses
     import types
 
@@ -560,6 +561,19 @@ def test_draft_model_with_another_vocabulary_is_refused_in_one_line(processor, o
     engine.add(Request(inputs, M.SamplingParams(max_tokens=8)))
     with pytest.raises(InputError, match="KV cache"):
         engine.add(Request(inputs, M.SamplingParams(max_tokens=8), drafter=DraftModel(target)))
+    # The caches in use (/metrics' kv_cache) count the draft's, while its row runs, and none after.
+    from mlx_qwen3vl.engine.batch import cache_bytes
+
+    engine = Engine(target, processor)
+    engine.add(Request(inputs, M.SamplingParams(max_tokens=8, ignore_eos=True), drafter=DraftModel(target)))
+    while not engine.rows:
+        list(engine.step())
+    list(engine.step())
+    draft, batch = engine.rows[0].drafter.cache, engine._running()[0].cache
+    kv = engine.kv_bytes()
+    assert kv["draft_bytes"] == cache_bytes(draft) > 0 and kv["bytes"] == cache_bytes(batch) + cache_bytes(draft)
+    list(engine.run())
+    assert engine.kv_bytes()["bytes"] == engine.kv_bytes()["draft_bytes"] == 0
 
 
 def test_server_drafts_with_its_draft_model_and_per_request_settings(processor):
