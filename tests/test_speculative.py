@@ -493,8 +493,8 @@ def test_draft_model_prefix_reuse_chat_session_and_plain_graph(processor, on_cpu
     """The draft model's own prefix cache: a ChatSession's later turns prefill only what is new for
     the draft too (its entries reused), answers every turn as the plain session (and saves without
     the draft model, which changes no answer; given again to load, the loaded session drafts
-    from the draft's kept caches); an engine's prefix cache and the draft's both serve
-    a repeated request, answered as plain; on the plain graph (steps queued ahead) a drafting
+    from the draft's kept caches); an engine's prefix cache and the draft's serve a repeated
+    request, each without the other and both, answered as plain; on the plain graph (steps queued ahead) a drafting
     request answers as plain."""
     from mlx_qwen3vl.engine.draft_model import DraftModel
 
@@ -524,6 +524,13 @@ def test_draft_model_prefix_reuse_chat_session_and_plain_graph(processor, on_cpu
                                  num_draft_tokens=2))
         assert [e.token for e in engine.run() if isinstance(e, Token) and e.id == rid] == want
     assert engine.prefix.hits == 1 and draft.prefix.hits == hits + 2  # the session left this prompt too
+    fresh = DraftModel(target)  # the engine's prefix cache serves the prompt, this draft's holds nothing
+    rid = engine.add(Request(inputs, M.SamplingParams(max_tokens=10, ignore_eos=True), drafter=fresh,
+                             num_draft_tokens=2))
+    events = list(engine.run())
+    assert [e.token for e in events if isinstance(e, Token) and e.id == rid] == want
+    done = next(e for e in events if isinstance(e, Done) and e.id == rid)
+    assert engine.prefix.hits == 2 and fresh.prefix.misses == 1 and done.draft_accepted == done.draft_proposed > 0
     graph = load_fixture_model("tiny-a", backend="mlx")
     messages = asks()[1]
     want = M.generate(graph, processor, messages=messages, max_tokens=12, ignore_eos=True)
