@@ -171,14 +171,19 @@ def test_stream_says_which_tokens_came_from_drafts_and_cuts_as_plain(processor, 
 
 @pytest.mark.parametrize("backend", ["mlx", None])
 def test_penalties_apply_at_every_verified_position(processor, on_cpu, backend):
-    """Greedy rows with repetition / presence / frequency penalties (processors over the tokens
-    so far): with drafters, the plain run's tokens."""
+    """Greedy rows with repetition / presence / frequency penalties, a logit bias against a token
+    the plain answer has, min_tokens holding back a stop token (processors over the tokens so
+    far): with drafters (the model drafting for itself proposes its unprocessed choice), the
+    plain run's tokens."""
     model = load_fixture_model("tiny-a", backend=backend)
     messages = asks()[1]
     prompt = encode_prompt(processor, messages=messages)["input_ids"][0].tolist()
-    for params in (dict(repetition_penalty=1.3), dict(presence_penalty=0.7, frequency_penalty=0.4)):
+    base = M.generate(model, processor, messages=messages, max_tokens=20, ignore_eos=True).token_ids
+    for params in (dict(repetition_penalty=1.3), dict(presence_penalty=0.7, frequency_penalty=0.4),
+                   dict(logit_bias={base[3]: -100.0, 17: 4.0}), dict(min_tokens=10, stop_token_ids=[base[4]])):
         want = M.generate(model, processor, messages=messages, max_tokens=20, ignore_eos=True, **params)
-        for drafting in (dict(drafter=Oracle(prompt + want.token_ids), num_draft_tokens=5), dict(prompt_lookup=2)):
+        for drafting in (dict(drafter=Oracle(prompt + want.token_ids), num_draft_tokens=5), dict(prompt_lookup=2),
+                         dict(draft_model=model, num_draft_tokens=4)):
             got = M.generate(model, processor, messages=messages, max_tokens=20, ignore_eos=True, **params, **drafting)
             assert got.token_ids == want.token_ids, (params, drafting)
 
