@@ -5,8 +5,8 @@ MLX's CPU backend has no fused attention, evaluates exp/tanh/sigmoid with scalar
 every float32 matmul, even a matrix-vector product, to `cblas_sgemm`. numpy vectorizes the
 transcendentals, and the C extension's matmul_rows (or, without it, numpy's OpenBLAS) beats that
 path at every row count (benchmarks/README.md, "What bounds each figure"); matmul_rows also gives
-a row the same numbers whatever the other rows and the thread count. Each function takes and returns MLX arrays: it evaluates its inputs (a
-host sync), computes in numpy with the same float32 formulas as MLX (only the summation order
+a row the same numbers whatever the other rows and the thread count. Each function takes and
+returns MLX arrays: it evaluates its inputs (a host sync), computes in numpy with the same float32 formulas as MLX (only the summation order
 differs) and hands the result back to MLX. Below the size thresholds MLX's own op is cheaper than
 the sync and runs instead.
 """
