@@ -647,6 +647,29 @@ def test_schemas_with_no_value_and_bad_videos_are_400s_of_one_line(server, tmp):
     assert not [line for line in server.log[logged:] if "Traceback" in line], server.log[logged:]
 
 
+def test_a_schema_past_llguidance_s_limits_is_a_400_streamed_or_not(server):
+    """A schema whose only values are infinite (a required property that is the schema itself)
+    compiles and has a first token, then llguidance stops at its item limit mid-answer: that was
+    a 500 (server_error). It is the request's schema: a 400 naming the field, streamed (the
+    stream's error event, as the openai client raises it) or not, and no traceback in the log."""
+    import openai
+
+    endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    cases = [(chat(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": endless}}),
+              "response_format"),
+             (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}],
+                   tool_choice="required"), "tool_choice")]
+    logged = len(server.log)
+    for body, param in cases:
+        error = refused(server, body, param=param, says="simpler schema")
+        assert error["code"] == "grammar_error" and error["type"] == "invalid_request_error", error
+        with pytest.raises(openai.APIError) as raised:
+            for _ in server.client().chat.completions.create(model="m", stream=True, **body):
+                pass
+        assert (raised.value.body["param"], raised.value.body["type"]) == (param, "invalid_request_error")
+    assert not [line for line in server.log[logged:] if "Traceback" in line], server.log[logged:]
+
+
 def test_an_unexpected_exception_is_a_500_without_its_text_and_one_log_line(capsys):
     from conftest import asgi_status
     from mlx_qwen3vl.server.app import OneLineErrors
