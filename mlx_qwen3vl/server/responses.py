@@ -14,12 +14,12 @@ OpenAI does, the earlier `instructions` do not carry over. An unknown or evicted
 (`previous_response_not_found`).
 """
 
+import copy
 import json
 import time
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
 from pydantic import Field
-from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from . import protocol as P
@@ -376,7 +376,7 @@ class ResponseWriter(Writer):
                "usage": self.usage, **self.req.echo}
         if self.status == "incomplete":
             out["incomplete_details"] = {"reason": "max_output_tokens"}
-        return json.loads(json.dumps(out))  # a snapshot: later events must not change what was sent
+        return copy.deepcopy(out)  # a snapshot: later events must not change what was sent (its strings are shared)
 
     def start(self) -> list:
         return [self.event("response.created", response=self.response),
@@ -461,7 +461,7 @@ class ResponseWriter(Writer):
 def routes(service, store: ResponseStore) -> list:
     def keep(req: ChatRequest, writer: ResponseWriter):  # (awaited before the answer's end is sent)
         if req.echo["store"] and writer.turn is not None:
-            return store.keep(writer.id, history(req) + [writer.turn], writer.response, service.prepare_pool)
+            return store.keep(writer.id, history(req) + [writer.turn], lambda: writer.response, service.prepare_pool)
 
     async def create(request):
         return await respond(service, request, lambda body: parse_request(body, service.agent_format),
@@ -474,7 +474,7 @@ def routes(service, store: ResponseStore) -> list:
         if entry is None:
             raise APIError(404, f"Response with id '{rid[:128]}' not found (this server keeps recent responses "
                            "only)", param="response_id", code="response_not_found")
-        return JSONResponse(entry.response)
+        return await service.json(lambda: entry.response)
 
     return [Route("/v1/responses", create, methods=["POST"]),
             Route("/v1/responses/{response_id}", retrieve, methods=["GET"])]
