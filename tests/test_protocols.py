@@ -301,6 +301,10 @@ BAD = [  # (name, path, body, status, what the message names)
     ("unknown field", "/v1/responses", {**GOOD_R, "frobnicate": 1}, 400, "frobnicate"),
     ("background", "/v1/responses", {**GOOD_R, "background": True}, 400, "background"),
     ("no input", "/v1/responses", {"model": "m"}, 400, "input"),
+    ("empty input", "/v1/responses", {**GOOD_R, "input": []}, 400, "input"),
+    ("only reasoning", "/v1/responses", {**GOOD_R, "input": [{"type": "reasoning", "summary": [
+        {"type": "summary_text", "text": "x"}]}]}, 400, "input"),
+    ("past the context", "/v1/responses", {**GOOD_R, "input": "word " * 5000}, 400, "context"),
     ("unknown item", "/v1/responses", {**GOOD_R, "input": [{"type": "web_search_call", "id": "x"}]}, 400, "input[0]"),
     ("input_file", "/v1/responses", _r({"type": "input_file", "file_id": "f"}), 400, "input[0].content[0]"),
     ("image in system", "/v1/responses", {**GOOD_R, "input": [{"role": "system", "content": [
@@ -435,6 +439,8 @@ def test_bad_input_gets_the_protocols_error(server, case):
     else:
         assert set(err["error"]) == {"message", "type", "param", "code"}
         message = f'{err["error"]["param"]} {err["error"]["message"]}'
+        if path == "/v1/responses":  # a field of the Responses API (its conversation is `input`)
+            assert not (err["error"]["param"] or "").startswith("messages"), err
     assert named in message and "Traceback" not in message and len(message) < 2000
     ok = GOOD_M if path.startswith("/v1/messages") else GOOD_R
     assert server.request("POST", path.replace("/count_tokens", ""), ok)[0] == 200

@@ -58,7 +58,8 @@ class GroundRequest:
     def chat(self) -> ChatRequest:
         """One pass as the chat route's request: greedy (as UI-Venus and Qwen evaluate), its budgets."""
         return ChatRequest(turns=[], sampling=SamplingParams(temperature=0.0), max_tokens=self.max_tokens,
-                           model=self.model, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+                           model=self.model, min_pixels=self.min_pixels, max_pixels=self.max_pixels,
+                           conversation="image")
 
 
 class GroundBody(BaseModel):
@@ -163,11 +164,7 @@ class GroundJob:
         check_pixel_options(self.chat, limits)
         with builder.media_place():  # the screenshot is read under the request's budget, as a chat image
             data = resolve_image(req.image, builder.policy, "image", builder.policy.budget())
-        try:  # from the header, before ground_with decodes it
-            check_media([data], (), self.chat, processor, limits)
-        except APIError as e:
-            e.param = "image" if e.param == "messages" else e.param
-            raise
+        check_media([data], (), self.chat, processor, limits)  # from the header, before ground_with decodes it
         floor = 0
         if req.zoom is not None:  # the window holds at least the pixels the model is shown at least
             floor = image_budget(processor.image_config, req.min_pixels, req.max_pixels)[0]

@@ -75,6 +75,7 @@ class ChatRequest:
     max_tool_calls: Optional[int] = None  # calls one answer may carry; the model's further calls are dropped
     echo: Dict[str, Any] = field(default_factory=dict)  # the request's settings its answer repeats (Responses)
     drafting: Optional[dict] = None  # prompt_lookup / num_draft_tokens the request set (speculative decoding)
+    conversation: str = "messages"  # the body's field holding the conversation: errors about it as a whole name it
 
 
 def number(body, name, lo=None, hi=None, *, integer=False, lo_open=False, default=None, param=None):

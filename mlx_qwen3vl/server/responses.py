@@ -281,6 +281,9 @@ def parse_request(body, agent_format: str) -> ChatRequest:
     the stored conversation between them)."""
     wire = P.validate(Body, body, REFUSED)
     turns = read_input(wire.input)
+    if not turns and wire.previous_response_id is None:
+        raise invalid("input", "'input' holds no message (a reasoning item goes with the turn after it); send at "
+                      "least one, or continue a stored response with 'previous_response_id'", "missing_field")
     fmt = wire.text.format if wire.text is not None and wire.text.format is not None else Format(type="text")
     if fmt.type == "json_schema" and fmt.schema_ is None:
         raise invalid("text.format.schema", "'text.format.schema' must be a JSON schema object")
@@ -313,7 +316,7 @@ def parse_request(body, agent_format: str) -> ChatRequest:
         max_tokens=wire.max_output_tokens or defaults.get("max_tokens"),
         tools=functions, tool_choice=tool_choice, response_format=rf, computer=tool, max_tool_calls=wire.max_tool_calls,
         chat_template_kwargs=P.template_switches(wire.chat_template_kwargs), echo=echo,
-        drafting=P.drafting_settings(wire), **pixels)
+        drafting=P.drafting_settings(wire), conversation="input", **pixels)
 
 
 def history(req: ChatRequest) -> List[Turn]:
