@@ -282,6 +282,7 @@ def test_messages_tools_and_a_screenshot_in_a_tool_result(server, local):
 
 GOOD_R = {"model": "m", "input": "hi", "max_output_tokens": 2}
 GOOD_M = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+GOOD_C = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
 HUGE = np.zeros((1000, 1001, 3), np.uint8)  # 1,001,000 pixels: over the server's cap, a small file
 
 
@@ -419,6 +420,13 @@ BAD = [  # (name, path, body, status, what the message names)
      "input[0].content[0].colour"),
     ("nested unknown field", "/v1/messages", _m({"type": "text", "text": "x", "colour": 1}), 400,
      "messages[0].content[0].colour"),
+    # what would be ignored, were it not refused: a schema left out, usage asked of no stream, a tool unnamed
+    ("json_schema without one", "/v1/chat/completions", {**GOOD_C, "response_format": {"type": "json_schema"}}, 400,
+     "response_format.json_schema"),
+    ("stream_options, no stream", "/v1/chat/completions", {**GOOD_C, "stream_options": {"include_usage": True}},
+     400, "stream_options"),
+    ("tool without its name", "/v1/messages", {**GOOD_M, "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+                                              "tool_choice": {"type": "tool"}}, 400, "tool_choice.name"),
     ("input not an object", "/v1/messages", {**GOOD_M, "messages": [
         {"role": "user", "content": "x"}, {"role": "assistant", "content": [
             {"type": "tool_use", "id": "t", "name": "f", "input": "{}"}]}, {"role": "user", "content": "y"}]}, 400,
@@ -442,7 +450,7 @@ def test_bad_input_gets_the_protocols_error(server, case):
         if path == "/v1/responses":  # a field of the Responses API (its conversation is `input`)
             assert not (err["error"]["param"] or "").startswith("messages"), err
     assert named in message and "Traceback" not in message and len(message) < 2000
-    ok = GOOD_M if path.startswith("/v1/messages") else GOOD_R
+    ok = GOOD_M if path.startswith("/v1/messages") else GOOD_C if path == "/v1/chat/completions" else GOOD_R
     assert server.request("POST", path.replace("/count_tokens", ""), ok)[0] == 200
 
 
