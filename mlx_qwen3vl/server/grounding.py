@@ -33,7 +33,7 @@ from ..processor import image_budget
 from ..sampling import SamplingParams
 from .fetch import resolve_image
 from .limits import check_media, check_pixel_options
-from .protocol import APIError, ChatRequest, _number, pixel_options, validate
+from .protocol import APIError, ChatRequest, number, pixel_options, validate
 
 MAX_INSTRUCTION_CHARS = 8192
 DEFAULT_MAX_TOKENS = 128  # as ground()'s: a point or a box is a few tokens
@@ -100,7 +100,7 @@ def parse_ground_request(body) -> GroundRequest:
     return GroundRequest(image=wire.image, instruction=wire.instruction, format=fmt,
                          zoom=None if zoom is None or zoom is False else zoom,
                          allow_refusal=wire.allow_refusal if wire.allow_refusal is not None else True,
-                         max_tokens=_number(body, "max_tokens", 1, integer=True, default=DEFAULT_MAX_TOKENS),
+                         max_tokens=number(body, "max_tokens", 1, integer=True, default=DEFAULT_MAX_TOKENS),
                          model=wire.model, **pixels)
 
 
