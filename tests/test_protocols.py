@@ -284,6 +284,7 @@ GOOD_R = {"model": "m", "input": "hi", "max_output_tokens": 2}
 GOOD_M = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
 GOOD_C = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
 HUGE = np.zeros((1000, 1001, 3), np.uint8)  # 1,001,000 pixels: over the server's cap, a small file
+SMALL = np.zeros((48, 64, 3), np.uint8)
 
 
 def _m(*blocks, **kw):
@@ -331,6 +332,17 @@ BAD = [  # (name, path, body, status, what the message names)
         {"type": "computer_call", "call_id": "c", "action": {"type": "click", "button": "left", "x": 1, "y": 1}}]},
      400, "input[1].action"),
     ("no screenshot", "/v1/responses", {**GOOD_R, "tools": [{"type": "computer"}]}, 400, "screenshot"),
+    ("function call, computer tool", "/v1/responses", {**GOOD_R, "tools": [{"type": "computer"}], "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "x"},
+                                     {"type": "input_image", "image_url": data_url(png(SMALL))}]},
+        {"type": "function_call", "call_id": "c", "name": "lookup", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "ok"}]}, 400, "only the computer"),
+    ("other tool_use, computer tool", "/v1/messages", {**GOOD_M, "tools": [
+        {"type": "computer_20250124", "name": "computer", "display_width_px": 10, "display_height_px": 10}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, b64_block(png(SMALL))]},
+                     {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "lookup", "input": {}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "ok"}]}]},
+     400, "only the computer"),
     ("template switch", "/v1/responses", {**GOOD_R, "chat_template_kwargs": {"tokenize": True}}, 400, "tokenize"),
     ("deep json", "/v1/responses", {**GOOD_R, "metadata": json.loads("[" * 80 + "]" * 80)}, 400, "nested"),
     ("no max_tokens", "/v1/messages", {"model": "m", "messages": GOOD_M["messages"]}, 400, "max_tokens"),

@@ -110,6 +110,10 @@ def _read(part, builder, cap, budget) -> Tuple[bytes, Tuple[int, int]]:
 def _actions(tool, step: _Step):
     out = []
     for call in step.turn.calls:
+        if call.action is None or tool.protocol == "anthropic" and not tool.toolset and call.name != tool.name:
+            raise APIError(400, f"'{call.param}' calls {call.name!r}, but a request with a computer-use tool may "
+                           f"declare no other tools: its prompt has only the computer ({tool.name!r})",
+                           param=call.param, code="unsupported_tool")
         batch = call.action if isinstance(call.action, list) else [call.action]
         for k, action in enumerate(batch):
             where = f"{call.param}[{k}]" if isinstance(call.action, list) else call.param
