@@ -717,6 +717,10 @@ def test_responses_computer_use_loop_end_to_end(scripted):
         {"type": "type", "text": "display"}]
     # the stored answer is replayed as generated: the prompt's whole history comes from the cache
     assert r2.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens + r.usage.output_tokens - 1
+    # continued without the tool, its computer calls would render as calls of an undeclared function
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="m", previous_response_id=r.id, input="And now?", max_output_tokens=2)
+    assert refused.value.body["param"] == "previous_response_id" and "computer" in refused.value.body["message"]
     # the same conversation sent whole (no previous_response_id): the computer_call this server issued is
     # rendered from its answer too, and the prompt is the same one
     first = [{"role": "user", "content": [{"type": "input_text", "text": task},

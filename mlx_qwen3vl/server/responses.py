@@ -336,6 +336,9 @@ def continue_stored(req: ChatRequest, store: ResponseStore):
                        f"{store.max_entries} recent responses within {store.max_bytes >> 20} MiB; send the "
                        "whole conversation as input instead)", param="previous_response_id",
                        code="previous_response_not_found")
+    if req.computer is None and any(c.action is not None for t in entry.turns for c in t.calls):
+        raise invalid("previous_response_id", f"the conversation of '{previous[:128]}' has computer calls, but this "
+                      "request declares no computer-use tool; declare the one that conversation used")
     head = len(req.turns) - len(history(req))
     req.turns = req.turns[:head] + list(entry.turns) + req.turns[head:]
 
