@@ -11,6 +11,7 @@ never behind it); the engine.
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import hmac
@@ -158,18 +159,25 @@ class Service:
         (media under the request's budget, template, tokens), then the engine. → (req, prepared,
         extra, handle); with submit=False (a token count) nothing is queued and handle is None.
         `then(req)` runs on the event loop after parsing (what only the loop may read: the store)."""
+        async with self.queued(request, parse, then) as (req, slot):
+            prepared, extra = await self._on(self.prepare_pool, build, req)
+            if not submit:
+                return req, prepared, extra, None
+            return req, prepared, extra, self.submit(prepared, slot)
+
+    @contextlib.asynccontextmanager
+    async def queued(self, request: Request, parse, then=None):
+        """`read`, `then(req)`, then a place in the queue (a 503 when it is full) → (req, slot),
+        the slot released on the way out (a submitted request's slot is already its place)."""
         req = await self.read(request, parse)
         if then is not None:
             then(req)
         slot = self.engine.reserve()
         self.built += 1
         try:
-            prepared, extra = await self._on(self.prepare_pool, build, req)
-            if not submit:
-                return req, prepared, extra, None
-            return req, prepared, extra, self.submit(prepared, slot)
+            yield req, slot
         finally:
-            slot.release()  # (a submitted request's slot is already its place in the queue)
+            slot.release()
 
     def submit(self, prepared, slot=None):
         if self.stopping:
