@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional, Union
 
-from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
 from ..agent import GROUNDING_FORMATS, ground_with, missing_point_note, zoom_fraction
@@ -33,7 +32,7 @@ from ..processor import image_budget
 from ..sampling import SamplingParams
 from .fetch import resolve_image
 from .limits import check_media, check_pixel_options
-from .protocol import APIError, ChatRequest, number, pixel_options, validate
+from .protocol import APIError, ChatRequest, Wire, number, pixel_options, validate
 
 MAX_INSTRUCTION_CHARS = 8192
 DEFAULT_MAX_TOKENS = 128  # as ground()'s: a point or a box is a few tokens
@@ -62,10 +61,9 @@ class GroundRequest:
                            conversation="image")
 
 
-class GroundBody(BaseModel):
+class GroundBody(Wire):
     """The body's wire format: strict types, no other field (ranges are checked below, by name)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
     image: str
     instruction: str
     format: Optional[str] = None
@@ -78,8 +76,6 @@ class GroundBody(BaseModel):
 
 
 def parse_ground_request(body) -> GroundRequest:
-    if not isinstance(body, dict):
-        raise _invalid(None, "the request body must be a JSON object", "invalid_type")
     wire = validate(GroundBody, body)
     for name in ("image", "instruction"):
         if not getattr(wire, name).strip():
