@@ -358,3 +358,28 @@ def test_a_response_object_is_built_and_encoded_off_the_event_loop(inproc, monke
     assert done["type"] == f"response.{whole['status']}" and output(done["response"]) == output(whole)
     assert inproc.request("GET", f"/v1/responses/{whole['id']}") == (200, whole)
     assert made_on and inproc.thread not in made_on
+
+
+def test_images_past_the_context_are_refused_before_they_are_preprocessed(inproc):
+    """60 small images are 4200 image tokens, past tiny-a's 4096-token context: refused from their
+    headers (context_length_exceeded) before the processor reads a pixel (before, every image was
+    preprocessed, then the prompt's length refused)."""
+    processor, calls = inproc.processor, []
+    original = processor.process_images
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    processor.process_images = counted
+    try:
+        shot = {"type": "image_url", "image_url": {"url": small_png((9, 9, 9))}}
+        status, err = inproc.request("POST", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": [shot] * 60}], "max_tokens": 1})
+        assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
+        assert not calls
+        status, _ = inproc.request("POST", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": [shot] * 2}], "max_tokens": 1})
+        assert status == 200 and calls
+    finally:
+        processor.process_images = original

@@ -52,13 +52,14 @@ def check_token_ids(sampling, vocab: int):
                            f"{vocab - 1})", param=name, code="invalid_value")
 
 
-def check_media(images, videos, req, processor, limits: Limits):
+def check_media(images, videos, req, processor, limits: Limits, context=None):
     """Refuse the request before decoding if its media would exceed the budget: each image's own
     pixels (as stored) and the pixels of all images (as resized for the model) and video frames
     (as decoded: the kept frames are held at once) together at most --max-request-pixels, each
-    video, and all of them together, at most --max-video-frames frames. `images`: encoded bytes (or decoded RGB arrays);
+    video, and all of them together, at most --max-video-frames frames; the images' tokens alone
+    within the model's `context` (where given). `images`: encoded bytes (or decoded RGB arrays);
     `videos`: file paths."""
-    cap, total, where = limits.max_request_pixels, 0, req.conversation
+    cap, total, tokens, where = limits.max_request_pixels, 0, 0, req.conversation
     cfg = processor.image_config
     try:
         lo, hi = image_budget(cfg, req.min_pixels, req.max_pixels)
@@ -75,6 +76,11 @@ def check_media(images, videos, req, processor, limits: Limits):
             raise _over(where, f"{label} is {w}x{h} pixels, over this server's limit of {cap} pixels "
                         "(--max-request-pixels); downscale it")
         total += rh * rw
+        tokens += rh * rw // cfg.factor ** 2  # one token per merged patch
+        if context and tokens > context:
+            raise APIError(400, f"the request's images alone come to more than {context} tokens, the model's context; "
+                           "send fewer or smaller images, or a smaller max_pixels", param=where,
+                           code="context_length_exceeded")
         if total > cap:
             raise _over(where, f"the request's images come to more than {cap} pixels as the model sees them "
                         "(--max-request-pixels); send fewer or smaller images, or a smaller max_pixels")

@@ -109,7 +109,7 @@ class PromptBuilder:
         screenshot and its crop) come in here too."""
         check_pixel_options(req, self.limits)
         check_token_ids(req.sampling, self.grammars.vocab_size)
-        check_media(images, videos, req, self.processor, self.limits)  # before any decoding
+        check_media(images, videos, req, self.processor, self.limits, self.engine.context)  # before any decoding
         tools = req.tools if req.tool_choice != "none" else None
         with self.media_place() if len(images) or len(videos) else contextlib.nullcontext():
             try:
