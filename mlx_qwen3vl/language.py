@@ -27,13 +27,18 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def __call__(self, x, rope, mask, cache=None):
+    def __call__(self, x, rope, mask, cache=None, last=None):
+        """`last`: only the last `last` positions' outputs are wanted (every position's keys and
+        values still go to the cache)."""
         B, L, _ = x.shape
         q, k, v = self.project(x)
         q = self.q_norm(q.reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q, k = rope(q), rope(k)
+        if last is not None and last < L:
+            q, L = q[:, :, -last:], last
+            mask = mask[..., -last:, :] if isinstance(mask, mx.array) else mask  # "causal" is lower-right aligned
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         if isinstance(k, tuple):  # a quantized cache: (data, scales, biases), read as it is
@@ -100,8 +105,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, x, rope, mask, cache=None):
-        h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
+    def __call__(self, x, rope, mask, cache=None, last=None):
+        h = self.self_attn(self.input_layernorm(x), rope, mask, cache, last)
+        h = last_rows(x, h.shape[1]) + h
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -125,10 +131,12 @@ class TextModel(nn.Module):
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary = TextRotary(config.head_dim, config.rope_theta, config.mrope_section)
 
-    def __call__(self, inputs_embeds, position_ids, mask=None, cache=None, deepstack_embeds=None):
+    def __call__(self, inputs_embeds, position_ids, mask=None, cache=None, deepstack_embeds=None, last=None):
         """inputs_embeds (B, L, D); position_ids (3, B, L), or (B,) for a text-only chunk (see
         TextRotary); mask None / "causal" / boolean (B, 1, L, S); deepstack_embeds: list of
-        (B, L, D) arrays, zero except at visual positions.
+        (B, L, D) arrays, zero except at visual positions. `last`: return only the last `last`
+        positions (the end of a prefill wants one): the final layer then runs its queries,
+        output projection and MLP on those rows alone, keys and values on all.
 
         DeepStack: the k-th tapped vision feature is added right after decoder layer k, i.e. to
         layers 0, 1, 2 for three taps — the LLM layer index, not the ViT block index it came from.
@@ -137,8 +145,13 @@ class TextModel(nn.Module):
         cache = cache or [None] * len(self.layers)
         deepstack_embeds = deepstack_embeds or []
         rope = self.rotary(position_ids, h.shape[1], h.dtype)
+        final = len(self.layers) - 1
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
-            h = layer(h, rope, mask, c)
+            h = layer(h, rope, mask, c, last if i == final else None)
             if i < len(deepstack_embeds):
-                h = h + deepstack_embeds[i].astype(h.dtype)
+                h = h + last_rows(deepstack_embeds[i], h.shape[1]).astype(h.dtype)
         return self.norm(h)
+
+
+def last_rows(a, n: int):
+    return a if a.shape[1] == n else a[:, -n:]

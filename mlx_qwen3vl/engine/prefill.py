@@ -251,7 +251,8 @@ class PrefillJob:
             quantize_if_due(self.cache, self.kv)  # a cache handed in already past kv.start
         n, end = self._chunk(budget)
         s = self._next
-        self._hidden = self.model.decode_hidden(self._prepared, self._mask, self.cache, s, end)
+        last = 1 if end == self.length else None  # the prompt's end: only its last position's logits
+        self._hidden = self.model.decode_hidden(self._prepared, self._mask, self.cache, s, end, last)
         self._next = end
         quantize_if_due(self.cache, self.kv)
         if end < self.length:
