@@ -108,3 +108,25 @@ def test_answers_are_the_same_at_any_thread_count_and_in_a_batch(processor, on_c
     threads.configure(2)
     got = M.batch_generate(model, processor, [dict(a, **kw) for a in asks])
     assert [(r.token_ids, r.logprobs) for r in got] == [(r.token_ids, r.logprobs) for r in want]
+
+
+@pytest.mark.parametrize("kv", [{}, dict(kv_bits=8, kv_group_size=32, quantized_kv_start=0),
+                                dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0)], ids=["float", "8-bit", "4-bit"])
+def test_rows_of_different_lengths_decode_as_alone(processor, on_cpu, monkeypatch, kv):
+    """Prompts of different lengths decoded together (left-padded rows: the decode stack, its
+    attention starting at each row's own first position) give each row's tokens and
+    log-probabilities bit for bit as alone, greedy and sampled, finishing at different steps.
+    Before: a padded step ran the layers (MLX's masked attention, norms and rotary), other
+    arithmetic than the row's steps alone."""
+    cpu_path_for_every_size(monkeypatch)
+    model = load_fixture_model("tiny-a", backend="cpu-all")
+    asks = [dict(prompt="Hi", temperature=0.0, max_tokens=5),
+            dict(prompt="Where is the red menu button on this long page of settings?", temperature=1.0, seed=3,
+                 max_tokens=7),
+            dict(prompt="Open the file menu, then save it.", temperature=0.0, max_tokens=7),
+            dict(prompt="Click OK", temperature=1.0, seed=5, max_tokens=6)]
+    lengths = [encode_prompt(processor, prompt=a["prompt"])["input_ids"].shape[1] for a in asks]
+    assert len(set(lengths)) == len(asks)
+    want = [M.generate(model, processor, **a, **kv, ignore_eos=True) for a in asks]
+    got = M.batch_generate(model, processor, [dict(a, **kv, ignore_eos=True) for a in asks])
+    assert [(r.token_ids, r.logprobs) for r in got] == [(r.token_ids, r.logprobs) for r in want]

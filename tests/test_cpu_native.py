@@ -44,6 +44,42 @@ def test_attend_matches_numpy(nq, nkv, hd, S, batch):
     assert rel(ours, ref) < 2e-6
 
 
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_left_padded_rows_attend_as_alone(bits):
+    """Rows left-padded by 0, 9 and 70 positions (`first`): each row's output is bit for bit its
+    output alone in an unpadded cache, whatever the padding holds (NaN here); numpy's too (and close
+    to C's)."""
+    nq, nkv, hd, S, gs = 6, 2, 64, 203, 32
+    firsts = np.array([0, 9, 70], np.int64)
+    qkv, keys, values = randn(3, nq + 2 * nkv, hd), randn(3, nkv, S + 5, hd), randn(3, nkv, S + 5, hd)
+    if bits is None:
+        for b, f in enumerate(firsts.tolist()):
+            keys[b, :, :f] = values[b, :, :f] = np.nan
+        call = lambda ops, q, k, v, n, out, first=None: ops.attend(q, nq, nkv, hd, k, v, n, 0.125, out, first)  # noqa: E731
+        row = lambda t, b, f: t[b:b + 1, :, f:].copy()  # noqa: E731
+    else:
+        keys, values = ([decode.quantize_rows(t, gs, bits)[i] for i in range(3)] for t in (keys, values))
+        keys[0], values[0] = (np.ascontiguousarray(t[0]).view(np.uint8) for t in (keys, values))
+        for b, f in enumerate(firsts.tolist()):
+            for t in keys[1:] + values[1:]:
+                t[b, :, :f] = np.nan
+        call = lambda ops, q, k, v, n, out, first=None: ops.attend_quantized(  # noqa: E731
+            q, nq, nkv, hd, *k, *v, n, 0.125, bits, gs, out, first)
+        row = lambda t, b, f: [a[b:b + 1, :, f:].copy() for a in t]  # noqa: E731
+    for ops in (native, NumpyOps):
+        padded = np.empty((3, nq * hd), np.float32)
+        call(ops, qkv, keys, values, S, padded, firsts)
+        for b, f in enumerate(firsts.tolist()):
+            alone = np.empty((1, nq * hd), np.float32)
+            call(ops, qkv[b:b + 1], row(keys, b, f), row(values, b, f), S - f, alone)
+            assert np.array_equal(padded[b], alone[0]), (ops, b)
+        if ops is native:
+            ours = padded
+    assert rel(ours, padded) < 2e-6
+    with pytest.raises(ValueError, match="first"):
+        call(native, qkv, keys, values, S, padded, np.array([0, 9, S + 1], np.int64))
+
+
 @pytest.mark.parametrize("hd", [128, 10, 1100])
 def test_qk_norm_rope_matches_numpy(hd):
     qkv, cos, sin = randn(2, 7, hd), randn(2, hd), randn(2, hd)

@@ -196,7 +196,8 @@ static inline float dot_row(const float *q, const float *k, Py_ssize_t hd) {
  * qkv (B, nq + 2 nkv, hd): the rotated queries, then the new keys, then the new values. keys /
  * values (B, nkv, cap, hd) are the cache's buffers (positions >= S unused). out (B, nq * hd).
  * Same math as decode.attend_cached: softmax((q * scale) . k - max) over the cached keys
- * and the new one, the weighted values summed, then divided by the weights' total.
+ * and the new one, the weighted values summed, then divided by the weights' total. A left-padded
+ * row (`first` > 0: the positions before it are padding) reads only [first, S), exactly as alone.
  *
  * Memory access decides the speed: each key and value row is read once for every query head of
  * the group, front to back, in four streams (positions s, s + S/4, s + S/2, s + 3S/4 side by
@@ -205,9 +206,12 @@ static inline float dot_row(const float *q, const float *k, Py_ssize_t hd) {
 VECTOR_CLONES
 static void attend_group(const float *qkv, const float *keys, const float *values, float *out,
                          float *scores, float *qs, Py_ssize_t b, Py_ssize_t g, Py_ssize_t nq,
-                         Py_ssize_t nkv, Py_ssize_t hd, Py_ssize_t cap, Py_ssize_t S, float scale) {
-    Py_ssize_t rep = nq / nkv, all = nq + 2 * nkv, row = S + 1, q = S / 4;
-    const float *K = keys + (b * nkv + g) * cap * hd, *V = values + (b * nkv + g) * cap * hd;
+                         Py_ssize_t nkv, Py_ssize_t hd, Py_ssize_t cap, Py_ssize_t first, Py_ssize_t end,
+                         float scale) {
+    /* The row's own positions [first, end) (before `first`: its left padding), as S positions from
+     * 0: the same reads and sums as the row alone, unpadded. */
+    Py_ssize_t S = end - first, rep = nq / nkv, all = nq + 2 * nkv, row = S + 1, q = S / 4;
+    const float *K = keys + ((b * nkv + g) * cap + first) * hd, *V = values + ((b * nkv + g) * cap + first) * hd;
     const float *knew = qkv + (b * all + nq + g) * hd, *vnew = qkv + (b * all + nq + nkv + g) * hd;
     float *o = out + (b * nq + g * rep) * hd;  /* the group's rep output heads, hd apart */
     for (Py_ssize_t r = 0; r < rep; r++)
@@ -273,11 +277,12 @@ VECTOR_CLONES
 static void attend_group_quantized(const float *qkv, const uint8_t *kc, const float *ks, const float *kb,
                                    const uint8_t *vc, const float *vs, const float *vb, float *out, float *scores,
                                    float *qs, float *row, Py_ssize_t b, Py_ssize_t g, Py_ssize_t nq, Py_ssize_t nkv,
-                                   Py_ssize_t hd, Py_ssize_t cap, Py_ssize_t S, float scale, int bits, Py_ssize_t gs) {
-    Py_ssize_t rep = nq / nkv, all = nq + 2 * nkv, n = S + 1, bytes = hd * bits / 8, G = hd / gs;
-    Py_ssize_t head = b * nkv + g;
-    const uint8_t *K = kc + head * cap * bytes, *V = vc + head * cap * bytes;
-    const float *Ks = ks + head * cap * G, *Kb = kb + head * cap * G, *Vs = vs + head * cap * G, *Vb = vb + head * cap * G;
+                                   Py_ssize_t hd, Py_ssize_t cap, Py_ssize_t first, Py_ssize_t end, float scale, int bits,
+                                   Py_ssize_t gs) {
+    Py_ssize_t S = end - first, rep = nq / nkv, all = nq + 2 * nkv, n = S + 1, bytes = hd * bits / 8, G = hd / gs;
+    Py_ssize_t head = b * nkv + g, at = head * cap + first;  /* the row's first own position */
+    const uint8_t *K = kc + at * bytes, *V = vc + at * bytes;
+    const float *Ks = ks + at * G, *Kb = kb + at * G, *Vs = vs + at * G, *Vb = vb + at * G;
     const float *knew = qkv + (b * all + nq + g) * hd, *vnew = qkv + (b * all + nq + nkv + g) * hd;
     float *o = out + (b * nq + g * rep) * hd;
     for (Py_ssize_t r = 0; r < rep; r++)
@@ -375,11 +380,39 @@ fail:
     return finish(b, 5, 0);
 }
 
-/* attend(qkv, q_heads, k_heads, head_dim, keys, values, S, scale, out): see attend_group. */
+/* The optional last argument of attend / attend_quantized: each row's first own position (its
+ * left padding), a C-contiguous int64 array (B,), each in [0, S]; absent or None: 0 for every row.
+ * Returns a malloc'd copy (zeros where absent), or NULL with the error set. */
+static Py_ssize_t *get_firsts(PyObject *obj, Py_ssize_t batch, Py_ssize_t S) {
+    Py_ssize_t *out = calloc(batch ? batch : 1, sizeof(Py_ssize_t));
+    if (!out) return PyErr_NoMemory(), NULL;
+    if (obj == NULL || obj == Py_None) return out;
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return free(out), NULL;
+    const char *f = view.format;
+    int ok = view.itemsize == 8 && f && (strcmp(f, "q") == 0 || strcmp(f, "<q") == 0 || strcmp(f, "=q") == 0 ||
+                                         strcmp(f, "l") == 0 || strcmp(f, "<l") == 0 || strcmp(f, "=l") == 0);
+    ok = ok && view.len == batch * 8;
+    for (Py_ssize_t i = 0; ok && i < batch; i++) {
+        out[i] = (Py_ssize_t)((const int64_t *)view.buf)[i];
+        ok = out[i] >= 0 && out[i] <= S;
+    }
+    PyBuffer_Release(&view);
+    if (!ok) {
+        free(out);
+        PyErr_SetString(PyExc_ValueError, "first must be an int64 array (B,) of positions in [0, S]");
+        return NULL;
+    }
+    return out;
+}
+
+/* attend(qkv, q_heads, k_heads, head_dim, keys, values, S, scale, out[, first]): see attend_group;
+ * `first`: get_firsts. */
 static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     fbuf b[4];
     float *scratch = NULL;
-    if (nargs != 9) return PyErr_Format(PyExc_TypeError, "attend takes 9 arguments"), NULL;
+    Py_ssize_t *firsts = NULL;
+    if (nargs != 9 && nargs != 10) return PyErr_Format(PyExc_TypeError, "attend takes 9 or 10 arguments"), NULL;
     Py_ssize_t nq = PyLong_AsSsize_t(args[1]), nkv = PyLong_AsSsize_t(args[2]), hd = PyLong_AsSsize_t(args[3]);
     Py_ssize_t S = PyLong_AsSsize_t(args[6]);
     float scale = (float)PyFloat_AsDouble(args[7]);
@@ -394,6 +427,7 @@ static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nar
     NEED(b[1].n == b[2].n && b[1].n % (batch * nkv * hd) == 0, "attend: keys / values do not match");
     Py_ssize_t cap = b[1].n / (batch * nkv * hd);
     NEED(S <= cap, "attend: S exceeds the cache's capacity");
+    if (!(firsts = get_firsts(nargs > 9 ? args[9] : NULL, batch, S))) goto fail;
     /* One thread: inside a decode step a second one only fights the BLAS's spinning worker for the
      * other core, and the step measured slower with it (benchmarks/README.md). */
     scratch = malloc(sizeof(float) * (rep * (S + 1) + rep * hd));
@@ -405,12 +439,14 @@ static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nar
     for (Py_ssize_t bb = 0; bb < batch; bb++)
         for (Py_ssize_t g = 0; g < nkv; g++)
             attend_group(b[0].data, b[1].data, b[2].data, b[3].data, scratch, scratch + rep * (S + 1), bb, g,
-                         nq, nkv, hd, cap, S, scale);
+                         nq, nkv, hd, cap, firsts[bb], S, scale);
     Py_END_ALLOW_THREADS
     free(scratch);
+    free(firsts);
     return finish(b, 4, 1);
 fail:
     free(scratch);
+    free(firsts);
     return finish(b, 4, 0);
 }
 
@@ -426,15 +462,17 @@ static int get_u8(PyObject *obj, Py_buffer *view, const char *name) {
 }
 
 /* attend_quantized(qkv, q_heads, k_heads, head_dim, kdata, kscales, kbiases, vdata, vscales,
- * vbiases, S, scale, bits, group_size, out): attend over a quantized cache (attend_group_quantized):
+ * vbiases, S, scale, bits, group_size, out[, first]): attend over a quantized cache (attend_group_quantized):
  * kdata / vdata (B, nkv, cap, hd * bits / 8) uint8, the scales and biases (B, nkv, cap, hd / group_size)
  * float32; bits 4 or 8. */
 static PyObject *py_attend_quantized(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     fbuf b[6];
     Py_buffer codes[2];
     float *scratch = NULL;
+    Py_ssize_t *firsts = NULL;
     int held = 0;
-    if (nargs != 15) return PyErr_Format(PyExc_TypeError, "attend_quantized takes 15 arguments"), NULL;
+    if (nargs != 15 && nargs != 16)
+        return PyErr_Format(PyExc_TypeError, "attend_quantized takes 15 or 16 arguments"), NULL;
     Py_ssize_t nq = PyLong_AsSsize_t(args[1]), nkv = PyLong_AsSsize_t(args[2]), hd = PyLong_AsSsize_t(args[3]);
     Py_ssize_t S = PyLong_AsSsize_t(args[10]), gs = PyLong_AsSsize_t(args[13]);
     long bits = PyLong_AsLong(args[12]);
@@ -458,6 +496,7 @@ static PyObject *py_attend_quantized(PyObject *self, PyObject *const *args, Py_s
     Py_ssize_t cap = codes[0].len / (batch * nkv * bytes);
     for (int i = 1; i < 5; i++) NEED(b[i].n == batch * nkv * cap * G, "attend_quantized: scales / biases do not match");
     NEED(S <= cap, "attend_quantized: S exceeds the cache's capacity");
+    if (!(firsts = get_firsts(nargs > 15 ? args[15] : NULL, batch, S))) goto fail;
     scratch = malloc(sizeof(float) * (rep * (S + 1) + rep * hd + hd));
     if (!scratch) {
         PyErr_NoMemory();
@@ -468,13 +507,15 @@ static PyObject *py_attend_quantized(PyObject *self, PyObject *const *args, Py_s
         for (Py_ssize_t g = 0; g < nkv; g++)
             attend_group_quantized(b[0].data, codes[0].buf, b[1].data, b[2].data, codes[1].buf, b[3].data, b[4].data,
                                    b[5].data, scratch, scratch + rep * (S + 1), scratch + rep * (S + 1) + rep * hd, bb,
-                                   g, nq, nkv, hd, cap, S, scale, (int)bits, gs);
+                                   g, nq, nkv, hd, cap, firsts[bb], S, scale, (int)bits, gs);
     Py_END_ALLOW_THREADS
     free(scratch);
+    free(firsts);
     for (int i = 0; i < held; i++) PyBuffer_Release(&codes[i]);
     return finish(b, 6, 1);
 fail:
     free(scratch);
+    free(firsts);
     for (int i = 0; i < held; i++) PyBuffer_Release(&codes[i]);
     return finish(b, 6, 0);
 }
@@ -663,7 +704,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_decode", NULL, -1, 
  * or matmul_rows, is looked up by name: an older build without it runs that one in numpy). */
 PyMODINIT_FUNC PyInit__decode(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "INTERFACE", 1) < 0) {
+    if (m && PyModule_AddIntConstant(m, "INTERFACE", 2) < 0) {
         Py_DECREF(m);
         return NULL;
     }

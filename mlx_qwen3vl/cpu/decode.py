@@ -28,7 +28,7 @@ from .. import kv_cache
 from .experts import experts_into
 from .kernels import matmul_t, np_rms_scale, np_rotate, np_silu_mul
 
-NATIVE_INTERFACE = 1  # _decode.c's INTERFACE: the calls decode_tokens makes into it
+NATIVE_INTERFACE = 2  # _decode.c's INTERFACE: the calls decode_tokens makes into it
 
 try:  # by name: the extension is a file of this package, not a module that imports it back
     native = importlib.import_module(f"{__package__}._decode")
@@ -96,18 +96,24 @@ def runs(mlp) -> bool:
     return "gate_proj" in mlp
 
 
-def applies(x, mask, caches) -> bool:
-    """Whether `decode_tokens` serves this forward: one token per sequence, no padding mask, and
-    every cache one of ours, already holding float32 keys (or float32 scales), all of one kind."""
-    return (x.shape[1] == 1 and mask is None and bool(caches)
+def applies(x, position_ids, mask, caches) -> bool:
+    """Whether `decode_tokens` serves this forward: one token per sequence, and every cache one of
+    ours, already holding float32 keys (or float32 scales), all of one kind; either no mask, or a
+    decode step's padding mask (engine/step.py's: text positions (B,), the caches' own key mask,
+    which the attention applies from their `padding()`). A one-token prefill chunk ((3, B, L)
+    positions, "causal" or a mask) runs the layers, as every other chunk does."""
+    if not (x.shape[1] == 1 and bool(caches)
             and all(isinstance(c, (KVCache, QuantizedKVCache)) and c.holds_float32() for c in caches)
-            and len({c.kind for c in caches}) == 1)
+            and len({c.kind for c in caches}) == 1):
+        return False
+    return mask is None or (isinstance(mask, mx.array) and position_ids.ndim == 1)
 
 
 def decode_tokens(text_model, x, position_ids, caches, deepstack_embeds, ops):
     """language.TextModel.__call__ for one token per sequence, x (B, 1, D), every cache a filled
-    float32 KVCache, no padding: the decoder layers, DeepStack additions and the final norm →
-    (B, 1, D). `ops`: the C extension or NumpyOps."""
+    float32 KVCache: the decoder layers, DeepStack additions and the final norm → (B, 1, D).
+    `ops`: the C extension or NumpyOps. A left-padded row attends from its first own position on,
+    so it gets the same numbers as alone (every other step is per row already)."""
     layers = text_model.layers
     cos, sin = text_model.rotary.cos_sin(position_ids, 1)
     # One sync: this step's inputs and the previous step's queued cache writes.
@@ -126,6 +132,8 @@ def decode_tokens(text_model, x, position_ids, caches, deepstack_embeds, ops):
                  default=0)  # the dense layers' width (an MoE layer's experts are experts_into's business)
     gate, up = np.empty((B, hidden), np.float32), np.empty((B, hidden), np.float32)
     kind = caches[0].kind
+    pads = caches[0].padding()  # every layer's cache holds the same rows
+    first = np.array(pads, np.int64) if any(pads) else None
     if kind is None:
         new_kv = np.empty((len(layers), 2, B, nkv, hd), np.float32)  # each layer's new key and value
     else:
@@ -144,13 +152,13 @@ def decode_tokens(text_model, x, position_ids, caches, deepstack_embeds, ops):
                          attn["q_norm"].eps, cos, sin)  # q_norm and k_norm: one eps
         keys, values, S = cache.numpy_view()
         if kind is None:
-            ops.attend(qkv, nq, nkv, hd, keys, values, S, attn.scale, att)
+            ops.attend(qkv, nq, nkv, hd, keys, values, S, attn.scale, att, first)
             new_kv[i] = qkv[:, nq:].reshape(B, 2, nkv, hd).swapaxes(0, 1)
         else:  # the new key and value as the cache will hold them, then attention over the packed cache
             new = qkv[:, nq:].reshape(B, 2, nkv, hd).swapaxes(0, 1)
             data, scales, biases, new[...] = quantize_rows(new, group_size, bits)
             new_kv[0][i], new_kv[1][i], new_kv[2][i] = data, scales, biases
-            attend_quantized(ops, qkv, nq, nkv, hd, keys, values, S, attn.scale, bits, group_size, att)
+            attend_quantized(ops, qkv, nq, nkv, hd, keys, values, S, attn.scale, bits, group_size, att, first)
         _linear_into(att, attn["o_proj"], delta)
         _rms_norm_into(ops, h, delta, layer["post_attention_layernorm"], n)
         if "switch_mlp" in mlp:  # only the k experts the token chose are read
@@ -219,8 +227,10 @@ class NumpyOps:
         qk[...] = np_rotate(qk, cos.reshape(B, 1, hd), sin.reshape(B, 1, hd))
 
     @staticmethod
-    def attend(qkv, nq, nkv, hd, keys, values, S, scale, out):
-        out[...] = attend_cached(qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:], keys, values, S, scale)
+    def attend(qkv, nq, nkv, hd, keys, values, S, scale, out, first=None):
+        for rows, f in _by_first(first):
+            out[rows] = attend_cached(qkv[rows, :nq], qkv[rows, nq:nq + nkv], qkv[rows, nq + nkv:],
+                                      keys[rows, :, f:], values[rows, :, f:], S - f, scale)
 
     @staticmethod
     def silu_mul(gate, up, out):
@@ -228,17 +238,25 @@ class NumpyOps:
 
     @staticmethod
     def attend_quantized(qkv, nq, nkv, hd, kdata, kscales, kbiases, vdata, vscales, vbiases, S, scale, bits,
-                         group_size, out):
-        out[...] = attend_cached_quantized(qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:],
-                                           (kdata, kscales, kbiases), (vdata, vscales, vbiases), S, scale, bits,
-                                           group_size)
+                         group_size, out, first=None):
+        for rows, f in _by_first(first):
+            part = lambda t: tuple(a[rows, :, f:] for a in t)  # noqa: E731
+            out[rows] = attend_cached_quantized(qkv[rows, :nq], qkv[rows, nq:nq + nkv], qkv[rows, nq + nkv:],
+                                                part((kdata, kscales, kbiases)), part((vdata, vscales, vbiases)),
+                                                S - f, scale, bits, group_size)
 
 
-def attend_quantized(ops, qkv, nq, nkv, hd, keys, values, S, scale, bits, group_size, out):
-    """ops.attend for a quantized cache: keys / values are (data as uint8, scales, biases). The C
-    extension's own call where it has one (an older build has not: numpy then)."""
-    fn = getattr(ops, "attend_quantized", None) or NumpyOps.attend_quantized
-    fn(qkv, nq, nkv, hd, *keys, *values, S, scale, bits, group_size, out)
+def _by_first(first):
+    """The rows (a slice, or an index array) of each first own position: all rows at 0 unpadded."""
+    if first is None:
+        return [(slice(None), 0)]
+    return [(np.flatnonzero(first == f), int(f)) for f in np.unique(first)]
+
+
+def attend_quantized(ops, qkv, nq, nkv, hd, keys, values, S, scale, bits, group_size, out, first=None):
+    """ops.attend for a quantized cache: keys / values are (data as uint8, scales, biases); `first`
+    None or each row's first own position (int64 (B,))."""
+    ops.attend_quantized(qkv, nq, nkv, hd, *keys, *values, S, scale, bits, group_size, out, first)
 
 
 def quantize_rows(x, group_size: int, bits: int):

@@ -75,7 +75,7 @@ class TextModel(language.TextModel):
     ops = None  # the C extension or decode.NumpyOps, set by `install`
 
     def __call__(self, inputs_embeds, position_ids, mask=None, cache=None, deepstack_embeds=None, last=None):
-        if decode.applies(inputs_embeds, mask, cache):
+        if decode.applies(inputs_embeds, position_ids, mask, cache):
             return decode.decode_tokens(self, inputs_embeds, position_ids, cache, deepstack_embeds or [], self.ops)
         return super().__call__(inputs_embeds, position_ids, mask, cache, deepstack_embeds, last)
 
