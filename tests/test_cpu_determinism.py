@@ -10,6 +10,7 @@ import pytest
 import mlx_qwen3vl as M
 from conftest import FIXTURES, cpu_path_for_every_size, load_fixture_model
 from mlx_qwen3vl.cpu import kernels, threads
+from mlx_qwen3vl.cpu.decode import NumpyOps
 from mlx_qwen3vl.engine.prefill import prefill
 from mlx_qwen3vl.generate import encode_prompt
 from mlx_qwen3vl.kv_settings import KVSettings
@@ -110,16 +111,21 @@ def test_answers_are_the_same_at_any_thread_count_and_in_a_batch(processor, on_c
     assert [(r.token_ids, r.logprobs) for r in got] == [(r.token_ids, r.logprobs) for r in want]
 
 
-@pytest.mark.parametrize("kv", [{}, dict(kv_bits=8, kv_group_size=32, quantized_kv_start=0),
-                                dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0)], ids=["float", "8-bit", "4-bit"])
-def test_rows_of_different_lengths_decode_as_alone(processor, on_cpu, monkeypatch, kv):
+@pytest.mark.parametrize("kv,ops", [({}, "C"), (dict(kv_bits=8, kv_group_size=32, quantized_kv_start=0), "C"),
+                                    (dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0), "C"),
+                                    (dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0), "numpy")],
+                         ids=["float", "8-bit", "4-bit", "4-bit numpy"])
+def test_rows_of_different_lengths_decode_as_alone(processor, on_cpu, monkeypatch, kv, ops):
     """Prompts of different lengths decoded together (left-padded rows: the decode stack, its
     attention starting at each row's own first position) give each row's tokens and
-    log-probabilities bit for bit as alone, greedy and sampled, finishing at different steps.
+    log-probabilities bit for bit as alone, greedy and sampled, finishing at different steps, in C
+    and in numpy.
     Before: a padded step ran the layers (MLX's masked attention, norms and rotary), other
     arithmetic than the row's steps alone."""
     cpu_path_for_every_size(monkeypatch)
     model = load_fixture_model("tiny-a", backend="cpu-all")
+    if ops == "numpy":  # the decode stack's numpy twin (an install without the C extension)
+        monkeypatch.setattr(model.language_model, "ops", NumpyOps)
     asks = [dict(prompt="Hi", temperature=0.0, max_tokens=5),
             dict(prompt="Where is the red menu button on this long page of settings?", temperature=1.0, seed=3,
                  max_tokens=7),
@@ -130,3 +136,23 @@ def test_rows_of_different_lengths_decode_as_alone(processor, on_cpu, monkeypatc
     want = [M.generate(model, processor, **a, **kv, ignore_eos=True) for a in asks]
     got = M.batch_generate(model, processor, [dict(a, **kv, ignore_eos=True) for a in asks])
     assert [(r.token_ids, r.logprobs) for r in got] == [(r.token_ids, r.logprobs) for r in want]
+
+
+def test_only_the_caches_own_padding_mask_takes_the_decode_stack():
+    """A padded decode step (text positions (B,), the mask the caches' padding gives) runs the
+    decode stack; a caller's other mask over the same cache (Model.__call__'s attention_mask), or a
+    one-token prefill chunk ((3, B, 1) positions), runs the layers, which apply it."""
+    from mlx_qwen3vl.cpu import decode
+    from mlx_qwen3vl.language import attention_mask_for
+
+    cache = decode.KVCache()
+    cache.update_and_fetch(mx.zeros((2, 2, 5, 8)), mx.zeros((2, 2, 5, 8)))
+    cache.left_padding = [0, 2]
+    x, pos = mx.zeros((2, 1, 16)), mx.array([5, 3])
+    own = attention_mask_for(cache.key_mask(1), 1)
+    assert decode.applies(x, pos, own, [cache]) and decode.applies(x, pos, None, [cache])
+    other = attention_mask_for(mx.array([[True] * 6, [False] * 3 + [True] * 3]), 1)
+    assert not decode.applies(x, pos, other, [cache])
+    assert not decode.applies(x, mx.zeros((3, 2, 1), mx.int32), own, [cache])
+    cache.left_padding = None
+    assert not decode.applies(x, pos, own, [cache])

@@ -55,7 +55,8 @@ def test_left_padded_rows_attend_as_alone(bits):
     if bits is None:
         for b, f in enumerate(firsts.tolist()):
             keys[b, :, :f] = values[b, :, :f] = np.nan
-        call = lambda ops, q, k, v, n, out, first=None: ops.attend(q, nq, nkv, hd, k, v, n, 0.125, out, first)  # noqa: E731
+        call = lambda ops, q, k, v, n, out, first=None: ops.attend(  # noqa: E731
+            q, nq, nkv, hd, k, v, n, 0.125, out, first)
         row = lambda t, b, f: t[b:b + 1, :, f:].copy()  # noqa: E731
     else:
         keys, values = ([decode.quantize_rows(t, gs, bits)[i] for i in range(3)] for t in (keys, values))

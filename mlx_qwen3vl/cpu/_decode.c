@@ -277,8 +277,8 @@ VECTOR_CLONES
 static void attend_group_quantized(const float *qkv, const uint8_t *kc, const float *ks, const float *kb,
                                    const uint8_t *vc, const float *vs, const float *vb, float *out, float *scores,
                                    float *qs, float *row, Py_ssize_t b, Py_ssize_t g, Py_ssize_t nq, Py_ssize_t nkv,
-                                   Py_ssize_t hd, Py_ssize_t cap, Py_ssize_t first, Py_ssize_t end, float scale, int bits,
-                                   Py_ssize_t gs) {
+                                   Py_ssize_t hd, Py_ssize_t cap, Py_ssize_t first, Py_ssize_t end, float scale,
+                                   int bits, Py_ssize_t gs) {
     Py_ssize_t S = end - first, rep = nq / nkv, all = nq + 2 * nkv, n = S + 1, bytes = hd * bits / 8, G = hd / gs;
     Py_ssize_t head = b * nkv + g, at = head * cap + first;  /* the row's first own position */
     const uint8_t *K = kc + at * bytes, *V = vc + at * bytes;

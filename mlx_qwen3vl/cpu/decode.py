@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import kv_cache
+from ..language import attention_mask_for
 from .experts import experts_into
 from .kernels import matmul_t, np_rms_scale, np_rotate, np_silu_mul
 
@@ -99,14 +100,19 @@ def runs(mlp) -> bool:
 def applies(x, position_ids, mask, caches) -> bool:
     """Whether `decode_tokens` serves this forward: one token per sequence, and every cache one of
     ours, already holding float32 keys (or float32 scales), all of one kind; either no mask, or a
-    decode step's padding mask (engine/step.py's: text positions (B,), the caches' own key mask,
-    which the attention applies from their `padding()`). A one-token prefill chunk ((3, B, L)
+    decode step's padding mask (engine/step.py's: text positions (B,), exactly the caches' own key
+    mask, which the attention applies from their `padding()`). A one-token prefill chunk ((3, B, L)
     positions, "causal" or a mask) runs the layers, as every other chunk does."""
     if not (x.shape[1] == 1 and bool(caches)
             and all(isinstance(c, (KVCache, QuantizedKVCache)) and c.holds_float32() for c in caches)
             and len({c.kind for c in caches}) == 1):
         return False
-    return mask is None or (isinstance(mask, mx.array) and position_ids.ndim == 1)
+    if mask is None:
+        return True
+    # Any other mask (a caller's own attention_mask) runs the layers, which apply it.
+    key_mask = caches[0].key_mask(1)
+    return (isinstance(mask, mx.array) and position_ids.ndim == 1 and key_mask is not None
+            and mx.array_equal(mask, attention_mask_for(key_mask, 1)).item())
 
 
 def decode_tokens(text_model, x, position_ids, caches, deepstack_embeds, ops):
