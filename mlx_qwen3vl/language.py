@@ -9,6 +9,7 @@ import mlx.nn as nn
 from .attention import scaled_dot_product_attention
 from .config import TextConfig
 from .moe import SparseMoeBlock
+from .packed import PackedRows
 from .rope import TextRotary
 
 
@@ -34,13 +35,19 @@ class Attention(nn.Module):
         k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q, k = rope(q), rope(k)
+        if isinstance(cache, PackedRows):  # several rows' tokens in one sequence: each attends to its own cache
+            out = cache.attend(self.attend_cached, q, k, v)
+        else:
+            out = self.attend_cached(q, k, v, mask, cache)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def attend_cached(self, q, k, v, mask, cache):
+        """The new keys and values into `cache` (when given), then attention over all it holds."""
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         if isinstance(k, tuple):  # a quantized cache: (data, scales, biases), read as it is
-            out = self.attend_quantized(q, k, v, mask, *cache.kind)
-        else:
-            out = self.attend(q, k, v, mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+            return self.attend_quantized(q, k, v, mask, *cache.kind)
+        return self.attend(q, k, v, mask)
 
     def project(self, x):
         """q, k, v: one matmul when backend.fuse built their stacked weight at load."""
