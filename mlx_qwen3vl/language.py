@@ -134,8 +134,9 @@ class TextModel(nn.Module):
 
     def __call__(self, inputs_embeds, position_ids, mask=None, cache=None, deepstack_embeds=None):
         """inputs_embeds (B, L, D); position_ids (3, B, L), or (B,) for a text-only chunk (see
-        TextRotary); mask None / "causal" / boolean (B, 1, L, S); deepstack_embeds: list of
-        (B, L, D) arrays, zero except at visual positions.
+        TextRotary); mask None / "causal" / boolean (B, 1, L, S); cache: one per layer, or a
+        packed.PackedRows per layer for several rows packed into one sequence (B = 1, mask
+        unused); deepstack_embeds: list of (B, L, D) arrays, zero except at visual positions.
 
         DeepStack: the k-th tapped vision feature is added right after decoder layer k, i.e. to
         layers 0, 1, 2 for three taps — the LLM layer index, not the ViT block index it came from.
