@@ -40,12 +40,17 @@ def gelu_tanh(x):
 # same (benchmarks/README.md, "The plain MLX graph").
 PARTS = 2
 FEW_ROWS = 4  # beyond this many rows BLAS threads the product itself
+# Narrower weights stay whole: a narrow product goes to other BLAS kernels (their sums in another
+# order, so not bit for bit: a 4 x 17 product split 9 + 8) and gains nothing from a second core.
+MIN_ROWS = 64
 _streams = []
 
 
 def row_blocks(w):
     """w's PARTS row blocks, views of it (no copy); a tuple, which nn.Module neither counts among its
-    parameters nor walks as children."""
+    parameters nor walks as children. None for a weight of fewer than MIN_ROWS rows."""
+    if w.shape[0] < MIN_ROWS:
+        return None
     step = -(-w.shape[0] // PARTS)
     blocks = tuple(w[a:a + step] for a in range(0, w.shape[0], step))
     mx.eval(blocks)

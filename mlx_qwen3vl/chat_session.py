@@ -25,6 +25,7 @@ from .sampling import SamplingParams
 from .session_file import TURN_SETTINGS, check_state
 from .spans import _PIXELS, content_hash, media_hashes
 
+UNSAVED = ("draft_model", "drafter")  # objects that change speed, not answers: given again to load
 
 
 def _concat_inputs(parts: list) -> dict:
@@ -163,14 +164,19 @@ class ChatSession:
         if "video_fps" in defaults:
             defaults["source_fps"] = renamed_source_fps(defaults.get("source_fps"), defaults.pop("video_fps"))
         self.defaults = {k: defaults.pop(k) for k in TURN_SETTINGS if k in defaults}
-        if defaults.get("draft_model") is not None:  # loaded and checked once, its draft caches kept across turns
-            defaults["draft_model"] = DraftModel.of(defaults["draft_model"])
-            defaults["draft_model"].check(model, getattr(processor, "tokenizer", None))
         self.generation_kwargs = defaults
+        self._draft(defaults)
         self.last = None  # the last GenerationResponse
         self._parts = []  # [(key, processed inputs)] per rendered chunk, reused while unchanged
         self._snapshots = []  # [(media as read, content key)] of the media the messages hold
         self._video_files = _VideoFiles()
+
+    def _draft(self, kwargs):
+        """A draft model given to the session: loaded and checked once, its draft caches kept
+        across turns (and across save and load when the same DraftModel is given to load)."""
+        if kwargs.get("draft_model") is not None:
+            kwargs["draft_model"] = DraftModel.of(kwargs["draft_model"])
+            kwargs["draft_model"].check(self.model, getattr(self.processor, "tokenizer", None))
 
     def _media_items(self):
         """(kind, media, content key, settings) of every image and video of the conversation, in
@@ -323,10 +329,13 @@ class ChatSession:
         """The session `save` wrote to `path`, for `model` (the same checkpoint, dtype and KV
         settings; `expect` may name kv_bits / kv_group_size / quantized_kv_start it must have).
         A file of another model, dtype or KV settings, or a truncated or corrupted one, is refused
-        with one line (cache_file.CacheFileError, an InputError); nothing of it is used."""
+        with one line (cache_file.CacheFileError, an InputError); nothing of it is used.
+        `draft_model=` / `drafter=`, which `save` does not write (they change speed, not answers),
+        are given again here."""
         from . import cache_file
 
         _one_process(model, "ChatSession.load")
+        speed = {k: expect.pop(k) for k in UNSAVED if k in expect}
         want = KVSettings.pop_from(expect)
         if expect:
             raise TypeError(f"ChatSession.load got unexpected argument(s) {', '.join(sorted(expect))}")
@@ -340,6 +349,8 @@ class ChatSession:
             raise cache_file.CacheFileError(f"{what}: {e}") from None
         except (KeyError, TypeError, ValueError, IndexError, AttributeError):
             raise cache_file.CacheFileError(f"{what} does not hold a chat session") from None
+        session.generation_kwargs.update(speed)
+        session._draft(session.generation_kwargs)
         return session
 
     def _restore(self, state, arrays, caches, kv):
@@ -372,7 +383,7 @@ def _one_process(model, what):
 def _settings_to_json(kwargs: dict) -> dict:
     out = {}
     for k, v in kwargs.items():
-        if k in ("draft_model", "drafter"):  # objects that change speed, not answers: not saved
+        if k in UNSAVED:
             continue
         if isinstance(v, SamplingParams):
             v = {"sampling_params": dataclasses.asdict(v)}

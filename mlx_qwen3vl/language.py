@@ -28,7 +28,9 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def __call__(self, x, rope, mask, cache=None):
+    def __call__(self, x, rope, mask, cache=None, last=None):
+        """`last`: only the last `last` positions' outputs are wanted (every position's keys and
+        values still go to the cache)."""
         B, L, _ = x.shape
         q, k, v = self.project(x)
         q = self.q_norm(q.reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
@@ -38,6 +40,9 @@ class Attention(nn.Module):
         if isinstance(cache, PackedRows):  # several rows' tokens in one sequence: each attends to its own cache
             out = cache.attend(self.attend_cached, q, k, v)
         else:
+            if last is not None and last < L:
+                q, L = q[:, :, -last:], last
+                mask = mask[..., -last:, :] if isinstance(mask, mx.array) else mask  # "causal" is lower-right aligned
             out = self.attend_cached(q, k, v, mask, cache)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -107,8 +112,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, x, rope, mask, cache=None):
-        h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
+    def __call__(self, x, rope, mask, cache=None, last=None):
+        h = self.self_attn(self.input_layernorm(x), rope, mask, cache, last)
+        h = last_rows(x, h.shape[1]) + h
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -132,11 +138,14 @@ class TextModel(nn.Module):
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary = TextRotary(config.head_dim, config.rope_theta, config.mrope_section)
 
-    def __call__(self, inputs_embeds, position_ids, mask=None, cache=None, deepstack_embeds=None):
+    def __call__(self, inputs_embeds, position_ids, mask=None, cache=None, deepstack_embeds=None, last=None):
         """inputs_embeds (B, L, D); position_ids (3, B, L), or (B,) for a text-only chunk (see
         TextRotary); mask None / "causal" / boolean (B, 1, L, S); cache: one per layer, or a
         packed.PackedRows per layer for several rows packed into one sequence (B = 1, mask
         unused); deepstack_embeds: list of (B, L, D) arrays, zero except at visual positions.
+        `last`: return only the last `last` positions (the end of a prefill wants one): the final
+        layer then runs its queries, output projection and MLP on those rows alone, keys and
+        values on all.
 
         DeepStack: the k-th tapped vision feature is added right after decoder layer k, i.e. to
         layers 0, 1, 2 for three taps — the LLM layer index, not the ViT block index it came from.
@@ -145,8 +154,13 @@ class TextModel(nn.Module):
         cache = cache or [None] * len(self.layers)
         deepstack_embeds = deepstack_embeds or []
         rope = self.rotary(position_ids, h.shape[1], h.dtype)
+        final = len(self.layers) - 1
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
-            h = layer(h, rope, mask, c)
+            h = layer(h, rope, mask, c, last if i == final else None)
             if i < len(deepstack_embeds):
-                h = h + deepstack_embeds[i].astype(h.dtype)
+                h = h + last_rows(deepstack_embeds[i], h.shape[1]).astype(h.dtype)
         return self.norm(h)
+
+
+def last_rows(a, n: int):
+    return a if a.shape[1] == n else a[:, -n:]

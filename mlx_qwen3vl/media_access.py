@@ -126,6 +126,11 @@ def decode_base64(text: str, label: str, *, max_bytes: Optional[int] = None, bud
             data = base64.b64decode("".join(text.split()), validate=True)
         except (binascii.Error, ValueError) as e:
             raise _bad(label, f"{label} is not valid base64 ({_reason(e)}); encode the file with base64") from None
+    return _decoded(data, label, max_bytes, budget, flag)
+
+
+def _decoded(data: bytes, label: str, max_bytes: Optional[int], budget: Optional[MediaBudget], flag: str) -> bytes:
+    """Decoded bytes held to the limits: not empty, at most `max_bytes`, taken from `budget`."""
     if not data:
         raise _bad(label, f"{label} is empty; send the image's bytes")
     if max_bytes is not None and len(data) > max_bytes:
@@ -150,14 +155,7 @@ def decode_data_url(url: str, label: str, *, max_bytes: Optional[int] = None, bu
         raise _bad(label, f"{label} is a data URL that is not base64; send data:image/...;base64,<data>")
     if max_bytes is not None and len(payload) > 3 * max_bytes + 3:
         raise _too_large(label, max_bytes, flag)
-    data = urllib.parse.unquote_to_bytes(payload)
-    if not data:
-        raise _bad(label, f"{label} is an empty data URL; send the image's bytes")
-    if max_bytes is not None and len(data) > max_bytes:
-        raise _too_large(label, max_bytes, flag)
-    if budget is not None:
-        budget.take_bytes(len(data), label)
-    return data
+    return _decoded(urllib.parse.unquote_to_bytes(payload), label, max_bytes, budget, flag)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -139,15 +139,16 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         )
         return PreparedInputs(embeds, position_ids[:, :, start:], rope_deltas, deepstack)
 
-    def decode_hidden(self, prepared: PreparedInputs, attention_mask=None, cache=None, start=0, end=None):
-        """Run positions [start, end) of `prepared` through the decoder (one prefill chunk)."""
+    def decode_hidden(self, prepared: PreparedInputs, attention_mask=None, cache=None, start=0, end=None, last=None):
+        """Run positions [start, end) of `prepared` through the decoder (one prefill chunk); the
+        hidden states of its last `last` positions only, when given (TextModel's `last`)."""
         end = prepared.inputs_embeds.shape[1] if end is None else end
         embeds = prepared.inputs_embeds[:, start:end]
         positions = prepared.position_ids[:, :, start:end]
         deepstack = [d[:, start:end] for d in prepared.deepstack]
         offset = cache[0].size() if cache else 0
         mask = self.make_mask(attention_mask, end - start, offset + end - start)
-        return self.language_model(embeds, positions, mask, cache, deepstack)
+        return self.language_model(embeds, positions, mask, cache, deepstack, last)
 
     def make_cache(self):
         """One KV cache per decoder layer, of the type the installed backend reads."""

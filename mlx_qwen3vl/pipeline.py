@@ -39,7 +39,7 @@ from mlx.utils import tree_flatten
 
 from .backend import MLXBackend
 from .errors import ConfigError, InputError
-from .language import TextModel
+from .language import TextModel, last_rows
 from .vision import VisionLayout
 
 
@@ -201,7 +201,7 @@ class PipelineTextModel(TextModel):
 
     stage: Stage
 
-    def __call__(self, inputs_embeds, position_ids, mask=None, cache=None, deepstack_embeds=None):
+    def __call__(self, inputs_embeds, position_ids, mask=None, cache=None, deepstack_embeds=None, last=None):
         stage = self.stage
         h = inputs_embeds
         if not stage.first:
@@ -210,9 +210,9 @@ class PipelineTextModel(TextModel):
         deepstack_embeds = deepstack_embeds or []
         rope = self.rotary(position_ids, h.shape[1], h.dtype)
         for i, (layer, c) in enumerate(zip(self.layers, cache), start=stage.start):
-            h = layer(h, rope, mask, c)
+            h = layer(h, rope, mask, c, last if i == stage.layers - 1 else None)
             if i < len(deepstack_embeds):
-                h = h + deepstack_embeds[i].astype(h.dtype)
+                h = h + last_rows(deepstack_embeds[i], h.shape[1]).astype(h.dtype)
         if stage.last:
             return self.norm(h)
         h = mx.distributed.send(h.astype(inputs_embeds.dtype), stage.rank + 1, group=stage.group)

@@ -201,6 +201,9 @@ def test_plain_graph_on_cpu_splits_decode_matmuls_bit_for_bit(on_cpu, monkeypatc
     layer, text = model.language_model.layers[0], model.language_model
     assert type(layer.self_attn) is activations.Attention and type(layer.mlp.down_proj) is activations.Linear
     assert type(text.embed_tokens) is activations.Embedding
+    for blocks in (layer.self_attn._qkv_blocks, layer.mlp._gate_up_blocks, layer.mlp.down_proj._blocks,
+                   text.embed_tokens._blocks):
+        assert len(blocks) == activations.PARTS  # each of them split
     assert not [k for k, _ in tree_flatten(model.parameters()) if "_blocks" in k]
     cache = model.make_cache()
     inputs = case_inputs("text")
@@ -218,3 +221,19 @@ def test_plain_graph_on_cpu_splits_decode_matmuls_bit_for_bit(on_cpu, monkeypatc
     split = step()
     monkeypatch.setattr(activations, "FEW_ROWS", 0)  # every product whole
     assert np.array_equal(split, step())
+
+
+def test_split_products_equal_whole_ones_bit_for_bit_at_odd_widths(on_cpu):
+    """activations.matmul over a weight's row blocks, 1 to FEW_ROWS rows, equals the whole product
+    to the bit at odd and narrow widths (a narrow weight is not split: its BLAS kernels differ)."""
+    from mlx_qwen3vl import activations
+
+    rng = np.random.default_rng(0)
+    for n, k in ((17, 64), (23, 300), (65, 64), (1001, 300)):
+        w = mx.array(rng.standard_normal((n, k)).astype(np.float32))
+        blocks = activations.row_blocks(w)
+        assert (blocks is None) == (n < activations.MIN_ROWS)
+        for m in range(1, activations.FEW_ROWS + 1):
+            for shape in ((m, k), (1, m, k)):
+                x = mx.array(rng.standard_normal(shape).astype(np.float32))
+                assert np.array_equal(np.array(activations.matmul(x, w, blocks)), np.array(x @ w.T)), (n, k, shape)

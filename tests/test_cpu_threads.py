@@ -176,6 +176,35 @@ def test_one_blas_thread_inside_and_the_count_back_after(monkeypatch):
     assert a.calls == [2, 1, 2, 1, 2, 1]
 
 
+def test_a_verify_forwards_attention_calls_the_blas_on_one_thread(monkeypatch):
+    """kernels.attention over a few queries (a verify forward's) runs inside one_blas_thread, over a
+    prefill chunk's many queries on the pool's threads; the result is the attention either way."""
+    import contextlib
+
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_qwen3vl.cpu import kernels
+
+    entered = []
+
+    @contextlib.contextmanager
+    def one():
+        entered.append(True)
+        yield
+
+    monkeypatch.setattr(threads, "one_blas_thread", one)
+    rng = np.random.default_rng(0)
+    k, v = (mx.array(rng.standard_normal((1, 2, 512, 32)).astype(np.float32)) for _ in "kv")
+    for queries, inside in ((5, [True]), (kernels.SMALL_ROWS + 1, [])):
+        entered.clear()
+        q = mx.array(rng.standard_normal((1, 4, queries, 32)).astype(np.float32))
+        out = kernels.attention(q, k, v, 0.2)
+        assert entered == inside
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2)
+        np.testing.assert_allclose(np.array(out), np.array(want), rtol=1e-4, atol=1e-5)
+
+
 def test_environment_fixes_the_count_and_a_bad_value_fails_the_load(monkeypatch):
     monkeypatch.setenv(threads.ENV, "1")
     assert threads.policy().fixed == 1 and threads.apply() == 1

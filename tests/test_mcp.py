@@ -546,3 +546,45 @@ def test_arguments_are_read_into_the_one_request_form():
         except InputError:
             model_ok = False
         assert schema_ok == model_ok == good, (name, args)
+
+
+def test_a_cancelled_call_gives_its_place_in_the_queue_back(world):
+    """--max-queue 1 with the model's thread busy: a call that waits for the model and is then
+    cancelled by its client (notifications/cancelled) gives its place back, so the next call is
+    answered, not told the server is busy. (Before, the place was given back only when the call
+    started on the model's thread, which a cancelled call never does: after max_queue
+    cancellations every call was refused.)"""
+    import asyncio
+
+    from mlx_qwen3vl.mcp import server as MS
+    from mlx_qwen3vl.mcp.tools import Settings
+
+    worker, free, queued, dropped = MS.model_thread(), threading.Event(), threading.Event(), threading.Event()
+    model, processor = worker.submit(M.load, world["folder"]).result()  # loaded where it runs
+    worker.submit(free.wait, 60)  # the model's thread is busy
+    submit = worker.submit
+
+    def watched(fn, *args):  # a call's future on the model's thread: seen queued, seen cancelled
+        future = submit(fn, *args)
+        future.add_done_callback(lambda f: f.cancelled() and dropped.set())
+        queued.set()
+        return future
+
+    worker.submit = watched
+    server = MS.create_server(model, processor, Settings(), worker=worker, max_queue=1)
+    shot = content(png(SHOT))
+
+    async def scenario():
+        async with mcp.Client(server) as c:
+            waiting = asyncio.create_task(c.call_tool("ask", {"screenshot": shot, "question": "@ask"}))
+            assert await asyncio.to_thread(queued.wait, 30)  # it waits for the model's thread
+            waiting.cancel()
+            assert await asyncio.to_thread(dropped.wait, 30)  # the server dropped it
+            free.set()
+            return await c.call_tool("ask", {"screenshot": shot, "question": "@ask"})
+
+    try:
+        assert ok(asyncio.run(scenario()))["answer"] == "It says Apply."
+    finally:
+        free.set()
+        worker.shutdown()

@@ -194,3 +194,40 @@ def test_cpu_decode_token_path_matches_mlx(checkpoint, batch, ops, monkeypatch, 
     assert fast_cache[0].shape[2] == 258
     for fast, pure in zip(fast_out + fast_cache, pure_out + pure_cache):
         assert rel_err(fast, pure) < 5e-5  # float32 summation order only
+
+
+@pytest.mark.parametrize("case", ["image", "batch"])
+def test_a_prefills_end_runs_the_final_layer_on_its_last_position_only(checkpoint, case, backend, monkeypatch):
+    """The end of a prefill wants one position's logits: the final decoder layer runs its MLP (and
+    queries, output projection) on that row alone, keys and values on all, and the logits still
+    equal the recorded ones (the batch case: left padding, a boolean mask); the caches hold every
+    position, as the whole forward's do. With two layers the final one is also a DeepStack layer."""
+    from mlx_qwen3vl.engine.prefill import prefill
+
+    model = load_fixture_model(checkpoint, backend=backend)
+    inputs, ref = case_inputs(case), reference(checkpoint, case)
+    final, rows = model.language_model.layers[-1], []
+    kind = type(final.mlp)
+    call = kind.__call__
+    monkeypatch.setattr(kind, "__call__", lambda mlp, x: (mlp is final.mlp and rows.append(x.shape[1])) or call(mlp, x))
+    cache = model.make_cache()
+    logits, _ = prefill(model, inputs, cache)
+    assert rows == [1]
+    assert rel_err(logits, ref["logits"][:, -1]) < TOL
+    whole = model.make_cache()
+    model(**inputs, cache=whole)
+    for ours, theirs in zip(cache, whole):
+        for a, b in zip(ours.state, theirs.state):
+            if isinstance(a, mx.array):
+                assert a.shape == b.shape and rel_err(a, np.array(b)) < TOL
+
+    lm = model.language_model
+    layers = lm.layers
+    lm.layers = layers[:2]  # layer 1 adds the second DeepStack tap
+    try:
+        assert len(model.config.vision_config.deepstack_visual_indexes) >= 2
+        logits, _ = prefill(model, inputs, model.make_cache())
+        expected = np.array(model(**inputs))[:, -1]
+    finally:
+        lm.layers = layers
+    assert rel_err(logits, expected) < TOL

@@ -282,7 +282,9 @@ def test_messages_tools_and_a_screenshot_in_a_tool_result(server, local):
 
 GOOD_R = {"model": "m", "input": "hi", "max_output_tokens": 2}
 GOOD_M = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+GOOD_C = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
 HUGE = np.zeros((1000, 1001, 3), np.uint8)  # 1,001,000 pixels: over the server's cap, a small file
+SMALL = np.zeros((48, 64, 3), np.uint8)
 
 
 def _m(*blocks, **kw):
@@ -301,6 +303,10 @@ BAD = [  # (name, path, body, status, what the message names)
     ("unknown field", "/v1/responses", {**GOOD_R, "frobnicate": 1}, 400, "frobnicate"),
     ("background", "/v1/responses", {**GOOD_R, "background": True}, 400, "background"),
     ("no input", "/v1/responses", {"model": "m"}, 400, "input"),
+    ("empty input", "/v1/responses", {**GOOD_R, "input": []}, 400, "input"),
+    ("only reasoning", "/v1/responses", {**GOOD_R, "input": [{"type": "reasoning", "summary": [
+        {"type": "summary_text", "text": "x"}]}]}, 400, "input"),
+    ("past the context", "/v1/responses", {**GOOD_R, "input": "word " * 5000}, 400, "context"),
     ("unknown item", "/v1/responses", {**GOOD_R, "input": [{"type": "web_search_call", "id": "x"}]}, 400, "input[0]"),
     ("input_file", "/v1/responses", _r({"type": "input_file", "file_id": "f"}), 400, "input[0].content[0]"),
     ("image in system", "/v1/responses", {**GOOD_R, "input": [{"role": "system", "content": [
@@ -326,6 +332,17 @@ BAD = [  # (name, path, body, status, what the message names)
         {"type": "computer_call", "call_id": "c", "action": {"type": "click", "button": "left", "x": 1, "y": 1}}]},
      400, "input[1].action"),
     ("no screenshot", "/v1/responses", {**GOOD_R, "tools": [{"type": "computer"}]}, 400, "screenshot"),
+    ("function call, computer tool", "/v1/responses", {**GOOD_R, "tools": [{"type": "computer"}], "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "x"},
+                                     {"type": "input_image", "image_url": data_url(png(SMALL))}]},
+        {"type": "function_call", "call_id": "c", "name": "lookup", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "ok"}]}, 400, "only the computer"),
+    ("other tool_use, computer tool", "/v1/messages", {**GOOD_M, "tools": [
+        {"type": "computer_20250124", "name": "computer", "display_width_px": 10, "display_height_px": 10}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, b64_block(png(SMALL))]},
+                     {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "lookup", "input": {}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "ok"}]}]},
+     400, "only the computer"),
     ("template switch", "/v1/responses", {**GOOD_R, "chat_template_kwargs": {"tokenize": True}}, 400, "tokenize"),
     ("deep json", "/v1/responses", {**GOOD_R, "metadata": json.loads("[" * 80 + "]" * 80)}, 400, "nested"),
     ("no max_tokens", "/v1/messages", {"model": "m", "messages": GOOD_M["messages"]}, 400, "max_tokens"),
@@ -415,6 +432,13 @@ BAD = [  # (name, path, body, status, what the message names)
      "input[0].content[0].colour"),
     ("nested unknown field", "/v1/messages", _m({"type": "text", "text": "x", "colour": 1}), 400,
      "messages[0].content[0].colour"),
+    # what would be ignored, were it not refused: a schema left out, usage asked of no stream, a tool unnamed
+    ("json_schema without one", "/v1/chat/completions", {**GOOD_C, "response_format": {"type": "json_schema"}}, 400,
+     "response_format.json_schema"),
+    ("stream_options, no stream", "/v1/chat/completions", {**GOOD_C, "stream_options": {"include_usage": True}},
+     400, "stream_options"),
+    ("tool without its name", "/v1/messages", {**GOOD_M, "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+                                              "tool_choice": {"type": "tool"}}, 400, "tool_choice.name"),
     ("input not an object", "/v1/messages", {**GOOD_M, "messages": [
         {"role": "user", "content": "x"}, {"role": "assistant", "content": [
             {"type": "tool_use", "id": "t", "name": "f", "input": "{}"}]}, {"role": "user", "content": "y"}]}, 400,
@@ -435,8 +459,10 @@ def test_bad_input_gets_the_protocols_error(server, case):
     else:
         assert set(err["error"]) == {"message", "type", "param", "code"}
         message = f'{err["error"]["param"]} {err["error"]["message"]}'
+        if path == "/v1/responses":  # a field of the Responses API (its conversation is `input`)
+            assert not (err["error"]["param"] or "").startswith("messages"), err
     assert named in message and "Traceback" not in message and len(message) < 2000
-    ok = GOOD_M if path.startswith("/v1/messages") else GOOD_R
+    ok = GOOD_M if path.startswith("/v1/messages") else GOOD_C if path == "/v1/chat/completions" else GOOD_R
     assert server.request("POST", path.replace("/count_tokens", ""), ok)[0] == 200
 
 
@@ -691,6 +717,10 @@ def test_responses_computer_use_loop_end_to_end(scripted):
         {"type": "type", "text": "display"}]
     # the stored answer is replayed as generated: the prompt's whole history comes from the cache
     assert r2.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens + r.usage.output_tokens - 1
+    # continued without the tool, its computer calls would render as calls of an undeclared function
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="m", previous_response_id=r.id, input="And now?", max_output_tokens=2)
+    assert refused.value.body["param"] == "previous_response_id" and "computer" in refused.value.body["message"]
     # the same conversation sent whole (no previous_response_id): the computer_call this server issued is
     # rendered from its answer too, and the prompt is the same one
     first = [{"role": "user", "content": [{"type": "input_text", "text": task},

@@ -283,3 +283,103 @@ def test_the_responses_store_stays_within_its_flag_in_measured_rss(inproc, monke
     assert m["responses_evicted"] > 0 and 0 < m["responses_store_bytes"] <= 1 << 20
     assert inproc.request("GET", f"/v1/responses/{ids[-1]}")[0] == 200  # the newest is kept
     assert walked_on and inproc.thread not in walked_on
+
+
+def test_health_is_answered_while_a_stored_response_is_serialised(inproc, monkeypatch):
+    """GET /v1/responses/{id} turns a stored response (up to the store's size) into JSON: held
+    inside that serialisation (a hook in JSONResponse.render), /health is answered meanwhile, and
+    the response comes back whole once released. (On the event loop, the held serialisation held
+    /health too: the /health request below then timed out.)"""
+    from starlette.responses import JSONResponse
+
+    status, out = inproc.request("POST", "/v1/responses", {"model": "m", "input": "Say hi.", "max_output_tokens": 2,
+                                                           "temperature": 0})
+    assert status == 200
+    rid, inside, release = out["id"], threading.Event(), threading.Event()
+    render = JSONResponse.render
+
+    def held(self, content):
+        if isinstance(content, dict) and content.get("id") == rid:
+            inside.set()
+            assert release.wait(60)
+        return render(self, content)
+
+    monkeypatch.setattr(JSONResponse, "render", held)
+    pool = ThreadPoolExecutor(1)
+    try:
+        pending = pool.submit(inproc.request, "GET", f"/v1/responses/{rid}")
+        assert inside.wait(60)
+        conn = http.client.HTTPConnection("127.0.0.1", inproc.port, timeout=30)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+        conn.close()
+        assert not pending.done()
+    finally:
+        release.set()
+        got = pending.result(timeout=120)
+        pool.shutdown()
+    assert got == (200, out)
+
+
+def test_a_response_object_is_built_and_encoded_off_the_event_loop(inproc, monkeypatch):
+    """A response object repeats its request's instructions and tools (up to the body's size):
+    every time one is made (the stream's first and last events, the whole answer, the store's
+    copy, GET /v1/responses/{id}) and encoded, it is on a worker thread, never the event loop's
+    (which the answers of every other request share), streamed or not."""
+    from mlx_qwen3vl.server import endpoint, responses
+
+    made_on, response = set(), responses.ResponseWriter.response
+    sse = endpoint.sse
+
+    def made(self):
+        made_on.add(threading.current_thread())
+        return response.fget(self)
+
+    def encoded(event, named=True):
+        if "response" in event:
+            made_on.add(threading.current_thread())
+        return sse(event, named)
+
+    monkeypatch.setattr(responses.ResponseWriter, "response", property(made))
+    monkeypatch.setattr(endpoint, "sse", encoded)
+    body = {"model": "m", "input": "Say hi.", "instructions": "Be brief. " * 50, "max_output_tokens": 2,
+            "temperature": 0, "tools": [{"type": "function", "name": "lookup", "parameters": {"type": "object"}}]}
+    status, whole = inproc.request("POST", "/v1/responses", body)
+    assert status == 200 and whole["instructions"] == body["instructions"]
+    conn = http.client.HTTPConnection("127.0.0.1", inproc.port, timeout=120)
+    conn.request("POST", "/v1/responses", body=json.dumps({**body, "stream": True}),
+                 headers={"Content-Type": "application/json"})
+    stream = conn.getresponse().read().decode()
+    conn.close()
+    done = [json.loads(line[6:]) for line in stream.splitlines() if line.startswith("data: ")][-1]
+    def output(response):  # its items, their ids (new per response) left out
+        return [{k: v for k, v in item.items() if k != "id"} for item in response["output"]]
+
+    assert done["type"] == f"response.{whole['status']}" and output(done["response"]) == output(whole)
+    assert inproc.request("GET", f"/v1/responses/{whole['id']}") == (200, whole)
+    assert made_on and inproc.thread not in made_on
+
+
+def test_images_past_the_context_are_refused_before_they_are_preprocessed(inproc):
+    """60 small images are 4200 image tokens, past tiny-a's 4096-token context: refused from their
+    headers (context_length_exceeded) before the processor reads a pixel (before, every image was
+    preprocessed, then the prompt's length refused)."""
+    processor, calls = inproc.processor, []
+    original = processor.process_images
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    processor.process_images = counted
+    try:
+        shot = {"type": "image_url", "image_url": {"url": small_png((9, 9, 9))}}
+        status, err = inproc.request("POST", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": [shot] * 60}], "max_tokens": 1})
+        assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
+        assert not calls
+        status, _ = inproc.request("POST", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": [shot] * 2}], "max_tokens": 1})
+        assert status == 200 and calls
+    finally:
+        processor.process_images = original

@@ -378,11 +378,11 @@ def test_the_connection_goes_to_the_checked_address(monkeypatch):
 
 
 def test_bad_bodies_get_400s_streaming_or_not(server):
-    for stream in (False, True):
-        got, err = post(server, b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    for stream in ("false", "true"):
+        deep = b"[" * 100_000 + b"]" * 100_000
+        got, err = post(server, b'{"stream": %s, "messages": %s}' % (stream.encode(), deep))
         assert got == 400 and err["error"]["code"] == "too_deep"
-        body = '{"model": "\\ud800", "stream": %s, "messages": [{"role": "user", "content": "hi"}]}' % (
-            "true" if stream else "false")
+        body = '{"model": "\\ud800", "stream": %s, "messages": [{"role": "user", "content": "hi"}]}' % stream
         got, err = post(server, body)
         assert got == 400 and err["error"]["param"] == "model"
     assert post(server, chat())[0] == 200
@@ -644,6 +644,29 @@ def test_schemas_with_no_value_and_bad_videos_are_400s_of_one_line(server, tmp):
         error = refused(server, chat(video_part(data_url(data, "video/mp4"))), param="messages")
         assert str(tmp) not in error["message"] and "mlx_qwen3vl_video_" not in error["message"], error
         assert "video 1" in error["message"]
+    assert not [line for line in server.log[logged:] if "Traceback" in line], server.log[logged:]
+
+
+def test_a_schema_past_llguidance_s_limits_is_a_400_streamed_or_not(server):
+    """A schema whose only values are infinite (a required property that is the schema itself)
+    compiles and has a first token, then llguidance stops at its item limit mid-answer: that was
+    a 500 (server_error). It is the request's schema: a 400 naming the field, streamed (the
+    stream's error event, as the openai client raises it) or not, and no traceback in the log."""
+    import openai
+
+    endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    cases = [(chat(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": endless}}),
+              "response_format"),
+             (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}],
+                   tool_choice="required"), "tool_choice")]
+    logged = len(server.log)
+    for body, param in cases:
+        error = refused(server, body, param=param, says="simpler schema")
+        assert error["code"] == "grammar_error" and error["type"] == "invalid_request_error", error
+        with pytest.raises(openai.APIError) as raised:
+            for _ in server.client().chat.completions.create(model="m", stream=True, **body):
+                pass
+        assert (raised.value.body["param"], raised.value.body["type"]) == (param, "invalid_request_error")
     assert not [line for line in server.log[logged:] if "Traceback" in line], server.log[logged:]
 
 

@@ -171,14 +171,19 @@ def test_stream_says_which_tokens_came_from_drafts_and_cuts_as_plain(processor, 
 
 @pytest.mark.parametrize("backend", ["mlx", None])
 def test_penalties_apply_at_every_verified_position(processor, on_cpu, backend):
-    """Greedy rows with repetition / presence / frequency penalties (processors over the tokens
-    so far): with drafters, the plain run's tokens."""
+    """Greedy rows with repetition / presence / frequency penalties, a logit bias against a token
+    the plain answer has, min_tokens holding back a stop token (processors over the tokens so
+    far): with drafters (the model drafting for itself proposes its unprocessed choice), the
+    plain run's tokens."""
     model = load_fixture_model("tiny-a", backend=backend)
     messages = asks()[1]
     prompt = encode_prompt(processor, messages=messages)["input_ids"][0].tolist()
-    for params in (dict(repetition_penalty=1.3), dict(presence_penalty=0.7, frequency_penalty=0.4)):
+    base = M.generate(model, processor, messages=messages, max_tokens=20, ignore_eos=True).token_ids
+    for params in (dict(repetition_penalty=1.3), dict(presence_penalty=0.7, frequency_penalty=0.4),
+                   dict(logit_bias={base[3]: -100.0, 17: 4.0}), dict(min_tokens=10, stop_token_ids=[base[4]])):
         want = M.generate(model, processor, messages=messages, max_tokens=20, ignore_eos=True, **params)
-        for drafting in (dict(drafter=Oracle(prompt + want.token_ids), num_draft_tokens=5), dict(prompt_lookup=2)):
+        for drafting in (dict(drafter=Oracle(prompt + want.token_ids), num_draft_tokens=5), dict(prompt_lookup=2),
+                         dict(draft_model=model, num_draft_tokens=4)):
             got = M.generate(model, processor, messages=messages, max_tokens=20, ignore_eos=True, **params, **drafting)
             assert got.token_ids == want.token_ids, (params, drafting)
 
@@ -255,8 +260,11 @@ def test_sampled_answers_keep_the_plain_distribution(processor, on_cpu, drafting
     or a draft model (the 4-bit tiny-a) drawing its drafts from its own distribution (q its probabilities),
     kept sometimes, rejected sometimes: their frequencies against the exact plain distribution,
     computed from the model's own forwards, by chi-square at the 0.1% level (cells with expected
-    counts under 5 merged). A rule that always kept drafts, resampled from p instead of the
-    residual, or ignored q, fails it."""
+    counts under 5 merged). Each request checks one draft, kept with probability
+    sum_b min(p(b), q(b)) (for a one-hot q: p(draft)): the count kept against that expectation,
+    computed from both models' forwards, at the same level. A rule that always kept drafts or
+    resampled from p instead of the residual fails the first; one that ignored q (keeping a draft
+    with p(d): exact, but keeping far fewer) fails the second, which the first cannot see."""
     from mlx_lm.sample_utils import apply_top_k
 
     model = load_fixture_model("tiny-a", backend="mlx")
@@ -264,7 +272,7 @@ def test_sampled_answers_keep_the_plain_distribution(processor, on_cpu, drafting
     prompt = encode_prompt(processor, messages=messages)["input_ids"][0].tolist()
     temp, top_k, N = 1.5, 3, 1200 if drafting == "fixed" else 600  # the draft model's: 13 s at 1200
 
-    def dist(prefix):
+    def dist(prefix, model=model):
         logits = model(mx.array([prompt + prefix]))[0, -1:].astype(mx.float32)
         lp = apply_top_k(logits - mx.logsumexp(logits, axis=-1, keepdims=True), top_k) / temp
         p = np.asarray(mx.softmax(lp, axis=-1)[0])
@@ -277,10 +285,13 @@ def test_sampled_answers_keep_the_plain_distribution(processor, on_cpu, drafting
                 exact[(a, b, c)] = pa * pb * pc
     d1 = max(dist([max(dist([]), key=dist([]).get)]).items(), key=lambda x: x[1])[0]
     drafter = type("Fixed", (), {"propose": lambda self, ids, k: [d1, d1][:k]})()
+    q = lambda a: {d1: 1.0}  # noqa: E731 — the distribution of the draft after the first token a
     if drafting == "draft model":
         from mlx_qwen3vl.engine.draft_model import DraftModel
 
-        drafter = DraftModel(load_fixture_model("mlxvlm-q4", backend="mlx"))  # tiny-a in 4 bits: q near p
+        draft = load_fixture_model("mlxvlm-q4", backend="mlx")  # tiny-a in 4 bits: q near p
+        drafter, q = DraftModel(draft), lambda a: dist([a], draft)
+    kept = sum(pa * sum(min(pb, q(a).get(b, 0.0)) for b, pb in dist([a]).items()) for a, pa in dist([]).items())
     engine = Engine(model, processor, max_batch=64, prefix_cache_bytes=1 << 26)
     inputs = encode_prompt(processor, messages=messages)
     for seed in range(N):
@@ -293,7 +304,8 @@ def test_sampled_answers_keep_the_plain_distribution(processor, on_cpu, drafting
             proposed, accepted = proposed + ev.draft_proposed, accepted + ev.draft_accepted
         assert not isinstance(ev, Failed)
     assert set(counts) <= set(exact) and sum(counts.values()) == N
-    assert 0 < accepted < proposed  # drafts were both kept and rejected
+    assert 0 < accepted < proposed == N  # drafts were both kept and rejected
+    assert abs(accepted - N * kept) < 3.29 * math.sqrt(N * kept * (1 - kept)), (accepted, N * kept)
     cells = sorted(exact, key=exact.get, reverse=True)
     big = [c for c in cells if exact[c] * N >= 5]
     small = [c for c in cells if exact[c] * N < 5]
@@ -344,6 +356,38 @@ def test_linear_of_a_few_rows_reads_the_weight_once_with_the_same_result(monkeyp
             np.testing.assert_allclose(got, a @ w.T, rtol=1e-4, atol=1e-4)
 
 
+def test_matmul_rows_tiles_at_every_row_count_with_either_vector_width():
+    """The C extension's matmul_rows, its 8-lane loop (AVX2, tiles of up to 4 rows) and, where the CPU
+    has it, its 16-lane one (AVX-512, up to 8), whichever this machine picks by itself: every row
+    count from 1 to SMALL_ROWS, K leaving a tail of either width, an odd N, column ranges that
+    cut a panel of weight rows; only the range asked for is written."""
+    from mlx_qwen3vl.cpu import kernels
+
+    if kernels._native is None:
+        pytest.skip("the C extension is not built")
+    rng = np.random.default_rng(2)
+    lanes = [8]
+    try:
+        kernels._native.matmul_rows(np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32),
+                                    np.zeros((1, 1), np.float32), 0, 1, 16)
+        lanes.append(16)
+    except ValueError:  # no AVX-512 here
+        pass
+    for K in (7, 300):
+        w = rng.standard_normal((37, K)).astype(np.float32)
+        for m in range(1, kernels.SMALL_ROWS + 1):
+            a = rng.standard_normal((m, K)).astype(np.float32)
+            want = a.astype(np.float64) @ w.T.astype(np.float64)
+            for n0, n1 in ((0, 37), (5, 30)):
+                for lane in lanes:
+                    out = np.full((m, 37), np.nan, np.float32)
+                    kernels._native.matmul_rows(a, w, out, n0, n1, lane)
+                    np.testing.assert_allclose(out[:, n0:n1], want[:, n0:n1], rtol=1e-4, atol=1e-4)
+                    assert np.isnan(out[:, :n0]).all() and np.isnan(out[:, n1:]).all()
+    with pytest.raises(ValueError, match="lanes"):
+        kernels._native.matmul_rows(a, w, out, 0, 37, 4)
+
+
 def test_bad_drafters_and_arguments_get_one_line(processor, on_cpu):
     model = load_fixture_model("tiny-a", backend=None)
     messages = asks()[1]
@@ -380,23 +424,29 @@ def test_draft_model_greedy_answers_equal_the_plain_run(processor, on_cpu):
     """A draft model (its own prefill of the prompt, image or video, its own caches): tiny-b (a
     different random checkpoint of the same tokenizer: its drafts are rejected) and the target
     itself (every draft kept: its prefill, positions and trimmed cache are right), in one batch
-    with prompt lookup and plain rows of other k; float and 8-bit KV (quantized from mid-answer);
-    the dense and the MoE target; each row's tokens are the plain run's."""
+    with prompt lookup and plain rows of other k, finishing at different steps; float, 8-bit KV
+    quantized from mid-answer and 4-bit from the start; the dense and the MoE target; each row's
+    tokens are the plain run's."""
     target = load_fixture_model("tiny-a", backend=None)
     other = load_fixture_model("tiny-b", backend=None)
     shot = Image.open(MEDIA / "img_123x77.png")
     clip = [{"role": "user", "content": [{"type": "video", "video": video()},
                                          {"type": "text", "text": "What happens?"}]}]
-    for messages in (user("Describe the picture, then describe it again.", shot), clip):
-        for kv in ({}, "mid"):
+    four = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0)
+    for messages, kvs in ((user("Describe the picture, then describe it again.", shot), ({}, "mid", four)),
+                          (clip, ({}, "mid"))):
+        for kv in kvs:
             kv = kv_args("8-bit mid-answer", messages, processor) if kv == "mid" else kv
             want = M.generate(target, processor, messages=messages, max_tokens=20, ignore_eos=True, source_fps=8, **kv)
-            rows = [dict(draft_model=other, num_draft_tokens=3), dict(draft_model=target, num_draft_tokens=4),
-                    dict(prompt_lookup=2, num_draft_tokens=2), {}]
+            # rows leaving the batch at different steps while the others go on drafting
+            rows = [dict(draft_model=other, num_draft_tokens=3, max_tokens=13),
+                    dict(draft_model=target, num_draft_tokens=4, max_tokens=20),
+                    dict(draft_model=target, num_draft_tokens=3, max_tokens=7),
+                    dict(prompt_lookup=2, num_draft_tokens=2, max_tokens=5), dict(max_tokens=16)]
             got = M.batch_generate(target, processor, [dict(messages=messages, source_fps=8, **r) for r in rows],
-                                   max_tokens=20, ignore_eos=True, **kv)
+                                   ignore_eos=True, **kv)
             for r, g in zip(rows, got):
-                assert g.token_ids == want.token_ids, (r, kv)
+                assert g.token_ids == want.token_ids[:r["max_tokens"]], (r, kv)
             wrong, right = got[0], got[1]
             assert wrong.draft_proposed > 0 and wrong.draft_accepted < wrong.draft_proposed
             assert right.draft_proposed > 0 and right.draft_accepted == right.draft_proposed, kv
@@ -409,11 +459,47 @@ def test_draft_model_greedy_answers_equal_the_plain_run(processor, on_cpu):
     assert got.draft_accepted == got.draft_proposed > 0
 
 
+def test_a_draft_cut_back_after_rejections_proposes_as_a_fresh_one(processor, on_cpu, monkeypatch):
+    """DraftRow.propose after the model rejected its drafts (its cache cut back with trim_to, float
+    and 4-bit) proposes what a draft prefilled afresh with the same tokens proposes: the answers
+    above are exact whatever the draft proposes, so only this sees a draft cache left uncut. The
+    draft's prefill runs no LM head (nothing reads its last logits)."""
+    from mlx_qwen3vl.backend import backend_of
+    from mlx_qwen3vl.engine.draft_model import DraftModel
+    from mlx_qwen3vl.sampling import Sampler
+    from mlx_qwen3vl.spans import media_keys
+
+    model = load_fixture_model("tiny-b", backend=None)
+    draft, V = DraftModel(model, prefix_cache_bytes=0), model.config.text_config.vocab_size
+    calls = []
+    monkeypatch.setattr(model, "logits", lambda hidden, head=model.logits: calls.append(1) or head(hidden))
+    prompt = encode_prompt(processor, messages=asks()[1])["input_ids"][0].tolist()
+
+    def started(ids, kv):
+        inputs = {"input_ids": np.array([ids]), "attention_mask": np.ones((1, len(ids)), np.int64),
+                  "mm_token_type_ids": np.zeros((1, len(ids)), np.int64)}
+        row = draft.start(Request(inputs, tokens=list(ids), media=media_keys(inputs)), kv)
+        heads = len(calls)
+        row.job.advance(None)
+        assert len(calls) == heads
+        row.begin(Sampler(M.SamplingParams()), backend_of(model).log_softmax)
+        return row
+
+    for kv in (KVSettings(), KVSettings.build(kv_bits=4, kv_group_size=32, quantized_kv_start=0)):
+        row, ids = started(prompt, kv), prompt + [100]
+        drafts = row.propose(ids, 4)
+        for keep in (1, 0, 3):  # the model kept `keep` drafts, then chose another token
+            ids = ids + drafts[:keep] + [(drafts[keep] + 1) % V]
+            drafts = row.propose(ids, 4)
+            assert drafts == started(ids[:-1], kv).propose(ids, 4), (kv, keep)
+
+
 def test_draft_model_prefix_reuse_chat_session_and_plain_graph(processor, on_cpu, tmp_path):
     """The draft model's own prefix cache: a ChatSession's later turns prefill only what is new for
     the draft too (its entries reused), answers every turn as the plain session (and saves without
-    the draft model, which changes no answer); an engine's prefix cache and the draft's both serve
-    a repeated request, answered as plain; on the plain graph (steps queued ahead) a drafting
+    the draft model, which changes no answer; given again to load, the loaded session drafts
+    from the draft's kept caches); an engine's prefix cache and the draft's serve a repeated
+    request, each without the other and both, answered as plain; on the plain graph (steps queued ahead) a drafting
     request answers as plain."""
     from mlx_qwen3vl.engine.draft_model import DraftModel
 
@@ -429,6 +515,11 @@ def test_draft_model_prefix_reuse_chat_session_and_plain_graph(processor, on_cpu
     assert draft.prefix.hits == 2 and draft.prefix.reused_tokens >= spec.last.cached_tokens
     spec.save(tmp_path / "chat.safetensors")
     assert "draft_model" not in M.ChatSession.load(tmp_path / "chat.safetensors", target, processor).generation_kwargs
+    # The draft model is given again to load: the loaded session drafts, its draft caches still kept.
+    loaded = M.ChatSession.load(tmp_path / "chat.safetensors", target, processor, draft_model=draft)
+    hits = draft.prefix.hits
+    assert loaded.send("Once more.") == plain.send("Once more.")
+    assert loaded.last.draft_accepted == loaded.last.draft_proposed > 0 and draft.prefix.hits == hits + 1
     engine = Engine(target, processor, max_batch=2, prefix_cache_bytes=1 << 26)
     inputs = encode_prompt(processor, messages=asks()[0])
     want = M.generate(target, processor, messages=asks()[0], max_tokens=10, ignore_eos=True).token_ids
@@ -438,6 +529,13 @@ def test_draft_model_prefix_reuse_chat_session_and_plain_graph(processor, on_cpu
                                  num_draft_tokens=2))
         assert [e.token for e in engine.run() if isinstance(e, Token) and e.id == rid] == want
     assert engine.prefix.hits == 1 and draft.prefix.hits == hits + 2  # the session left this prompt too
+    fresh = DraftModel(target)  # the engine's prefix cache serves the prompt, this draft's holds nothing
+    rid = engine.add(Request(inputs, M.SamplingParams(max_tokens=10, ignore_eos=True), drafter=fresh,
+                             num_draft_tokens=2))
+    events = list(engine.run())
+    assert [e.token for e in events if isinstance(e, Token) and e.id == rid] == want
+    done = next(e for e in events if isinstance(e, Done) and e.id == rid)
+    assert engine.prefix.hits == 2 and fresh.prefix.misses == 1 and done.draft_accepted == done.draft_proposed > 0
     graph = load_fixture_model("tiny-a", backend="mlx")
     messages = asks()[1]
     want = M.generate(graph, processor, messages=messages, max_tokens=12, ignore_eos=True)
@@ -448,7 +546,8 @@ def test_draft_model_prefix_reuse_chat_session_and_plain_graph(processor, on_cpu
 
 def test_draft_model_with_another_vocabulary_is_refused_in_one_line(processor, on_cpu):
     """A draft model that would read the prompt's ids otherwise, or whose caches do not fit the
-    KV budget beside the request's own: one line, before any work."""
+    KV budget beside the request's own: one line, before any work; the KV bytes in use count the
+    draft's caches while its request runs."""
     import dataclasses
     import types
 
@@ -474,6 +573,19 @@ def test_draft_model_with_another_vocabulary_is_refused_in_one_line(processor, o
     engine.add(Request(inputs, M.SamplingParams(max_tokens=8)))
     with pytest.raises(InputError, match="KV cache"):
         engine.add(Request(inputs, M.SamplingParams(max_tokens=8), drafter=DraftModel(target)))
+    # The caches in use (/metrics' kv_cache) count the draft's, while its row runs, and none after.
+    from mlx_qwen3vl.engine.batch import cache_bytes
+
+    engine = Engine(target, processor)
+    engine.add(Request(inputs, M.SamplingParams(max_tokens=8, ignore_eos=True), drafter=DraftModel(target)))
+    while not engine.rows:
+        list(engine.step())
+    list(engine.step())
+    draft, batch = engine.rows[0].drafter.cache, engine._running()[0].cache
+    kv = engine.kv_bytes()
+    assert kv["draft_bytes"] == cache_bytes(draft) > 0 and kv["bytes"] == cache_bytes(batch) + cache_bytes(draft)
+    list(engine.run())
+    assert engine.kv_bytes()["bytes"] == engine.kv_bytes()["draft_bytes"] == 0
 
 
 def test_server_drafts_with_its_draft_model_and_per_request_settings(processor):
@@ -570,3 +682,25 @@ def test_cli_draft_model_answers_as_plain(capsys):
     assert main(args + ["--draft-model", str(FIXTURES / "tiny-b"), "--num-draft-tokens", "2"]) == 0
     out = capsys.readouterr()
     assert out.out == plain and "Drafts: " in out.err
+
+
+@pytest.mark.parametrize("backend", ["mlx", None])
+def test_greedy_verify_breaks_ties_of_the_log_probs_as_plain(processor, on_cpu, backend):
+    """Two tokens whose logits differ by one ulp but whose log-probabilities round to the same
+    value: the plain run takes the first (the argmax of its log-probs); a draft of the other one,
+    the argmax of the raw logits, must be rejected."""
+    from mlx_qwen3vl.weights import load_model
+
+    model = load_model(FIXTURES / "tiny-a", backend=backend)  # its own: `logits` is replaced
+    V = model.config.text_config.vocab_size
+    base = np.zeros(V, np.float32)
+    base[5], base[9] = 1.0, np.nextafter(np.float32(1.0), np.float32(2.0))
+    lp = np.asarray(mx.array(base) - mx.logsumexp(mx.array(base)))
+    assert lp[5] == lp[9] and base[9] > base[5]  # the tie exists only after normalising
+    model.logits = lambda hidden: mx.broadcast_to(mx.array(base), hidden.shape[:-1] + (V,))
+    messages = asks()[1]
+    want = M.generate(model, processor, messages=messages, max_tokens=6, ignore_eos=True)
+    assert want.token_ids == [5] * 6
+    nine = type("Nine", (), {"propose": lambda self, ids, k: [9] * k})()
+    got = M.generate(model, processor, messages=messages, max_tokens=6, ignore_eos=True, drafter=nine)
+    assert got.token_ids == want.token_ids and got.draft_accepted == 0 < got.draft_proposed

@@ -598,10 +598,18 @@ __attribute__((target("arch=x86-64-v4"))) static void matmul_rows_v16(const floa
 }
 #endif
 
-static void matmul_rows_vec(const float *a, const float *w, float *out, Py_ssize_t M, Py_ssize_t K, Py_ssize_t N,
-                            Py_ssize_t n0, Py_ssize_t n1) {
+/* The widest vectors this CPU has: 16 lanes (AVX-512) or 8. */
+static int rows_lanes(void) {
 #ifdef VECTOR_512
-    if (__builtin_cpu_supports("x86-64-v4")) {
+    if (__builtin_cpu_supports("x86-64-v4")) return 16;
+#endif
+    return 8;
+}
+
+static void matmul_rows_vec(const float *a, const float *w, float *out, Py_ssize_t M, Py_ssize_t K, Py_ssize_t N,
+                            Py_ssize_t n0, Py_ssize_t n1, long lanes) {
+#ifdef VECTOR_512
+    if (lanes == 16) {
         matmul_rows_v16(a, w, out, M, K, N, n0, n1);
         return;
     }
@@ -609,13 +617,19 @@ static void matmul_rows_vec(const float *a, const float *w, float *out, Py_ssize
     matmul_rows_v8(a, w, out, M, K, N, n0, n1);
 }
 
-/* matmul_rows(a (M, K), w (N, K), out (M, N), n0, n1): out[:, n0:n1] = a @ w[n0:n1].T, without
- * the GIL (cpu/kernels.py runs disjoint column ranges on several threads). */
+/* matmul_rows(a (M, K), w (N, K), out (M, N), n0, n1[, lanes]): out[:, n0:n1] = a @ w[n0:n1].T,
+ * without the GIL (cpu/kernels.py runs disjoint column ranges on several threads); `lanes` 8 or
+ * 16 picks the loop (tests run both; 16 only where the CPU has it), 0 or absent the widest. */
 static PyObject *py_matmul_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     fbuf b[3];
-    if (nargs != 5) return PyErr_Format(PyExc_TypeError, "matmul_rows takes 5 arguments"), NULL;
+    if (nargs != 5 && nargs != 6) return PyErr_Format(PyExc_TypeError, "matmul_rows takes 5 or 6 arguments"), NULL;
     Py_ssize_t n0 = PyLong_AsSsize_t(args[3]), n1 = PyLong_AsSsize_t(args[4]);
+    long lanes = nargs == 6 ? PyLong_AsLong(args[5]) : 0;
     if (PyErr_Occurred()) return NULL;
+    if (lanes == 0) lanes = rows_lanes();
+    if (lanes != 8 && lanes != rows_lanes())
+        return PyErr_Format(PyExc_ValueError, "matmul_rows: %ld lanes; this CPU takes 8 or %d", lanes, rows_lanes()),
+               NULL;
     const char *names[3] = {"a", "w", "out"};
     if (get_all(args, names, "rrw", 3, b) < 0) return NULL;
     NEED(b[0].view.ndim == 2 && b[1].view.ndim == 2 && b[2].view.ndim == 2, "matmul_rows: 2-D arrays");
@@ -623,7 +637,7 @@ static PyObject *py_matmul_rows(PyObject *self, PyObject *const *args, Py_ssize_
     NEED(b[1].view.shape[1] == K && b[2].view.shape[0] == M && b[2].view.shape[1] == N && 0 <= n0 && n0 <= n1
          && n1 <= N, "matmul_rows: shapes do not match");
     Py_BEGIN_ALLOW_THREADS
-    matmul_rows_vec(b[0].data, b[1].data, b[2].data, M, K, N, n0, n1);
+    matmul_rows_vec(b[0].data, b[1].data, b[2].data, M, K, N, n0, n1, lanes);
     Py_END_ALLOW_THREADS
     return finish(b, 3, 1);
 fail:

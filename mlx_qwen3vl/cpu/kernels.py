@@ -10,6 +10,7 @@ differs) and hands the result back to MLX. Below the size thresholds MLX's own o
 the sync and runs instead.
 """
 
+import contextlib
 import importlib
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -98,12 +99,9 @@ def attention(q, k, v, scale: float, mask=None):
     if isinstance(mask, mx.array) or H * L * S < ATTENTION_MIN_SCORES:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     mx.eval(q, k, v)
-    if q.shape[2] <= SMALL_ROWS:  # a verify forward's few queries: small GEMMs, beside matmul_rows' threads
-        with threads.one_blas_thread():
-            out = np_attention(np.asarray(q), np.asarray(k), np.asarray(v), scale, causal=mask == "causal")
-    else:
-        out = np_attention(np.asarray(q), np.asarray(k), np.asarray(v), scale, causal=mask == "causal")
-    return mx.array(out)
+    # a verify forward's few queries: small GEMMs, beside matmul_rows' threads
+    with threads.one_blas_thread() if L <= SMALL_ROWS else contextlib.nullcontext():
+        return mx.array(np_attention(np.asarray(q), np.asarray(k), np.asarray(v), scale, causal=mask == "causal"))
 
 
 def np_attention(q, k, v, scale, causal):

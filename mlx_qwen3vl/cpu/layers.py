@@ -72,10 +72,10 @@ class TextModel(language.TextModel):
 
     ops = None  # the C extension or decode.NumpyOps, set by `install`
 
-    def __call__(self, inputs_embeds, position_ids, mask=None, cache=None, deepstack_embeds=None):
+    def __call__(self, inputs_embeds, position_ids, mask=None, cache=None, deepstack_embeds=None, last=None):
         if decode.applies(inputs_embeds, mask, cache):
             return decode.decode_tokens(self, inputs_embeds, position_ids, cache, deepstack_embeds or [], self.ops)
-        return super().__call__(inputs_embeds, position_ids, mask, cache, deepstack_embeds)
+        return super().__call__(inputs_embeds, position_ids, mask, cache, deepstack_embeds, last)
 
 
 TWINS = {

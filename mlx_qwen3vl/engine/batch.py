@@ -120,14 +120,14 @@ class Batch:
         tokens = mx.array([f + [f[0]] * (T - len(f)) for f in fed])
         logits = verify_step(self.model, tokens, self.cache, self.positions, self.cache[0].key_mask(T))
         plain = [i for i, r in enumerate(rows) if r.sampler.greedy and not r.sampler.processors]
-        argmax = None
-        if plain:
-            argmax = mx.argmax(logits[mx.array(plain)] if len(plain) < len(rows) else logits, axis=-1).tolist()
-            argmax = dict(zip(plain, argmax))
+        greedy = {}
+        if plain:  # the argmax of the log-probs, as a decode step's (not of the logits: they can tie)
+            lps = self.log_softmax(logits[mx.array(plain)] if len(plain) < len(rows) else logits)
+            greedy = {b: (best, lps[i]) for i, (b, best) in enumerate(zip(plain, mx.argmax(lps, axis=-1).tolist()))}
         runs = []
         for b, row in enumerate(rows):
             runs.append(accept(row.sampler, row.history, fed[b], logits[b], self.log_softmax,
-                               argmax.get(b) if argmax else None, qs[b] if qs else None))
+                               greedy.get(b), qs[b] if qs else None))
             n = runs[-1][2]
             row.made += n + 1
             if row.history is not None:

@@ -373,15 +373,22 @@ class Engine:
         """KV cache bytes in use now by the running and prefilling requests: their caches' buffers
         as allocated (mlx-lm's grow in steps of 256 positions; a batch's padding included), in all
         ("bytes") and by cache kind ("by_kind": "float", "8-bit/g64", ...), and the positions they
-        hold ("positions"). The prefix cache's entries are its own (PrefixCache.stats)."""
+        hold ("positions"). A draft model's caches count in "bytes" and "by_kind" too, and on
+        their own in "draft_bytes". The prefix cache's entries are its own (PrefixCache.stats)."""
         by_kind, positions = collections.Counter(), 0
-        caches = [b.cache for b in self._running()] + [j.job.cache for j in tuple(self.jobs)]
-        for cache in caches:
+        jobs = tuple(self.jobs)
+        caches = [b.cache for b in self._running()] + [j.job.cache for j in jobs]
+        drafts = [r.drafter.cache for r in self.rows if isinstance(r.drafter, DraftRow)] + \
+                 [j.job.draft.cache for j in jobs if isinstance(j.job, WithDraft)]
+        for cache in caches + drafts:
             if cache and not cache[0].empty():
                 kind = cache[0].kind
                 by_kind["float" if kind is None else f"{kind[0]}-bit/g{kind[1]}"] += cache_bytes(cache)
+        for cache in caches:
+            if cache and not cache[0].empty():
                 positions += cache[0].size() * max(1, cache[0].batch_size)
-        return {"bytes": sum(by_kind.values()), "positions": positions, "by_kind": dict(by_kind)}
+        return {"bytes": sum(by_kind.values()), "positions": positions, "by_kind": dict(by_kind),
+                "draft_bytes": sum(cache_bytes(c) for c in drafts if c and not c[0].empty())}
 
     def stats(self) -> dict:
         return {"running": len(self.rows), "prefilling": len(self.jobs), "waiting": len(self.waiting),

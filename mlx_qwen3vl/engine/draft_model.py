@@ -87,7 +87,7 @@ class DraftModel:
             self.prefix.misses += bool(self.prefix.max_bytes)
             cache = self.model.make_cache()
         job = PrefillJob(self.model, request.inputs, cache, start=start, item_budget=item_budget,
-                         prefill_step_size=prefill_step_size, costs=self.costs, kv=kv)
+                         prefill_step_size=prefill_step_size, costs=self.costs, kv=kv, head=False)
         return DraftRow(self, job, list(request.tokens), request.media, kv)
 
 
@@ -175,10 +175,6 @@ class WithDraft:
     @property
     def spent(self) -> float:
         return self.target.spent + self.draft.job.spent
-
-    @property
-    def length(self) -> int:
-        return self.target.length
 
     def result(self):
         return self.target.result()

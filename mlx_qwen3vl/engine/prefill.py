@@ -63,12 +63,14 @@ class PrefillJob:
     FLOPs one item may cost (None: each stage whole, chunks of `prefill_step_size`).
 
     `kv` (KVSettings, fitted to the model): a chunk never crosses `kv.start`, and once the cache
-    holds that many positions its layers are quantized in place (the `cache` list's items)."""
+    holds that many positions its layers are quantized in place (the `cache` list's items).
+    `head` False: no LM head at the end (`result`'s logits None), for a prefill whose last logits
+    nobody reads (a draft model's: its first proposal feeds the answer's first token)."""
 
     def __init__(self, model, inputs, cache, *, start=0, features=None, item_budget: Optional[float] = None,
-                 prefill_step_size=2048, costs: Optional[Costs] = None, on_vision_done=None, kv=FLOAT):
+                 prefill_step_size=2048, costs: Optional[Costs] = None, on_vision_done=None, kv=FLOAT, head=True):
         self.model, self.inputs, self.cache, self.start = model, inputs, cache, start
-        self.kv = kv
+        self.kv, self.head = kv, head
         self.features, self.item_budget = features, item_budget
         self.step_size = max(1, int(prefill_step_size))
         self.costs = costs or Costs(model.config)
@@ -190,7 +192,7 @@ class PrefillJob:
         if self._items:
             return self._items[0][0]
         n, end = self._chunk(budget)
-        return self.costs.chunk(n, self.start + end) + (self.costs.head if end == self.length else 0)
+        return self.costs.chunk(n, self.start + end) + (self.costs.head if end == self.length and self.head else 0)
 
     def _chunk(self, budget):
         """(tokens, end) of the next decoder chunk."""
@@ -252,7 +254,8 @@ class PrefillJob:
             quantize_if_due(self.cache, self.kv)  # a cache handed in already past kv.start
         n, end = self._chunk(budget)
         s = self._next
-        self._hidden = self.model.decode_hidden(self._prepared, self._mask, self.cache, s, end)
+        last = 1 if end == self.length else None  # the prompt's end: only its last position's logits
+        self._hidden = self.model.decode_hidden(self._prepared, self._mask, self.cache, s, end, last)
         self._next = end
         quantize_if_due(self.cache, self.kv)
         if end < self.length:
@@ -263,10 +266,10 @@ class PrefillJob:
                 mx.eval(state)
                 mx.clear_cache()
             return
-        logits = self.model.logits(self._hidden[:, -1, :])
+        logits = self.model.logits(self._hidden[:, -1, :]) if self.head else None
         inputs = self.inputs
-        real = np.asarray(inputs["attention_mask"]).sum(-1) if "attention_mask" in inputs else np.full(
-            logits.shape[0], np.asarray(inputs["input_ids"]).shape[-1])
+        ids = np.asarray(inputs["input_ids"])
+        real = np.asarray(inputs["attention_mask"]).sum(-1) if "attention_mask" in inputs else np.full(*ids.shape)
         self._result = logits, self._prepared.rope_deltas[:, 0] + mx.array(real)
         self._prepared = self._hidden = None
         self.done = True

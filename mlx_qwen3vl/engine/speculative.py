@@ -110,23 +110,23 @@ class GrammarForced:
 DEFAULT_DRAFT = 4  # num_draft_tokens when a drafter is given without it
 
 
-def accept(sampler, history, fed: List[int], logits, log_softmax, greedy_argmax=None, q=None):
+def accept(sampler, history, fed: List[int], logits, log_softmax, greedy=None, q=None):
     """One row's verification. `fed`: the tokens fed at the row's positions, its last token then
     its drafts; `logits` (T, V) of those positions (T >= len(fed)); `history`: the row's tokens
-    before `fed` (for processors; None without them). `greedy_argmax`: the argmax of every
-    position, already computed for a greedy row without processors. `q`: per draft, the
+    before `fed` (for processors; None without them). `greedy`: (argmax, log-probs (T, V)) of
+    every position, already computed for a greedy row without processors. `q`: per draft, the
     log-probabilities (V,) it was drawn with (a sampling drafter: engine/draft_model.py); None: a
     deterministic drafter (q one-hot).
 
     → (tokens, logprob rows (V,) each, number of drafts accepted): the drafts kept, then the
     target's own token at the first rejected position (or after the last draft)."""
     drafts = fed[1:]
-    if greedy_argmax is not None:
+    if greedy is not None:
+        best, lp = greedy
         n = 0
-        while n < len(drafts) and drafts[n] == greedy_argmax[n]:
+        while n < len(drafts) and drafts[n] == best[n]:
             n += 1
-        lp = log_softmax(logits[:n + 1])
-        return drafts[:n] + [greedy_argmax[n]], [lp[i] for i in range(n + 1)], n
+        return drafts[:n] + [best[n]], [lp[i] for i in range(n + 1)], n
     tokens, lps = [], []
     for i in range(len(fed)):
         row = logits[i:i + 1]

@@ -62,22 +62,27 @@ def create_server(model, processor, settings: Settings, *, worker: ThreadPoolExe
     async def list_tools(ctx, params) -> types.ListToolsResult:
         return types.ListToolsResult(tools=tools)
 
-    def run(call):
+    def leave(place):
+        """The call stops waiting (it starts on the model's thread, fails or is cancelled): once."""
         with lock:
-            waiting[0] -= 1
+            if place:
+                place.pop()
+                waiting[0] -= 1
+
+    def run(call, place):
+        leave(place)
         return answer(model, processor, settings, call)
 
     async def admitted(name, args):
-        """The call's prepared form, then its answer on the model's thread (its place held until it starts)."""
-        loop = asyncio.get_running_loop()
+        """The call's prepared form, then its answer on the model's thread (its place held until
+        it starts, or until it ends unstarted: failed, or cancelled by its client)."""
+        place = [True]
         try:
-            call = await loop.run_in_executor(prepare_pool, prepare, name, processor, settings, args)
-            future = worker.submit(run, call)
-        except BaseException:
-            with lock:
-                waiting[0] -= 1
-            raise
-        return await asyncio.wrap_future(future)
+            call = await asyncio.get_running_loop().run_in_executor(prepare_pool, prepare, name, processor,
+                                                                    settings, args)
+            return await asyncio.wrap_future(worker.submit(run, call, place))
+        finally:
+            leave(place)
 
     async def call_tool(ctx, params: types.CallToolRequestParams) -> types.CallToolResult:
         if params.name not in TOOLS:

@@ -84,21 +84,14 @@ def read_screenshot(value, settings: Settings, processor=None, pixels=None, budg
     same budget."""
     budget = budget if budget is not None else settings.budget()
     limit = dict(max_bytes=settings.max_image_bytes, budget=budget)
-    if isinstance(value, ImageContent):  # validated by arguments.py
-        value = {"type": value.type, "data": value.data}
-    if isinstance(value, dict):
-        if value.get("type", "image") != "image" or not isinstance(value.get("data"), str):
-            raise InputError("'screenshot' as an object must be MCP image content: {\"type\": \"image\", "
-                             "\"data\": <base64>, \"mimeType\": ...}")
-        data = media_access.decode_base64(value["data"], "the screenshot", flag="--max-image-bytes", **limit)
-    elif isinstance(value, str) and value.startswith("data:"):
+    if isinstance(value, ImageContent):  # (the argument as arguments.py validated it: content or a non-empty string)
+        data = media_access.decode_base64(value.data, "the screenshot", flag="--max-image-bytes", **limit)
+    elif value.startswith("data:"):
         data = media_access.decode_data_url(value, "the screenshot", flag="--max-image-bytes", base64_only=True,
                                             **limit)
-    elif isinstance(value, str) and value:
+    else:
         data = media_access.read_allowed(value, settings.allowed_dirs, "the screenshot path", flag=ALLOW_FLAG,
                                          bytes_flag="--max-image-bytes", **limit)
-    else:
-        raise InputError("'screenshot' is required: MCP image content, a data: URL or an allowed file path")
     if len(data) > settings.max_image_bytes:
         raise InputError(f"the screenshot is over the server's limit of {settings.max_image_bytes} bytes "
                          "(--max-image-bytes)")

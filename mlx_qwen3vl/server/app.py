@@ -120,13 +120,8 @@ def create_app(engine, builder, *, model_id: str, api_key: Optional[str] = None,
     async def ground(request: Request):
         """POST /v1/ground (grounding.py): the same admission, then each pass a request through the
         engine, on a worker thread; the job holds its place in the queue from before the image is read."""
-        req = await service.read(request, G.parse_ground_request)
-        slot = engine.reserve()
-        service.built += 1
-        try:
+        async with service.queued(request, G.parse_ground_request) as (req, slot):
             hit = await G.GroundJob(service, req, request, asyncio.get_running_loop(), slot).serve()
-        finally:
-            slot.release()
         if hit is None:  # the client went away
             return JSONResponse({}, status_code=499)
         return JSONResponse(G.response(hit, req.model or model_id))

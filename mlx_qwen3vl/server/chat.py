@@ -182,10 +182,15 @@ def parse_chat_request(body) -> ChatRequest:
                                            t.function.parameters or {"type": "object", "properties": {}}}}
          for t in wire.tools or ()], [], "function" if isinstance(choice, ToolChoice) else choice,
         choice.function.name if isinstance(choice, ToolChoice) else None)
+    if wire.stream_options is not None and not wire.stream:  # as OpenAI: its usage chunk needs a stream
+        raise invalid("stream_options", "'stream_options' is only allowed with 'stream': true")
+    rf = wire.response_format
+    if rf is not None and rf.type == "json_schema" and rf.json_schema is None:
+        raise invalid("response_format.json_schema", "'response_format.json_schema' is required with type "
+                      "json_schema: {\"name\": ..., \"schema\": {...}}", "missing_field")
     mm = wire.mm_processor_kwargs or ProcessorKwargs()
     pixels = P.pixel_options({"min_pixels": wire.min_pixels if wire.min_pixels is not None else mm.min_pixels,
                               "max_pixels": wire.max_pixels if wire.max_pixels is not None else mm.max_pixels})
-    rf = wire.response_format
     return ChatRequest(
         turns=read_messages(wire.messages), sampling=sampling, max_tokens=max_tokens, model=wire.model,
         stream=bool(wire.stream), include_usage=bool(wire.stream_options and wire.stream_options.include_usage),

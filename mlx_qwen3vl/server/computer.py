@@ -110,6 +110,10 @@ def _read(part, builder, cap, budget) -> Tuple[bytes, Tuple[int, int]]:
 def _actions(tool, step: _Step):
     out = []
     for call in step.turn.calls:
+        if call.action is None or tool.protocol == "anthropic" and not tool.toolset and call.name != tool.name:
+            raise APIError(400, f"'{call.param}' calls {call.name!r}, but a request with a computer-use tool may "
+                           f"declare no other tools: its prompt has only the computer ({tool.name!r})",
+                           param=call.param, code="unsupported_tool")
         batch = call.action if isinstance(call.action, list) else [call.action]
         for k, action in enumerate(batch):
             where = f"{call.param}[{k}]" if isinstance(call.action, list) else call.param
@@ -133,10 +137,10 @@ def prepare(builder, req: ChatRequest, turns: List[Turn], tool: ComputerTool, ag
     if shot is None:
         raise APIError(400, "a computer-use request needs a screenshot: send the current screen as an image in the "
                        "first user message or in a tool result (this model decides each action from one)",
-                       param="messages", code="missing_screenshot")
+                       param=req.conversation, code="missing_screenshot")
     if not task:
         raise APIError(400, "a computer-use request needs its task as text in the first user message",
-                       param="messages", code="missing_task")
+                       param=req.conversation, code="missing_task")
     cap = builder.limits.max_request_pixels
     budget = builder.policy.budget()  # all of this request's screenshots
     current, size = _read(shot, builder, cap, budget)
@@ -165,7 +169,7 @@ def prepare(builder, req: ChatRequest, turns: List[Turn], tool: ComputerTool, ag
         messages = computer_messages("\n".join(task), current, replayed, format=agent_format, display=display,
                                      system=system, history_length=keep)
     except InputError as e:
-        raise APIError(400, str(e), param="messages", code="invalid_input") from None
+        raise APIError(400, str(e), param=req.conversation, code="invalid_input") from None
     images, _ = extract_media(messages)
     prepared = builder.render(req, messages, images, [])
     return prepared, ComputerRequest(tool, display, cursor, answers)

@@ -59,11 +59,6 @@ class Turn:
     def images(self) -> List[Part]:
         return [p for p in self.parts if p.kind == "image"]
 
-    def size(self) -> int:
-        """Bytes this turn holds, roughly (what a store of turns counts)."""
-        n = sum(len(p.value) + len(p.param) for p in self.parts) + len(self.answer or "") + len(self.reasoning or "")
-        return n + sum(len(str(c.arguments)) + len(repr(c.action)) + 64 for c in self.calls) + 64
-
 
 def leading_system(turns: List[Turn]) -> Tuple[Optional[str], List[Turn]]:
     """(the system text, the other turns): every system turn must come before the conversation

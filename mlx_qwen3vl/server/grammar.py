@@ -54,7 +54,7 @@ class GrammarFactory:
             raise APIError(400, f"'{param}' admits no value at all (a schema whose $ref only refers to itself, or "
                            "contradicting constraints); send a schema some JSON value satisfies", param=param,
                            code="invalid_schema")
-        return GrammarProcessor(matcher, self.vocab_size)
+        return GrammarProcessor(matcher, self.vocab_size, param)
 
     def build(self, spec) -> list:
         """The logits processors of a grammar description (Prepared.grammar): None, ["json_schema",
@@ -128,10 +128,11 @@ def first_line(error: str) -> str:
 class GrammarProcessor:
     """(tokens, logits) → logits with every token the grammar forbids at -inf. `tokens` is the
     whole sequence so far (prompt + answer), as mlx-lm passes it; the first call marks where the
-    answer starts, later calls feed the tokens sampled since into the matcher."""
+    answer starts, later calls feed the tokens sampled since into the matcher. A matcher that
+    fails mid-answer ran into llguidance's limits on the request's schema (`param`): a 400."""
 
-    def __init__(self, matcher, vocab_size: int):
-        self.matcher, self.vocab_size = matcher, vocab_size
+    def __init__(self, matcher, vocab_size: int, param: str = "response_format"):
+        self.matcher, self.vocab_size, self.param = matcher, vocab_size, param
         self.seen = None
 
     def __call__(self, tokens, logits):
@@ -139,7 +140,8 @@ class GrammarProcessor:
         if self.seen is not None and n > self.seen:
             for t in np.asarray(tokens[self.seen:]).tolist():
                 if not self.matcher.consume_token(int(t)):
-                    raise APIError(500, f"constrained decoding failed: {first_line(self.matcher.get_error())}",
+                    raise APIError(400, f"'{self.param}' could not be followed: {first_line(self.matcher.get_error())}"
+                                   "; send a simpler schema (one with a finite value)", param=self.param,
                                    code="grammar_error")
         self.seen = n
         bits = np.frombuffer(self.matcher.compute_bitmask(), np.uint8)

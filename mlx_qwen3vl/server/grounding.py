@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional, Union
 
-from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
 from ..agent import GROUNDING_FORMATS, ground_with, missing_point_note, zoom_fraction
@@ -33,7 +32,7 @@ from ..processor import image_budget
 from ..sampling import SamplingParams
 from .fetch import resolve_image
 from .limits import check_media, check_pixel_options
-from .protocol import APIError, ChatRequest, _number, pixel_options, validate
+from .protocol import APIError, ChatRequest, Wire, number, pixel_options, validate
 
 MAX_INSTRUCTION_CHARS = 8192
 DEFAULT_MAX_TOKENS = 128  # as ground()'s: a point or a box is a few tokens
@@ -58,13 +57,13 @@ class GroundRequest:
     def chat(self) -> ChatRequest:
         """One pass as the chat route's request: greedy (as UI-Venus and Qwen evaluate), its budgets."""
         return ChatRequest(turns=[], sampling=SamplingParams(temperature=0.0), max_tokens=self.max_tokens,
-                           model=self.model, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+                           model=self.model, min_pixels=self.min_pixels, max_pixels=self.max_pixels,
+                           conversation="image")
 
 
-class GroundBody(BaseModel):
+class GroundBody(Wire):
     """The body's wire format: strict types, no other field (ranges are checked below, by name)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
     image: str
     instruction: str
     format: Optional[str] = None
@@ -77,8 +76,6 @@ class GroundBody(BaseModel):
 
 
 def parse_ground_request(body) -> GroundRequest:
-    if not isinstance(body, dict):
-        raise _invalid(None, "the request body must be a JSON object", "invalid_type")
     wire = validate(GroundBody, body)
     for name in ("image", "instruction"):
         if not getattr(wire, name).strip():
@@ -99,7 +96,7 @@ def parse_ground_request(body) -> GroundRequest:
     return GroundRequest(image=wire.image, instruction=wire.instruction, format=fmt,
                          zoom=None if zoom is None or zoom is False else zoom,
                          allow_refusal=wire.allow_refusal if wire.allow_refusal is not None else True,
-                         max_tokens=_number(body, "max_tokens", 1, integer=True, default=DEFAULT_MAX_TOKENS),
+                         max_tokens=number(body, "max_tokens", 1, integer=True, default=DEFAULT_MAX_TOKENS),
                          model=wire.model, **pixels)
 
 
@@ -163,11 +160,7 @@ class GroundJob:
         check_pixel_options(self.chat, limits)
         with builder.media_place():  # the screenshot is read under the request's budget, as a chat image
             data = resolve_image(req.image, builder.policy, "image", builder.policy.budget())
-        try:  # from the header, before ground_with decodes it
-            check_media([data], (), self.chat, processor, limits)
-        except APIError as e:
-            e.param = "image" if e.param == "messages" else e.param
-            raise
+        check_media([data], (), self.chat, processor, limits)  # from the header, before ground_with decodes it
         floor = 0
         if req.zoom is not None:  # the window holds at least the pixels the model is shown at least
             floor = image_budget(processor.image_config, req.min_pixels, req.max_pixels)[0]

@@ -52,13 +52,14 @@ def check_token_ids(sampling, vocab: int):
                            f"{vocab - 1})", param=name, code="invalid_value")
 
 
-def check_media(images, videos, req, processor, limits: Limits):
+def check_media(images, videos, req, processor, limits: Limits, context=None):
     """Refuse the request before decoding if its media would exceed the budget: each image's own
     pixels (as stored) and the pixels of all images (as resized for the model) and video frames
     (as decoded: the kept frames are held at once) together at most --max-request-pixels, each
-    video, and all of them together, at most --max-video-frames frames. `images`: encoded bytes (or decoded RGB arrays);
+    video, and all of them together, at most --max-video-frames frames; the images' tokens alone
+    within the model's `context` (where given). `images`: encoded bytes (or decoded RGB arrays);
     `videos`: file paths."""
-    cap, total = limits.max_request_pixels, 0
+    cap, total, tokens, where = limits.max_request_pixels, 0, 0, req.conversation
     cfg = processor.image_config
     try:
         lo, hi = image_budget(cfg, req.min_pixels, req.max_pixels)
@@ -70,13 +71,18 @@ def check_media(images, videos, req, processor, limits: Limits):
             w, h = (data.shape[1], data.shape[0]) if isinstance(data, np.ndarray) else media.image_size(data, label)
             rh, rw = vid.smart_resize(h, w, cfg.factor, lo, hi)
         except InputError as e:
-            raise APIError(400, str(e), param="messages", code="invalid_input") from None
+            raise APIError(400, str(e), param=where, code="invalid_input") from None
         if w * h > cap:
-            raise _over("messages", f"{label} is {w}x{h} pixels, over this server's limit of {cap} pixels "
+            raise _over(where, f"{label} is {w}x{h} pixels, over this server's limit of {cap} pixels "
                         "(--max-request-pixels); downscale it")
         total += rh * rw
+        tokens += rh * rw // cfg.factor ** 2  # one token per merged patch
+        if context and tokens > context:
+            raise APIError(400, f"the request's images alone come to more than {context} tokens, the model's context; "
+                           "send fewer or smaller images, or a smaller max_pixels", param=where,
+                           code="context_length_exceeded")
         if total > cap:
-            raise _over("messages", f"the request's images come to more than {cap} pixels as the model sees them "
+            raise _over(where, f"the request's images come to more than {cap} pixels as the model sees them "
                         "(--max-request-pixels); send fewer or smaller images, or a smaller max_pixels")
     vcfg = processor.video_config
     frames = 0
@@ -85,20 +91,20 @@ def check_media(images, videos, req, processor, limits: Limits):
         try:
             info = vid.probe_video(path, label, max_frames=limits.max_video_frames)
         except InputError as e:
-            raise APIError(400, hide_temp_paths(str(e)), param="messages", code="invalid_input") from None
+            raise APIError(400, hide_temp_paths(str(e)), param=where, code="invalid_input") from None
         if info.frames > limits.max_video_frames:
-            raise _over("messages", f"{label} has more than {limits.max_video_frames} frames (--max-video-frames); "
+            raise _over(where, f"{label} has more than {limits.max_video_frames} frames (--max-video-frames); "
                         "send a shorter clip")
         frames += info.frames
         if frames > limits.max_video_frames:
-            raise _over("messages", f"the request's videos have more than {limits.max_video_frames} frames together "
+            raise _over(where, f"the request's videos have more than {limits.max_video_frames} frames together "
                         "(--max-video-frames); send shorter clips")
         if not info.width or not info.height:
             raise APIError(400, f"{label} does not state its frame size; re-encode it as MP4",
-                           param="messages", code="invalid_input")
+                           param=where, code="invalid_input")
         kept = len(vid.sample_indices(info.frames, info.fps, vcfg)) if info.frames else 0
         total += kept * info.width * info.height
         if total > cap:
-            raise _over("messages", f"{label}'s {kept} sampled frames of {info.width}x{info.height} bring the "
+            raise _over(where, f"{label}'s {kept} sampled frames of {info.width}x{info.height} bring the "
                         f"request over this server's limit of {cap} pixels (--max-request-pixels); send a "
                         "shorter or smaller clip")

@@ -276,6 +276,9 @@ def parse_request(body, agent_format: str, count: bool = False) -> ChatRequest:
     wire = P.validate(CountBody if count else Body, body, REFUSED)
     turns = read_messages(wire)
     choice = wire.tool_choice or ToolChoice(type="auto")
+    if choice.type == "tool" and choice.name is None:
+        raise invalid("tool_choice.name", "'tool_choice.name' is required with type tool: the tool to call",
+                      "missing_field")
     fmt = wire.output_config.format if wire.output_config is not None else None
     rf = P.output_format("json_schema", fmt.schema_, "output") if fmt is not None else None
     functions, tool, tool_choice = tools(

@@ -109,7 +109,7 @@ class PromptBuilder:
         screenshot and its crop) come in here too."""
         check_pixel_options(req, self.limits)
         check_token_ids(req.sampling, self.grammars.vocab_size)
-        check_media(images, videos, req, self.processor, self.limits)  # before any decoding
+        check_media(images, videos, req, self.processor, self.limits, self.engine.context)  # before any decoding
         tools = req.tools if req.tool_choice != "none" else None
         with self.media_place() if len(images) or len(videos) else contextlib.nullcontext():
             try:
@@ -118,10 +118,10 @@ class PromptBuilder:
                 inputs = self.processor(text=text, images=list(images) or None, videos=list(videos) or None,
                                         min_pixels=req.min_pixels, max_pixels=req.max_pixels)
             except Qwen3VLError as e:
-                raise APIError(400, hide_temp_paths(str(e)), param="messages", code="invalid_input") from None
+                raise APIError(400, hide_temp_paths(str(e)), param=req.conversation, code="invalid_input") from None
             except (TypeError, ValueError) as e:  # the template rejected the conversation
                 raise APIError(400, f"the chat template could not render these messages: {e}",
-                               param="messages", code="invalid_input") from None
+                               param=req.conversation, code="invalid_input") from None
         if "mm_token_type_ids" not in inputs:
             inputs["mm_token_type_ids"] = np.zeros_like(inputs["input_ids"])
         tokens = np.asarray(inputs["input_ids"])[0].tolist()
@@ -130,7 +130,7 @@ class PromptBuilder:
             max_tokens = fit_to_context(len(tokens), req.max_tokens or self.engine.default_max_tokens,
                                         self.engine.context)
         except ContextLengthError as e:
-            raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
+            raise APIError(400, str(e), param=req.conversation, code="context_length_exceeded") from None
         grammar = None
         if req.response_format is not None:
             rf = req.response_format

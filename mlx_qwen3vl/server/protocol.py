@@ -75,6 +75,7 @@ class ChatRequest:
     max_tool_calls: Optional[int] = None  # calls one answer may carry; the model's further calls are dropped
     echo: Dict[str, Any] = field(default_factory=dict)  # the request's settings its answer repeats (Responses)
     drafting: Optional[dict] = None  # prompt_lookup / num_draft_tokens the request set (speculative decoding)
+    conversation: str = "messages"  # the body's field holding the conversation: errors about it as a whole name it
 
 
 def number(body, name, lo=None, hi=None, *, integer=False, lo_open=False, default=None, param=None):
@@ -92,9 +93,6 @@ def number(body, name, lo=None, hi=None, *, integer=False, lo_open=False, defaul
         hi_s = "" if hi is None else f"<= {hi}"
         raise invalid(label, f"'{label}' is {value}; it must be {' and '.join(s for s in (lo_s, hi_s) if s)}")
     return value
-
-
-_number = number
 
 
 def check_json(body, limit=MAX_JSON_DEPTH):
@@ -163,24 +161,24 @@ def sampling_params(body, stop=(), *, defaults=None, logprobs=False, top_logprob
     leaves out takes `defaults`' value, else OpenAI's default temperature (1.0), not the library's
     greedy one."""
     d = defaults or {}
-    top_k = _number(body, "top_k", -1, integer=True, default=d.get("top_k", 0))
+    top_k = number(body, "top_k", -1, integer=True, default=d.get("top_k", 0))
     return SamplingParams(
-        temperature=_number(body, "temperature", 0, 2, default=d.get("temperature", 1.0)),
-        top_p=_number(body, "top_p", 0, 1, lo_open=True, default=d.get("top_p", 1.0)),
+        temperature=number(body, "temperature", 0, 2, default=d.get("temperature", 1.0)),
+        top_p=number(body, "top_p", 0, 1, lo_open=True, default=d.get("top_p", 1.0)),
         top_k=max(top_k, 0),
-        min_p=_number(body, "min_p", 0, 1, default=d.get("min_p", 0.0)),
-        repetition_penalty=_number(body, "repetition_penalty", 0, 10, lo_open=True,
+        min_p=number(body, "min_p", 0, 1, default=d.get("min_p", 0.0)),
+        repetition_penalty=number(body, "repetition_penalty", 0, 10, lo_open=True,
                                    default=d.get("repetition_penalty")),
-        presence_penalty=_number(body, "presence_penalty", -2, 2, default=d.get("presence_penalty")),
-        frequency_penalty=_number(body, "frequency_penalty", -2, 2, default=d.get("frequency_penalty")),
-        seed=_number(body, "seed", 0, 2**63 - 1, integer=True),
+        presence_penalty=number(body, "presence_penalty", -2, 2, default=d.get("presence_penalty")),
+        frequency_penalty=number(body, "frequency_penalty", -2, 2, default=d.get("frequency_penalty")),
+        seed=number(body, "seed", 0, 2**63 - 1, integer=True),
         stop=list(stop), logprobs=logprobs, top_logprobs=top_logprobs, **more,
     )
 
 
 def pixel_options(body) -> Dict[str, Optional[int]]:
     """A request's own min_pixels / max_pixels (checked against the server's cap in model_inputs.py)."""
-    pixels = {k: _number(body, k, 1, integer=True) for k in ("min_pixels", "max_pixels")}
+    pixels = {k: number(body, k, 1, integer=True) for k in ("min_pixels", "max_pixels")}
     if pixels["min_pixels"] and pixels["max_pixels"] and pixels["min_pixels"] > pixels["max_pixels"]:
         raise invalid("min_pixels", "'min_pixels' is larger than 'max_pixels'")
     return pixels
@@ -208,7 +206,7 @@ def stopping(body, max_tokens) -> dict:
             raise invalid("stop_token_ids", f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token "
                           "ids (integers >= 0)")
         out["stop_token_ids"] = tuple(ids)
-    min_tokens = _number(body, "min_tokens", 0, integer=True)
+    min_tokens = number(body, "min_tokens", 0, integer=True)
     if min_tokens is not None:
         if max_tokens is not None and min_tokens > max_tokens:
             raise invalid("min_tokens", f"'min_tokens' ({min_tokens}) is larger than the request's max_tokens "

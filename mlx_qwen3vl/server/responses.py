@@ -14,12 +14,12 @@ OpenAI does, the earlier `instructions` do not carry over. An unknown or evicted
 (`previous_response_not_found`).
 """
 
+import copy
 import json
 import time
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
 from pydantic import Field
-from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from . import protocol as P
@@ -281,6 +281,9 @@ def parse_request(body, agent_format: str) -> ChatRequest:
     the stored conversation between them)."""
     wire = P.validate(Body, body, REFUSED)
     turns = read_input(wire.input)
+    if not turns and wire.previous_response_id is None:
+        raise invalid("input", "'input' holds no message (a reasoning item goes with the turn after it); send at "
+                      "least one, or continue a stored response with 'previous_response_id'", "missing_field")
     fmt = wire.text.format if wire.text is not None and wire.text.format is not None else Format(type="text")
     if fmt.type == "json_schema" and fmt.schema_ is None:
         raise invalid("text.format.schema", "'text.format.schema' must be a JSON schema object")
@@ -313,7 +316,7 @@ def parse_request(body, agent_format: str) -> ChatRequest:
         max_tokens=wire.max_output_tokens or defaults.get("max_tokens"),
         tools=functions, tool_choice=tool_choice, response_format=rf, computer=tool, max_tool_calls=wire.max_tool_calls,
         chat_template_kwargs=P.template_switches(wire.chat_template_kwargs), echo=echo,
-        drafting=P.drafting_settings(wire), **pixels)
+        drafting=P.drafting_settings(wire), conversation="input", **pixels)
 
 
 def history(req: ChatRequest) -> List[Turn]:
@@ -333,6 +336,9 @@ def continue_stored(req: ChatRequest, store: ResponseStore):
                        f"{store.max_entries} recent responses within {store.max_bytes >> 20} MiB; send the "
                        "whole conversation as input instead)", param="previous_response_id",
                        code="previous_response_not_found")
+    if req.computer is None and any(c.action is not None for t in entry.turns for c in t.calls):
+        raise invalid("previous_response_id", f"the conversation of '{previous[:128]}' has computer calls, but this "
+                      "request declares no computer-use tool; declare the one that conversation used")
     head = len(req.turns) - len(history(req))
     req.turns = req.turns[:head] + list(entry.turns) + req.turns[head:]
 
@@ -376,7 +382,7 @@ class ResponseWriter(Writer):
                "usage": self.usage, **self.req.echo}
         if self.status == "incomplete":
             out["incomplete_details"] = {"reason": "max_output_tokens"}
-        return json.loads(json.dumps(out))  # a snapshot: later events must not change what was sent
+        return copy.deepcopy(out)  # a snapshot: later events must not change what was sent (its strings are shared)
 
     def start(self) -> list:
         return [self.event("response.created", response=self.response),
@@ -461,7 +467,7 @@ class ResponseWriter(Writer):
 def routes(service, store: ResponseStore) -> list:
     def keep(req: ChatRequest, writer: ResponseWriter):  # (awaited before the answer's end is sent)
         if req.echo["store"] and writer.turn is not None:
-            return store.keep(writer.id, history(req) + [writer.turn], writer.response, service.prepare_pool)
+            return store.keep(writer.id, history(req) + [writer.turn], lambda: writer.response, service.prepare_pool)
 
     async def create(request):
         return await respond(service, request, lambda body: parse_request(body, service.agent_format),
@@ -474,7 +480,7 @@ def routes(service, store: ResponseStore) -> list:
         if entry is None:
             raise APIError(404, f"Response with id '{rid[:128]}' not found (this server keeps recent responses "
                            "only)", param="response_id", code="response_not_found")
-        return JSONResponse(entry.response)
+        return await service.json(lambda: entry.response)
 
     return [Route("/v1/responses", create, methods=["POST"]),
             Route("/v1/responses/{response_id}", retrieve, methods=["GET"])]

@@ -11,6 +11,7 @@ never behind it); the engine.
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import hmac
@@ -137,6 +138,12 @@ class Service:
     async def _on(self, pool, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
 
+    async def json(self, make) -> JSONResponse:
+        """A JSON answer, `make()`'s object, built and serialised on the parse pool: an object as
+        large as a body (a stored response, an echo of a request's instructions and tools) must
+        not hold the event loop."""
+        return await self._on(self.parse_pool, lambda: JSONResponse(make()))
+
     async def read(self, request: Request, parse):
         """Admission up to the queue: the key, the body (size), then on the parse pool the JSON
         (nesting, items) and `parse(body)` (the protocol's checks) → what `parse` returns."""
@@ -152,18 +159,25 @@ class Service:
         (media under the request's budget, template, tokens), then the engine. → (req, prepared,
         extra, handle); with submit=False (a token count) nothing is queued and handle is None.
         `then(req)` runs on the event loop after parsing (what only the loop may read: the store)."""
+        async with self.queued(request, parse, then) as (req, slot):
+            prepared, extra = await self._on(self.prepare_pool, build, req)
+            if not submit:
+                return req, prepared, extra, None
+            return req, prepared, extra, self.submit(prepared, slot)
+
+    @contextlib.asynccontextmanager
+    async def queued(self, request: Request, parse, then=None):
+        """`read`, `then(req)`, then a place in the queue (a 503 when it is full) → (req, slot),
+        the slot released on the way out (a submitted request's slot is already its place)."""
         req = await self.read(request, parse)
         if then is not None:
             then(req)
         slot = self.engine.reserve()
         self.built += 1
         try:
-            prepared, extra = await self._on(self.prepare_pool, build, req)
-            if not submit:
-                return req, prepared, extra, None
-            return req, prepared, extra, self.submit(prepared, slot)
+            yield req, slot
         finally:
-            slot.release()  # (a submitted request's slot is already its place in the queue)
+            slot.release()
 
     def submit(self, prepared, slot=None):
         if self.stopping:
@@ -196,39 +210,42 @@ class Service:
         done = await self.collect(request, handle, on_token=writer.token)
         if done is None:  # the client went away
             return JSONResponse({}, status_code=499)
-        writer.done(done)
+        await self._on(self.parse_pool, writer.done, done)  # its events may repeat the request (stream's)
         if options.get("on_done") is not None:
             await _completed(options["on_done"]())
-        return JSONResponse(writer.result())
+        return await self.json(writer.result)
 
     async def stream(self, handle, writer, encode, *, ping=None, on_done=None, end: str = ""):
         """One answer's server-sent events, for every protocol: `writer` (the protocol's) turns the
         engine's events into its own (start(), token(ev), done(ev), failed(APIError)) and `encode`
         each into SSE text; `ping` (seconds, event) is sent while nothing comes (a long prefill);
         `on_done()` runs once the answer is whole (awaited, if it returns an awaitable, before the
-        last events go out); `end` is the stream's last line."""
+        last events go out); `end` is the stream's last line. The first and last events may repeat
+        the request (a response object echoes its instructions and tools): they are built and
+        encoded on the parse pool, a token's on the event loop."""
+        def text(events) -> str:
+            return "".join(encode(e) for e in events)
+
         finished = False
         try:
-            for e in writer.start():
-                yield encode(e)
+            yield await self._on(self.parse_pool, lambda: text(writer.start()))
             while not finished:
                 ev = await self.next_event(handle, ping[0] if ping else None)
                 if ev is None:
                     yield encode(ping[1])
                     continue
                 if isinstance(ev, TokenEvent):
-                    events = writer.token(ev)
-                else:
-                    finished = True
-                    events = writer.failed(ev.error) if isinstance(ev, ErrorEvent) else writer.done(ev)
-                    if isinstance(ev, DoneEvent) and on_done is not None:
-                        await _completed(on_done())
-                for e in events:
-                    yield encode(e)
+                    yield text(writer.token(ev))
+                    continue
+                finished = True
+                last = await self._on(self.parse_pool, lambda: text(
+                    writer.failed(ev.error) if isinstance(ev, ErrorEvent) else writer.done(ev)))
+                if isinstance(ev, DoneEvent) and on_done is not None:
+                    await _completed(on_done())
+                yield last
         except Exception as e:  # noqa: BLE001 — the headers are sent: end the stream with an error event
             finished = True
-            for x in writer.failed(as_api_error(e)):
-                yield encode(x)
+            yield text(writer.failed(as_api_error(e)))
         finally:
             self.release(handle, finished)
         if end:

@@ -19,7 +19,7 @@ import asyncio
 import collections
 import sys
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from .conversation import Turn
 
@@ -100,12 +100,13 @@ class ResponseStore:
         """Keep a response; False when it alone is over the bytes or the objects (then it is not kept)."""
         return self._insert(rid, self.measure(rid, turns, response, set(self._turns)))
 
-    async def keep(self, rid: str, turns: List[Turn], response: dict, pool=None) -> bool:
-        """`put`, with the walk over the entry's objects (up to MAX_ENTRY_OBJECTS) on `pool`'s
-        thread and only the bookkeeping on the event loop. Awaited before the response is sent, so
-        a follow-up naming it finds it."""
+    async def keep(self, rid: str, turns: List[Turn], response: Callable[[], dict], pool=None) -> bool:
+        """`put`, with the response object made (`response()`) and the walk over the entry's objects
+        (up to MAX_ENTRY_OBJECTS) on `pool`'s thread, only the bookkeeping on the event loop.
+        Awaited before the response is sent, so a follow-up naming it finds it."""
         known = set(self._turns)
-        measured = await asyncio.get_running_loop().run_in_executor(pool, self.measure, rid, turns, response, known)
+        measured = await asyncio.get_running_loop().run_in_executor(
+            pool, lambda: self.measure(rid, turns, response(), known))
         return self._insert(rid, measured)
 
     def measure(self, rid: str, turns: List[Turn], response: dict, known) -> Optional["Measured"]:
