@@ -147,8 +147,11 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         positions = prepared.position_ids[:, :, start:end]
         deepstack = [d[:, start:end] for d in prepared.deepstack]
         offset = cache[0].size() if cache else 0
+        # "causal" even for a one-token chunk (the same attention as no mask): a prefill chunk goes
+        # through the layers, never the CPU path's decode stack, whose arithmetic differs, so a
+        # position's numbers do not depend on where the chunks end.
         mask = self.make_mask(attention_mask, end - start, offset + end - start)
-        return self.language_model(embeds, positions, mask, cache, deepstack, last)
+        return self.language_model(embeds, positions, "causal" if mask is None else mask, cache, deepstack, last)
 
     def make_cache(self):
         """One KV cache per decoder layer, of the type the installed backend reads."""

@@ -194,9 +194,10 @@ def fuzz(model, processor, seed, count, backend_kinds=("float", "8", "4")):
     return len(asks), len(asks) - len(differ), differ
 
 
-@pytest.mark.parametrize("fixture, backend, seed", [("tiny-a", "cpu", 1), ("tiny-moe", "mlx", 2)])
-def test_random_schedules_each_row_equals_alone(processor, on_cpu, fixture, backend, seed):
-    model = load_fixture_model(fixture, backend=backend)
+@pytest.mark.parametrize("fixture, backend, seed", [("tiny-a", "cpu", 1), ("tiny-a", "cpu-all", 3),
+                                                    ("tiny-moe", "mlx", 2)])
+def test_random_schedules_each_row_equals_alone(processor, on_cpu, monkeypatch, fixture, backend, seed):
+    model = model_for(fixture, backend, monkeypatch)
     n, equal, differ = fuzz(model, processor, seed, 10)
     assert equal == n, differ
 
@@ -206,10 +207,21 @@ if __name__ == "__main__":  # the fuzz by hand: python tests/test_cache_rows.py 
     mx.set_default_device(mx.cpu)
     proc = M.Processor.from_pretrained(FIXTURES / "tiny-a")
     total = same = 0
-    for fixture, backend in (("tiny-a", "cpu"), ("tiny-a", "mlx"), ("tiny-moe", "cpu"), ("tiny-moe", "mlx")):
+    for fixture, backend in (("tiny-a", "cpu"), ("tiny-a", "cpu-all"), ("tiny-a", "mlx"), ("tiny-moe", "cpu"),
+                             ("tiny-moe", "mlx")):
+        if backend == "cpu-all":  # the CPU path for every size, as on the 2B model
+            from conftest import ALL_SIZES
+            from mlx_qwen3vl.cpu import kernels
+
+            saved = {name: getattr(kernels, name) for name in ALL_SIZES}
+            for name in ALL_SIZES:
+                setattr(kernels, name, 0)
         model = load_fixture_model(fixture, backend=backend)
         for seed in range(max(1, count // 20)):
             n, e, differ = fuzz(model, proc, 1000 + seed, 20)
             total, same = total + n, same + e
             print(f"{fixture} {backend} seed {1000 + seed}: {n} requests, {e} equal", *differ, flush=True)
+        if backend == "cpu-all":
+            for name, value in saved.items():
+                setattr(kernels, name, value)
     print(f"{total} requests, {same} equal")

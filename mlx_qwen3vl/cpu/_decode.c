@@ -552,12 +552,13 @@ static inline __attribute__((always_inline)) void tile16(const float *a, const f
         for (; n + (NBV) <= n1; n += (NBV)) TILE(a, w, out, K, N, n, MG, NBV);                 \
         for (; n < n1; n++) TILE(a, w, out, K, N, n, MG, 1);                                   \
     }
-/* Weight rows per tile for mg rows: 16 AVX2 registers (v8f), 32 AVX-512 ones (v16f). */
+/* Weight rows per tile for mg rows: 16 AVX2 registers (v8f), 32 AVX-512 ones (v16f: 6 rows x 4 weight rows
+ * = 24 accumulators, the widest tile that fits; a tile's shape never changes an element's sum). */
 #define NB8(mg) ((mg) <= 2 ? 4 : (mg) <= 3 ? 3 : (mg) <= 5 ? 2 : 1)
-#define NB16(mg) ((mg) <= 4 ? 4 : (mg) <= 6 ? 3 : 2)
+#define NB16(mg) ((mg) <= 6 ? 4 : 2)
 #define GROUP8 4
-#define GROUP16 8
-#define PANEL 16 /* weight rows each group of `a` rows reads in turn (from cache after the first) */
+#define GROUP16 6
+#define PANEL 64 /* weight rows each group of `a` rows reads in turn (from cache after the first) */
 
 static inline __attribute__((always_inline)) void panel8(const float *a, const float *w, float *out, Py_ssize_t K,
                                                          Py_ssize_t N, Py_ssize_t n0, Py_ssize_t n1, int mg) {

@@ -34,8 +34,10 @@ class Attention(language.Attention):
         """A prefill chunk over a quantized cache: MLX's quantized matmuls on the CPU device are far
         slower than BLAS for many queries (benchmarks/README.md, "Quantized KV cache and the disk tier"), so this
         layer's keys and values are unpacked for the chunk and dropped after it, one layer at a
-        time, never the whole cache. One query (decode) reads the packed cache as it is."""
-        if q.shape[2] == 1:
+        time, never the whole cache. One query of a decode step reads the packed cache as it is;
+        a prefill chunk of one token (mask "causal") is a chunk like any other, so its numbers are
+        the ones a longer chunk gives that position."""
+        if q.shape[2] == 1 and not isinstance(mask, str):
             return super().attend_quantized(q, k, v, mask, bits, group_size)
         k, v = (mx.dequantize(*t, group_size=group_size, bits=bits).astype(q.dtype) for t in (k, v))
         return self.attend(q, k, v, mask)

@@ -1,8 +1,10 @@
-"""How many BLAS threads the CPU path's matmuls use: all cores on a quiet machine, fewer when
-other processes want them.
+"""How many threads the CPU path's matmuls use: all cores on a quiet machine, fewer when other
+processes want them. The count splits matmul_rows' columns (kernels.py; an element's result does
+not depend on it) and is set in the BLAS libraries (MLX's own matmuls, and numpy's where the C
+extension is not built).
 
-A decode step makes ~200 GEMVs through numpy's OpenBLAS. With two threads each GEMV is split in
-halves and returns only when both are done, so on an oversubscribed machine every GEMV waits for
+A decode step makes ~200 matrix-vector products. With two threads each is split in halves and
+returns only when both are done, so on an oversubscribed machine every GEMV waits for
 its second thread to be scheduled, while one thread keeps its fair share of a core. On a quiet
 machine the second thread is worth having, so the count is chosen per forward from what the
 scheduler reports: the runnable tasks that are not ours. Measured: benchmarks/README.md, "BLAS
