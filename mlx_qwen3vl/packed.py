@@ -18,13 +18,21 @@ class PackedRows:
         for n in lengths:
             self.bounds.append(self.bounds[-1] + int(n))
 
-    def attend(self, attend, q, k, v):
+    def attend(self, attend, q, k, v, last=None):
         """q (1, H, N, D), k / v (1, Hkv, N, D) of the packed sequence → (1, H, N, D): each row's
-        slice through `attend(q, k, v, mask, cache)` against its own cache, causal within it."""
+        slice through `attend(q, k, v, mask, cache)` against its own cache, causal within it;
+        with `last`, only each row's last `last` queries (every key and value still cached)."""
         outs = []
         for c, a, b in zip(self.caches, self.bounds, self.bounds[1:]):
-            outs.append(attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], "causal" if b - a > 1 else None, c))
+            queries = q[:, :, a:b] if last is None else q[:, :, max(a, b - last):b]
+            mask = "causal" if queries.shape[2] > 1 else None  # lower-right aligned: holds for the last queries
+            outs.append(attend(queries, k[:, :, a:b], v[:, :, a:b], mask, c))
         return mx.concatenate(outs, axis=2)
+
+    def last_positions(self, x, last: int):
+        """x (1, N, ...) at each row's last `last` positions, in packing order."""
+        index = [i for a, b in zip(self.bounds, self.bounds[1:]) for i in range(max(a, b - last), b)]
+        return x[:, mx.array(index)]
 
     def depend_on(self, x):
         """A pipeline stage's send, evaluated with the rows' caches (kv_cache's depend_on)."""

@@ -371,7 +371,7 @@ def test_short_prompts_waiting_together_are_prefilled_in_one_forward_each_equal_
     4-bit, each row's positions its own: one continues a cached prefix that holds an image, so its
     text positions carry a rope delta), rows of very different lengths (6 to ~150 new tokens)
     finishing at different steps (one at its prefill); each answer equals generate() on its
-    conversation alone."""
+    conversation alone. The final layer's MLP runs on each row's last position only."""
     from conftest import cpu_path_for_every_size
 
     if backend == "cpu-all":
@@ -392,9 +392,14 @@ def test_short_prompts_waiting_together_are_prefilled_in_one_forward_each_equal_
             (conversation("Read this log: " + "step 7 failed, retrying; " * 24), 3, 0)]
     wants = [M.generate(model, processor, messages=m, max_tokens=n, ignore_eos=True, **kvs[k]).token_ids
              for m, n, k in asks]
+    final, seen = model.language_model.layers[-1], []
+    call = type(final.mlp).__call__
+    monkeypatch.setattr(type(final.mlp), "__call__",
+                        lambda mlp, x: (mlp is final.mlp and seen.append(x.shape[1])) or call(mlp, x))
     ids = [engine.add(Request(encode_prompt(processor, messages=m), M.SamplingParams(max_tokens=n, ignore_eos=True),
                               kv=KVSettings.build(**kvs[k]))) for m, n, k in asks]
     out = drive(engine)
     assert [tokens_of(out[i]) for i in ids] == wants
+    assert max(seen) <= len(asks)  # a packed forward's final layer ran each row's last position only
     assert done_of(out[ids[0]]).cached_tokens > turn1.prompt_tokens - 2  # its prefix came from the cache
     assert engine.metrics["prefills_together"] == 3 and engine.metrics["prefilled_together"] == len(asks)

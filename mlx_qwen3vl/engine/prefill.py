@@ -304,9 +304,9 @@ def prefill_together(jobs):
     deepstack = [mx.concatenate([p.deepstack[k] if p.deepstack else mx.zeros((1, n, embeds.shape[2]), embeds.dtype)
                                  for p, n in zip(preps, lengths)], axis=1) for k in range(taps)]
     rows = list(zip(*(j.cache for j in jobs)))  # per layer: the rows' own caches
-    hidden = model.language_model(embeds, positions, None, [PackedRows(layer, lengths) for layer in rows], deepstack)
-    last = np.cumsum(lengths) - 1
-    logits = model.logits(hidden[0, mx.array(last)])
+    packed = [PackedRows(layer, lengths) for layer in rows]
+    hidden = model.language_model(embeds, positions, None, packed, deepstack, last=1)  # each row's last position
+    logits = model.logits(hidden[0])
     cache = [type(layer[0]).merge(layer) for layer in rows]
     rope_deltas = mx.concatenate([p.rope_deltas for p in preps])
     ends = mx.array([j.start + j.length for j in jobs])
