@@ -25,8 +25,9 @@ class PackedRows:
         outs = []
         for c, a, b in zip(self.caches, self.bounds, self.bounds[1:]):
             queries = q[:, :, a:b] if last is None else q[:, :, max(a, b - last):b]
-            mask = "causal" if queries.shape[2] > 1 else None  # lower-right aligned: holds for the last queries
-            outs.append(attend(queries, k[:, :, a:b], v[:, :, a:b], mask, c))
+            # "causal" even for one query (lower-right aligned: all its keys), so a row's last query
+            # takes the attention a lone prefill's does, bit for bit on the CPU path
+            outs.append(attend(queries, k[:, :, a:b], v[:, :, a:b], "causal", c))
         return mx.concatenate(outs, axis=2)
 
     def last_positions(self, x, last: int):
