@@ -9,6 +9,7 @@ import mlx.nn as nn
 from .attention import scaled_dot_product_attention
 from .config import TextConfig
 from .moe import SparseMoeBlock
+from .packed import PackedRows
 from .rope import TextRotary
 
 
@@ -28,24 +29,31 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def __call__(self, x, rope, mask, cache=None, last=None):
-        """`last`: only the last `last` positions' outputs are wanted (every position's keys and
-        values still go to the cache)."""
+        """`last`: only the last `last` positions' outputs are wanted, of each packed row when
+        `cache` is a PackedRows (every position's keys and values still go to the cache)."""
         B, L, _ = x.shape
         q, k, v = self.project(x)
         q = self.q_norm(q.reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q, k = rope(q), rope(k)
-        if last is not None and last < L:
-            q, L = q[:, :, -last:], last
-            mask = mask[..., -last:, :] if isinstance(mask, mx.array) else mask  # "causal" is lower-right aligned
+        if isinstance(cache, PackedRows):  # several rows' tokens in one sequence: each attends to its own cache
+            out = cache.attend(self.attend_cached, q, k, v, last)
+            L = out.shape[2]
+        else:
+            if last is not None and last < L:
+                q, L = q[:, :, -last:], last
+                mask = mask[..., -last:, :] if isinstance(mask, mx.array) else mask  # "causal" is lower-right aligned
+            out = self.attend_cached(q, k, v, mask, cache)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def attend_cached(self, q, k, v, mask, cache):
+        """The new keys and values into `cache` (when given), then attention over all it holds."""
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         if isinstance(k, tuple):  # a quantized cache: (data, scales, biases), read as it is
-            out = self.attend_quantized(q, k, v, mask, *cache.kind)
-        else:
-            out = self.attend(q, k, v, mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+            return self.attend_quantized(q, k, v, mask, *cache.kind)
+        return self.attend(q, k, v, mask)
 
     def project(self, x):
         """q, k, v: one matmul when backend.fuse built their stacked weight at load."""
@@ -107,7 +115,7 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x, rope, mask, cache=None, last=None):
         h = self.self_attn(self.input_layernorm(x), rope, mask, cache, last)
-        h = last_rows(x, h.shape[1]) + h
+        h = kept(x, h.shape[1], cache, last) + h
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -133,10 +141,12 @@ class TextModel(nn.Module):
 
     def __call__(self, inputs_embeds, position_ids, mask=None, cache=None, deepstack_embeds=None, last=None):
         """inputs_embeds (B, L, D); position_ids (3, B, L), or (B,) for a text-only chunk (see
-        TextRotary); mask None / "causal" / boolean (B, 1, L, S); deepstack_embeds: list of
-        (B, L, D) arrays, zero except at visual positions. `last`: return only the last `last`
-        positions (the end of a prefill wants one): the final layer then runs its queries,
-        output projection and MLP on those rows alone, keys and values on all.
+        TextRotary); mask None / "causal" / boolean (B, 1, L, S); cache: one per layer, or a
+        packed.PackedRows per layer for several rows packed into one sequence (B = 1, mask
+        unused); deepstack_embeds: list of (B, L, D) arrays, zero except at visual positions.
+        `last`: return only the last `last` positions (of each packed row; the end of a prefill
+        wants one): the final layer then runs its queries, output projection and MLP on those
+        positions alone, keys and values on all.
 
         DeepStack: the k-th tapped vision feature is added right after decoder layer k, i.e. to
         layers 0, 1, 2 for three taps — the LLM layer index, not the ViT block index it came from.
@@ -149,9 +159,13 @@ class TextModel(nn.Module):
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             h = layer(h, rope, mask, c, last if i == final else None)
             if i < len(deepstack_embeds):
-                h = h + last_rows(deepstack_embeds[i], h.shape[1]).astype(h.dtype)
+                h = h + kept(deepstack_embeds[i], h.shape[1], c, last).astype(h.dtype)
         return self.norm(h)
 
 
-def last_rows(a, n: int):
-    return a if a.shape[1] == n else a[:, -n:]
+def kept(a, n: int, cache, last):
+    """The positions of `a` (B, L, ...) that a layer called with `last` kept (n of them): the last
+    `last` of each packed row (PackedRows), else of the sequence; all when it kept all."""
+    if a.shape[1] == n:
+        return a
+    return cache.last_positions(a, last) if isinstance(cache, PackedRows) else a[:, -n:]

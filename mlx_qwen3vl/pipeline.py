@@ -39,7 +39,7 @@ from mlx.utils import tree_flatten
 
 from .backend import MLXBackend
 from .errors import ConfigError, InputError
-from .language import TextModel, last_rows
+from .language import TextModel, kept
 from .vision import VisionLayout
 
 
@@ -212,7 +212,7 @@ class PipelineTextModel(TextModel):
         for i, (layer, c) in enumerate(zip(self.layers, cache), start=stage.start):
             h = layer(h, rope, mask, c, last if i == stage.layers - 1 else None)
             if i < len(deepstack_embeds):
-                h = h + last_rows(deepstack_embeds[i], h.shape[1]).astype(h.dtype)
+                h = h + kept(deepstack_embeds[i], h.shape[1], c, last).astype(h.dtype)
         if stage.last:
             return self.norm(h)
         h = mx.distributed.send(h.astype(inputs_embeds.dtype), stage.rank + 1, group=stage.group)

@@ -367,10 +367,11 @@ def test_one_request_object_added_twice_gets_two_answers_and_is_left_as_it_was(p
 @pytest.mark.parametrize("name,backend", [("tiny-a", "mlx"), ("tiny-a", "cpu-all"), ("tiny-moe", "cpu-all")])
 def test_short_prompts_waiting_together_are_prefilled_in_one_forward_each_equal_alone(name, backend, monkeypatch,
                                                                                      on_cpu):
-    """Text prompts arriving together go through one forward per cache kind (float, 8-bit, 4-bit,
-    each row's positions its own: one continues a cached prefix that holds an image, so its
-    text positions carry a rope delta), rows of different lengths finishing at different steps
-    (one at its prefill); each answer equals generate() on its conversation alone."""
+    """Text prompts arriving together go through one packed forward per cache kind (float, 8-bit,
+    4-bit, each row's positions its own: one continues a cached prefix that holds an image, so its
+    text positions carry a rope delta), rows of very different lengths (6 to ~150 new tokens)
+    finishing at different steps (one at its prefill); each answer equals generate() on its
+    conversation alone. The final layer's MLP runs on each row's last position only."""
     from conftest import cpu_path_for_every_size
 
     if backend == "cpu-all":
@@ -387,12 +388,18 @@ def test_short_prompts_waiting_together_are_prefilled_in_one_forward_each_equal_
                      conversation("Tool result: clicked. What next?")[0]]
     asks = [(turn2, 7, 0), (conversation("Hello there, " * 4), 3, 0), (conversation("Short."), 1, 0),
             (conversation("Count to ten."), 5, 1), (conversation("Name a colour, please " * 3), 2, 1),
-            (conversation("Why?"), 4, 2), (conversation("Tell me a story about a cat."), 6, 2)]
+            (conversation("Why?"), 4, 2), (conversation("Tell me a story about a cat."), 6, 2),
+            (conversation("Read this log: " + "step 7 failed, retrying; " * 24), 3, 0)]
     wants = [M.generate(model, processor, messages=m, max_tokens=n, ignore_eos=True, **kvs[k]).token_ids
              for m, n, k in asks]
+    final, seen = model.language_model.layers[-1], []
+    call = type(final.mlp).__call__
+    monkeypatch.setattr(type(final.mlp), "__call__",
+                        lambda mlp, x: (mlp is final.mlp and seen.append(x.shape[1])) or call(mlp, x))
     ids = [engine.add(Request(encode_prompt(processor, messages=m), M.SamplingParams(max_tokens=n, ignore_eos=True),
                               kv=KVSettings.build(**kvs[k]))) for m, n, k in asks]
     out = drive(engine)
     assert [tokens_of(out[i]) for i in ids] == wants
+    assert max(seen) <= len(asks)  # a packed forward's final layer ran each row's last position only
     assert done_of(out[ids[0]]).cached_tokens > turn1.prompt_tokens - 2  # its prefix came from the cache
     assert engine.metrics["prefills_together"] == 3 and engine.metrics["prefilled_together"] == len(asks)

@@ -845,7 +845,7 @@ class Engine:
         is prefilling), and, when it is one decoder chunk of text (PrefillJob.one_chunk: its media
         are before its cached prefix or have their features cached), the jobs after it that are
         too and of its cache kind, admitted in turn (others passed over, keeping their order),
-        while they fit one forward: rows x the longest prompt within prefill_step_size, its FLOPs
+        while they fit one forward: their tokens (packed) within prefill_step_size, its FLOPs
         within what is left of `budget`. Requests with a cache of their own (their caller's
         cache is continued in place) or a draft model (its own prefill follows) go alone."""
         first = self.jobs[0] if self.jobs else self._admit(events)
@@ -861,7 +861,7 @@ class Engine:
             if not self._joinable(j) or j.job.cache[0].kind != kind:
                 continue
             trial = group + [j]
-            if len(trial) * max(g.job.length for g in trial) > self.prefill_step_size:
+            if sum(g.job.length for g in trial) > self.prefill_step_size:
                 break
             if budget is not None and spent + together_cost([g.job for g in trial]) > budget:
                 break

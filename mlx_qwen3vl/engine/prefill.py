@@ -17,7 +17,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..kv_settings import FLOAT, quantize_if_due
-from ..model import PreparedInputs, VisualFeatures
+from ..model import VisualFeatures
+from ..packed import PackedRows
 from ..positions import IMAGE, VIDEO
 from ..spans import media_after, media_hashes, media_spans
 from ..vision import vision_items
@@ -279,51 +280,38 @@ class PrefillJob:
 
 
 def together_cost(jobs) -> float:
-    """FLOPs of `prefill_together(jobs)`: every row padded to the longest, and the LM head per row."""
-    T = max(j.length for j in jobs)
-    return sum(j.costs.chunk(T, j.start + T) + j.costs.head for j in jobs)
+    """FLOPs of `prefill_together(jobs)`: each row's own chunk (packed: no padding) and LM head."""
+    return sum(j.costs.chunk(j.length, j.start + j.length) + j.costs.head for j in jobs)
 
 
 def prefill_together(jobs):
     """Several jobs whose rest is one chunk each (`PrefillJob.one_chunk`, caches of one kind)
-    through one forward, as mlx-lm's PromptProcessingBatch prefills several prompts: their caches
-    merged (rows right-aligned, left-padded), each row's new positions appended after its own and
-    right-padded to the longest (causal attention keeps a row's padding out of its real
-    positions), each with its own positions (text: offset + rope delta), then the padding dropped
-    (`drop_last`), leaving the rows right-aligned as a decode batch holds them.
+    through one forward, as mlx-lm's PromptProcessingBatch prefills several prompts, but packed:
+    the rows' new tokens one after another in one sequence without padding, each with its own
+    positions (text: offset + rope delta), so the token-wise work is paid for real tokens only;
+    attention splits the sequence back into rows, each row's queries against its own cache
+    (packed.PackedRows). The rows' caches are then merged (right-aligned, left-padded) as a
+    decode batch holds them.
 
     Returns (logits of each row's last position (B, V), next 1D position per row (B,), the rows'
     one merged cache); the jobs are done (their own `result` is not set)."""
     model = jobs[0].model
     lengths = [j.length for j in jobs]
-    T = max(lengths)
     preps = [j._prepared for j in jobs]
-
-    def right_pad(a, n, axis):
-        if n == T:
-            return a
-        widths = [(0, 0)] * a.ndim
-        widths[axis] = (0, T - n)
-        return mx.pad(a, widths)
-
-    embeds = mx.concatenate([right_pad(p.inputs_embeds, n, 1) for p, n in zip(preps, lengths)])
-    positions = mx.concatenate([right_pad(p.position_ids, n, 2) for p, n in zip(preps, lengths)], axis=1)
+    embeds = mx.concatenate([p.inputs_embeds for p in preps], axis=1)
+    positions = mx.concatenate([p.position_ids for p in preps], axis=2)
     taps = max(len(p.deepstack) for p in preps)
-    deepstack = [mx.concatenate([right_pad(p.deepstack[k], n, 1) if p.deepstack else mx.zeros((1, T, embeds.shape[2]),
-                                                                                               embeds.dtype)
-                                 for p, n in zip(preps, lengths)]) for k in range(taps)]
+    deepstack = [mx.concatenate([p.deepstack[k] if p.deepstack else mx.zeros((1, n, embeds.shape[2]), embeds.dtype)
+                                 for p, n in zip(preps, lengths)], axis=1) for k in range(taps)]
+    rows = list(zip(*(j.cache for j in jobs)))  # per layer: the rows' own caches
+    packed = [PackedRows(layer, lengths) for layer in rows]
+    hidden = model.language_model(embeds, positions, None, packed, deepstack, last=1)  # each row's last position
+    logits = model.logits(hidden[0])
+    cache = [type(layer[0]).merge(layer) for layer in rows]
     rope_deltas = mx.concatenate([p.rope_deltas for p in preps])
-    cache = [type(layer[0]).merge(layer) for layer in zip(*(j.cache for j in jobs))]
-    key_mask = cache[0].key_mask(T)
-    hidden = model.decode_hidden(PreparedInputs(embeds, positions, rope_deltas, deepstack), key_mask, cache, 0, T)
-    last = hidden[mx.arange(len(jobs)), mx.array(lengths) - 1]
-    logits = model.logits(last)
-    if T > min(lengths):
-        for c in cache:
-            c.drop_last([T - n for n in lengths])
     ends = mx.array([j.start + j.length for j in jobs])
     for j in jobs:
-        j.spent += j.costs.chunk(T, j.start + T) + j.costs.head
+        j.spent += j.costs.chunk(j.length, j.start + j.length) + j.costs.head
         j._next, j._prepared, j.done = j.length, None, True
     return logits, rope_deltas[:, 0] + ends, cache
 
