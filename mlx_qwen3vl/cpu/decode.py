@@ -110,9 +110,10 @@ def applies(x, position_ids, mask, caches) -> bool:
     if mask is None:
         return True
     # Any other mask (a caller's own attention_mask) runs the layers, which apply it.
+    if not (isinstance(mask, mx.array) and position_ids.ndim == 1):
+        return False
     key_mask = caches[0].key_mask(1)
-    return (isinstance(mask, mx.array) and position_ids.ndim == 1 and key_mask is not None
-            and mx.array_equal(mask, attention_mask_for(key_mask, 1)).item())
+    return key_mask is not None and mx.array_equal(mask, attention_mask_for(key_mask, 1)).item()
 
 
 def decode_tokens(text_model, x, position_ids, caches, deepstack_embeds, ops):
