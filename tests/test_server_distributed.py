@@ -235,9 +235,16 @@ def _concurrent(launch, local, checkpoint, n=6):
             [user(f"Request {k}, text only" + " please" * k)] for k in range(n)]
     wants = [generate(local, checkpoint, m, 10).text for m in jobs]
     before = launch.metrics()["decode_steps_by_batch_size"]
+    # A long answer is decoding when the others arrive, so they join its batch whatever the timing
+    # (six short requests alone may each finish before the next is admitted).
+    long = launch.client().chat.completions.create(model="m", messages=[user("Count slowly.")], max_tokens=60,
+                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
+    next(iter(long))
     with ThreadPoolExecutor(n) as pool:
         answers = list(pool.map(lambda m: launch.client().chat.completions.create(
             model="m", messages=m, max_tokens=10, temperature=0).choices[0].message.content, jobs))
+    for _ in long:
+        pass
     assert answers == wants
     after = launch.metrics()["decode_steps_by_batch_size"]
     assert sum(v - before.get(k, 0) for k, v in after.items() if int(k) >= 2) > 0, after
