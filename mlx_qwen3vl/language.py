@@ -145,8 +145,8 @@ class TextModel(nn.Module):
         packed.PackedRows per layer for several rows packed into one sequence (B = 1, mask
         unused); deepstack_embeds: list of (B, L, D) arrays, zero except at visual positions.
         `last`: return only the last `last` positions (of each packed row; the end of a prefill
-        wants one): the final layer then runs its queries, output projection and MLP on those
-        positions alone, keys and values on all.
+        wants one): the final layer then attends, projects out and runs its MLP for those positions
+        alone (its q/k/v projection still covers every position: one stacked matmul).
 
         DeepStack: the k-th tapped vision feature is added right after decoder layer k, i.e. to
         layers 0, 1, 2 for three taps — the LLM layer index, not the ViT block index it came from.

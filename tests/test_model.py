@@ -199,7 +199,7 @@ def test_cpu_decode_token_path_matches_mlx(checkpoint, batch, ops, monkeypatch, 
 @pytest.mark.parametrize("case", ["image", "batch"])
 def test_a_prefills_end_runs_the_final_layer_on_its_last_position_only(checkpoint, case, backend, monkeypatch):
     """The end of a prefill wants one position's logits: the final decoder layer runs its MLP (and
-    queries, output projection) on that row alone, keys and values on all, and the logits still
+    attention queries, output projection) on that row alone, its q/k/v projection on all, and the logits still
     equal the recorded ones (the batch case: left padding, a boolean mask); the caches hold every
     position, as the whole forward's do. With two layers the final one is also a DeepStack layer."""
     from mlx_qwen3vl.engine.prefill import prefill

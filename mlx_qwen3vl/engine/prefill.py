@@ -269,7 +269,10 @@ class PrefillJob:
         logits = self.model.logits(self._hidden[:, -1, :]) if self.head else None
         inputs = self.inputs
         ids = np.asarray(inputs["input_ids"])
-        real = np.asarray(inputs["attention_mask"]).sum(-1) if "attention_mask" in inputs else np.full(*ids.shape)
+        if "attention_mask" in inputs:
+            real = np.asarray(inputs["attention_mask"]).sum(-1)
+        else:
+            real = np.full(ids.shape[0], ids.shape[1])
         self._result = logits, self._prepared.rope_deltas[:, 0] + mx.array(real)
         self._prepared = self._hidden = None
         self.done = True
@@ -281,7 +284,11 @@ class PrefillJob:
 
 def together_cost(jobs) -> float:
     """FLOPs of `prefill_together(jobs)`: each row's own chunk (packed: no padding) and LM head."""
-    return sum(j.costs.chunk(j.length, j.start + j.length) + j.costs.head for j in jobs)
+    return sum(_own_cost(j) for j in jobs)
+
+
+def _own_cost(job) -> float:
+    return job.costs.chunk(job.length, job.start + job.length) + job.costs.head
 
 
 def prefill_together(jobs):
@@ -311,7 +318,7 @@ def prefill_together(jobs):
     rope_deltas = mx.concatenate([p.rope_deltas for p in preps])
     ends = mx.array([j.start + j.length for j in jobs])
     for j in jobs:
-        j.spent += j.costs.chunk(j.length, j.start + j.length) + j.costs.head
+        j.spent += _own_cost(j)
         j._next, j._prepared, j.done = j.length, None, True
     return logits, rope_deltas[:, 0] + ends, cache
 
