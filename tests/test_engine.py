@@ -101,6 +101,46 @@ def test_requests_join_and_leave_mid_decode_each_equal_generate(processor, backe
     assert ids[0] in steps[first - 1].tokens and ids[0] in steps[first + 1].tokens
 
 
+def test_a_first_token_goes_out_in_the_step_of_its_prefill_and_lookahead_changes_no_token(processor):
+    """On the plain graph each decode step is queued before the previous one's tokens are read
+    (lookahead). A request's first token still goes out in the step that ran its prefill, not a
+    decode step later (time to first token), and every token, log-probability and top
+    log-probability is the one handed out without lookahead: rows finishing at different steps,
+    one joining mid-decode, one wanting top log-probabilities."""
+    model = load_fixture_model("tiny-a", backend="mlx")
+    asks = [(conversation("Describe the picture.", image("img_123x77.png")), dict(max_tokens=9, ignore_eos=True)),
+            (conversation("Say something."), dict(max_tokens=3, ignore_eos=True, top_logprobs=3)),
+            (conversation("Where is it?", image("img_300x200.png")), dict(max_tokens=5, ignore_eos=True))]
+    runs = {}
+    for lookahead in (True, False):
+        engine = Engine(model, processor, max_batch=4, lookahead=lookahead)
+        ids, out, first_step = [], {}, {}
+        for step in range(40):
+            if len(ids) < len(asks) and (not ids or len(tokens_of(out.get(ids[0], []))) >= 2 * len(ids)):
+                ids.append(engine.add(request(processor, asks[len(ids)][0], **asks[len(ids)][1])))
+                first_step[ids[-1]] = step
+            for ev in engine.step():
+                out.setdefault(ev.id, []).append(ev)
+            if not engine.busy:
+                break
+        for rid in ids:  # its first token came with the step it was added before (nothing else was prefilling)
+            got = [e for e in out[rid] if isinstance(e, Token)]
+            assert got and first_step[rid] == next(i for i, s in enumerate(engine.log) if rid in s.tokens), rid
+        runs[lookahead] = [[(e.token, e.logprob, e.top_logprobs, np.asarray(e.logprobs)) for e in out[rid]
+                            if isinstance(e, Token)] for rid in ids]
+        # every token but the first ones came from a decode step, each counted once
+        runs[lookahead].append(sum(int(k) * v for k, v in engine.stats()["decode_steps_by_batch_size"].items()))
+    queued, plain = runs[True], runs[False]
+    assert [len(r) for r in queued[:3]] == [9, 3, 5] and queued[-1] == plain[-1] == 9 + 3 + 5 - 3
+    assert all(len(t[2]) == 3 for t in queued[1]) and not queued[0][0][2]
+    for a, b in zip(queued[:3], plain[:3]):  # the rows shared other batches: float rounding apart
+        assert [t[0] for t in a] == [t[0] for t in b]
+        assert [[u for u, _ in t[2]] for t in a] == [[u for u, _ in t[2]] for t in b]
+        assert np.allclose([t[1] for t in a], [t[1] for t in b], atol=1e-5)
+        assert np.allclose([[p for _, p in t[2]] for t in a], [[p for _, p in t[2]] for t in b], atol=1e-5)
+        assert all(np.allclose(x[3], y[3], atol=1e-5) and x[1] == x[3][x[0]] for x, y in zip(a, b))
+
+
 def test_screenshot_prefill_is_spread_over_steps_while_a_stream_decodes(processor):
     """A 2-megapixel screenshot arrives while one stream decodes: its prefill (vision split below
     whole blocks, then prompt chunks) spreads over many steps, each within the budget, the stream

@@ -26,7 +26,6 @@ class Row:
         self.prompt_tokens, self.cached = prompt_tokens, cached
         self.history = history  # mx.array of the tokens so far, for processors; None without them
         self.logprobs: List[float] = []  # of each chosen token
-        self.fresh = False  # its token not yet handed out came from its prefill, not a decode step
         self.kv_bytes = 0  # its share of the cache's buffers when its newest token was computed
         self.drafter = request.drafter  # speculative decoding: proposes its next tokens
         self.num_draft = request.num_draft_tokens if self.drafter is not None else 0

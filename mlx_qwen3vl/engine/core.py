@@ -441,29 +441,22 @@ class Engine:
                 self._speculate(batch, events)
                 continue
             rows = list(batch.rows)
-            fresh = [r.fresh for r in rows]
             queued = len(pending)
             try:
                 if self.lookahead:  # the next step is queued before this one's tokens are read
-                    unread = [i for i, r in enumerate(rows) if r.unread]
-                    if len(unread) == len(rows):
-                        pending.append((rows, batch.y, batch.lp, fresh))
-                    elif unread:  # after a speculative step, only rows joined since are unread
-                        index = mx.array(unread)
-                        pending.append(([rows[i] for i in unread], batch.y[index], batch.lp[index],
-                                        [fresh[i] for i in unread]))
+                    unread = [i for i, r in enumerate(rows) if r.unread]  # rows prefilled since: read
+                    if unread:
+                        pending.append(self._queue_reads(rows, unread, batch.y, batch.lp))
                     batch.measure()  # the cache the pending tokens came from
                     y, lp = batch.decode()
                     mx.async_eval(y, lp)
                     batch.y, batch.lp = y, lp
-                    for r in rows:
-                        r.fresh = False
                 else:
                     y, lp = batch.decode()
                     mx.eval(y, lp)
                     batch.y, batch.lp = y, lp
                     batch.measure()
-                    self._emit(rows, y, lp, [False] * len(rows), events)
+                    self._emit(*self._queue_reads(rows, range(len(rows)), y, lp), events)
             except Exception as e:  # noqa: BLE001 — the batch fails, the engine keeps serving
                 del pending[queued:]
                 self._fail_rows(batch.rows, e, events)
@@ -473,9 +466,9 @@ class Engine:
         spent, budget = self._prefill(events)
         self.metrics["prefill_s"] += time.perf_counter() - tic
         got = tuple(e.id for e in events if isinstance(e, Token))
-        for rows, y, lp, fresh in pending:
+        for reads in pending:
             try:
-                got += self._emit(rows, y, lp, fresh, events)
+                got += self._emit(*reads, events)
             except Exception as e:  # noqa: BLE001
                 self._fail_rows([r for r in rows if self._where(r) is not None], e, events)
         self.log.append(StepRecord(got, spent, budget, tuple(j.id for j in self.jobs)))
@@ -513,11 +506,7 @@ class Engine:
         try:
             unread = [i for i, r in enumerate(rows) if r.unread]
             if unread:
-                index = mx.array(unread)
-                self._emit([rows[i] for i in unread], batch.y[index], batch.lp[index],
-                           [rows[i].fresh for i in unread], events)
-            for r in rows:
-                r.fresh = False
+                self._emit(*self._queue_reads(rows, unread, batch.y, batch.lp), events)
             rows = list(batch.rows)
             if not rows:
                 return
@@ -542,7 +531,7 @@ class Engine:
                 mx.eval(y, lp)
                 batch.y, batch.lp = y, lp
                 batch.measure()
-                self._emit(rows, y, lp, [False] * len(rows), events)
+                self._emit(*self._queue_reads(rows, range(len(rows)), y, lp), events)
                 return
             runs = batch.verify(drafts, [r.draft_q for r in rows])
             batch.measure()
@@ -590,38 +579,47 @@ class Engine:
         row.draft_q = q[:len(drafts)] if q is not None and not row.sampler.greedy else None
         return drafts
 
-    def _emit(self, rows, y, lp, fresh, events) -> tuple:
-        """Hand out tokens y (B,) of `rows` (a batch's rows when y was made); `fresh[b]`: row b's
-        token came from its prefill. Rows that finish leave their batch."""
-        tokens = y.tolist()
-        chosen = mx.take_along_axis(lp, y[:, None], axis=-1)[:, 0].astype(mx.float32).tolist()
-        got = []
-        decoded = 0
-        done = []
-        for b, (row, token) in enumerate(zip(rows, tokens)):
-            decoded += not fresh[b]
-            self._token(row, token, lp[b], events, chosen[b])
+    def _queue_reads(self, rows, index, y, lp):
+        """What `_emit` reads of rows `index` of a batch's `rows` (y (B,), lp (B, V) made with them),
+        queued now: with lookahead the next decode step is queued after these, and an array first
+        evaluated when the tokens are handed out would wait for that step to finish."""
+        index = list(index)
+        chosen = mx.take_along_axis(lp, y[:, None], axis=-1)[:, 0].astype(mx.float32)
+        top = lp.astype(mx.float32) if any(rows[i].request.params.top_logprobs for i in index) else None
+        mx.async_eval(y, chosen, *([top] if top is not None else []))
+        return [rows[i] for i in index], index, y, lp, chosen, top
+
+    def _emit(self, rows, index, y, lp, chosen, top, events) -> tuple:
+        """Hand out the tokens of decode step rows `rows`, rows `index` of the batch y (B,), its
+        log-probabilities lp (B, V), the chosen tokens' `chosen` (B,) and, when a row wants top
+        log-probabilities, lp in float32 (`_queue_reads`). Rows that finish leave their batch."""
+        tokens, chosen = y.tolist(), chosen.tolist()
+        top = np.asarray(top) if top is not None else None
+        got, done = [], []
+        for row, b in zip(rows, index):
+            self._token(row, tokens[b], lp[b], events, chosen[b], top=top[b] if top is not None else None)
             got.append(row.id)
             if row.answer.finish:
                 done.append(row)
-        if decoded:
-            self.batch_sizes[decoded] += 1
+        if rows:
+            self.batch_sizes[len(rows)] += 1
             self.metrics["decode_steps"] += 1
         if done:
             self._leave(done, events)
         return tuple(got)
 
-    def _token(self, row: Row, token: int, logprobs, events, logprob=None, from_draft=False):
+    def _token(self, row: Row, token: int, logprobs, events, logprob=None, from_draft=False, top=None):
+        """Row `row`'s next token out as a Token event; `logprob` / `top` (the row's log-probs in
+        float32, numpy): read already, else read from `logprobs` (V,) here."""
         piece = row.answer.add(token)
         logprob = float(logprobs[token]) if logprob is None else logprob
         row.logprobs.append(logprob)
-        top = []
+        best = []
         k = row.request.params.top_logprobs
         if k:
-            lp = np.asarray(logprobs.astype(mx.float32))
-            best = np.argsort(-lp, kind="stable")[:k]
-            top = [(int(t), float(lp[t])) for t in best]
-        events.append(Token(row.id, token, piece, logprob, logprobs, top, row.answer.finish, row.kv_bytes,
+            lp = np.asarray(logprobs.astype(mx.float32)) if top is None else top
+            best = [(int(t), float(lp[t])) for t in np.argsort(-lp, kind="stable")[:k]]
+        events.append(Token(row.id, token, piece, logprob, logprobs, best, row.answer.finish, row.kv_bytes,
                             from_draft))
 
     def _leave(self, rows, events, reason=None):
@@ -909,13 +907,7 @@ class Engine:
             row.made, row.kv_bytes = 1, share
             rows.append(row)
         batch = self._batch(cache[0].kind)
-        if self.lookahead:  # their first tokens are read with the next step's
-            mx.async_eval(y, lp)
-            for row in rows:
-                row.fresh = True
-            batch.join(rows, cache, y, lp, positions)
-            return
-        mx.eval(y, lp)
+        mx.eval(y, lp)  # read at once, as _complete's
         for b, (row, token) in enumerate(zip(rows, y.tolist())):
             self._token(row, token, lp[b], events)
         keep = [b for b, row in enumerate(rows) if not row.answer.finish]
@@ -950,11 +942,8 @@ class Engine:
         cache = j.job.cache
         row.kv_bytes = cache_bytes(cache)  # the cache its first token came from
         batch = self._batch(cache[0].kind)
-        if self.lookahead:  # its first token is read with the next step's
-            mx.async_eval(y, lp)
-            row.fresh = True
-            batch.join(row, cache, y, lp, position)
-            return
+        # Read at once, lookahead or not: its first token goes out with this step's events rather
+        # than behind the next decode step (one step sooner to the first token).
         mx.eval(y, lp)
         self._token(row, int(y.item()), lp[0], events)
         if answer.finish:
