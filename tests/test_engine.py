@@ -95,10 +95,12 @@ def test_requests_join_and_leave_mid_decode_each_equal_generate(processor, backe
     assert stopped.token_ids == wants[3].token_ids[:len(stopped.token_ids)]
     assert cancelled_after <= len(stopped.token_ids) < len(wants[3].token_ids)
     assert max(int(k) for k in engine.stats()["decode_steps_by_batch_size"]) >= 3  # rows did decode together
-    # Request 1 joined mid-decode: request 0 got tokens in the steps before and after its first token.
+    # Request 1 joined mid-decode: request 0 got tokens in the steps before and with its first token,
+    # and right after (a step queued ahead hands out nothing when the step before read its tokens).
     steps = list(engine.log)
     first = next(i for i, s in enumerate(steps) if ids[1] in s.tokens)
-    assert ids[0] in steps[first - 1].tokens and ids[0] in steps[first + 1].tokens
+    assert ids[0] in steps[first - 1].tokens and ids[0] in steps[first].tokens
+    assert ids[0] in steps[first + 1].tokens + steps[first + 2].tokens
 
 
 def test_a_first_token_goes_out_in_the_step_of_its_prefill_and_lookahead_changes_no_token(processor):
@@ -114,22 +116,28 @@ def test_a_first_token_goes_out_in_the_step_of_its_prefill_and_lookahead_changes
     runs = {}
     for lookahead in (True, False):
         engine = Engine(model, processor, max_batch=4, lookahead=lookahead)
-        ids, out, first_step = [], {}, {}
+        ids, out, first_step, running = [], {}, {}, []
         for step in range(40):
             if len(ids) < len(asks) and (not ids or len(tokens_of(out.get(ids[0], []))) >= 2 * len(ids)):
                 ids.append(engine.add(request(processor, asks[len(ids)][0], **asks[len(ids)][1])))
                 first_step[ids[-1]] = step
             for ev in engine.step():
                 out.setdefault(ev.id, []).append(ev)
+            if len(ids) > 1 and step == first_step[ids[-1]]:  # a request joined: the running one's tokens
+                running.append((len(tokens_of(out[ids[0]])), step - first_step[ids[0]]))
             if not engine.busy:
                 break
         for rid in ids:  # its first token came with the step it was added before (nothing else was prefilling)
             got = [e for e in out[rid] if isinstance(e, Token)]
             assert got and first_step[rid] == next(i for i, s in enumerate(engine.log) if rid in s.tokens), rid
+        runs.setdefault("running", []).append(running)
         runs[lookahead] = [[(e.token, e.logprob, e.top_logprobs, np.asarray(e.logprobs)) for e in out[rid]
                             if isinstance(e, Token)] for rid in ids]
         # every token but the first ones came from a decode step, each counted once
         runs[lookahead].append(sum(int(k) * v for k, v in engine.stats()["decode_steps_by_batch_size"].items()))
+    # A step that prefilled hands out the token its decode made before the prefill, queued ahead or
+    # not: the running request has its first token and one from each step since.
+    assert all(len(r) == 2 and all(got == 1 + steps for got, steps in r) for r in runs["running"])
     queued, plain = runs[True], runs[False]
     assert [len(r) for r in queued[:3]] == [9, 3, 5] and queued[-1] == plain[-1] == 9 + 3 + 5 - 3
     assert all(len(t[2]) == 3 for t in queued[1]) and not queued[0][0][2]

@@ -463,14 +463,25 @@ class Engine:
         self._requantize()
         self.metrics["decode_s"] += time.perf_counter() - tic
         tic = time.perf_counter()
-        spent, budget = self._prefill(events)
+        spent, budget, prefilled = self._prefill(events)
         self.metrics["prefill_s"] += time.perf_counter() - tic
         got = tuple(e.id for e in events if isinstance(e, Token))
         for reads in pending:
             try:
                 got += self._emit(*reads, events)
             except Exception as e:  # noqa: BLE001
-                self._fail_rows([r for r in rows if self._where(r) is not None], e, events)
+                self._fail_rows([r for r in reads[0] if self._where(r) is not None], e, events)
+        if prefilled and self.lookahead:
+            # This step's decode ran before the prefill: its tokens go out now rather than after
+            # the next step's prefill too (the next decode is queued after this read: once per prefill).
+            for batch in self._running():
+                unread = [i for i, r in enumerate(batch.rows) if r.unread]
+                try:
+                    if unread:
+                        batch.measure()
+                        got += self._emit(*self._queue_reads(batch.rows, unread, batch.y, batch.lp), events)
+                except Exception as e:  # noqa: BLE001
+                    self._fail_rows(batch.rows, e, events)
         self.log.append(StepRecord(got, spent, budget, tuple(j.id for j in self.jobs)))
         self.metrics["steps"] += 1
         if self.flush_when_idle and self.prefix.disk is not None and not self.busy:
@@ -794,11 +805,12 @@ class Engine:
         return j
 
     def _prefill(self, events):
-        """Prefill work of this step → (FLOPs spent, budget held to or None). A request prefilled
+        """Prefill work of this step → (FLOPs spent, budget held to or None, whether any prefill
+        work was done). A request prefilled
         whole (nothing decoding, or no budget) ends the step's prefill: its first token goes out
         with this step's events, not after the next request's prefill too. Short text prompts
         waiting together go through one forward (`_together`)."""
-        spent, held = 0.0, None
+        spent, held, worked = 0.0, None, False
         evaluate = "async" if self.lookahead else True
         while True:
             budget = self.budget_flops if (self.budget_flops and self.rows) else None
@@ -810,6 +822,7 @@ class Engine:
                 held = budget
                 if spent >= budget:
                     break
+            worked = True
             if len(group) > 1:
                 spent += self._prefill_together(group, events)
                 if budget is None:
@@ -830,7 +843,7 @@ class Engine:
                 if j in self.jobs:
                     self.jobs.remove(j)
                 self._fail_job(j, e, events)
-        return spent, held
+        return spent, held, worked
 
     def _fail_job(self, j: _Job, error, events):
         self._drop_job(j)
