@@ -444,7 +444,7 @@ class Engine:
             queued = len(pending)
             try:
                 if self.lookahead:  # the next step is queued before this one's tokens are read
-                    unread = [i for i, r in enumerate(rows) if r.unread]  # rows prefilled since: read
+                    unread = [i for i, r in enumerate(rows) if r.unread]  # not those read at their prefill
                     if unread:
                         pending.append(self._queue_reads(rows, unread, batch.y, batch.lp))
                     batch.measure()  # the cache the pending tokens came from
@@ -601,9 +601,10 @@ class Engine:
         return [rows[i] for i in index], index, y, lp, chosen, top
 
     def _emit(self, rows, index, y, lp, chosen, top, events) -> tuple:
-        """Hand out the tokens of decode step rows `rows`, rows `index` of the batch y (B,), its
-        log-probabilities lp (B, V), the chosen tokens' `chosen` (B,) and, when a row wants top
-        log-probabilities, lp in float32 (`_queue_reads`). Rows that finish leave their batch."""
+        """Hand out a decode step's tokens of `rows`, rows `index` of its y (B,), with lp (B, V),
+        the chosen tokens' log-probabilities `chosen` (B,) and, when a row wants top
+        log-probabilities, lp in float32 (`top`), as `_queue_reads` queued them. Rows that finish
+        leave their batch."""
         tokens, chosen = y.tolist(), chosen.tolist()
         top = np.asarray(top) if top is not None else None
         got, done = [], []
