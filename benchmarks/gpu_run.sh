@@ -19,6 +19,8 @@
 #                        screenshot, vision head dims 64 and 72, the plain graph against mlx-vlm (when installed)
 #   graph-ops.json       benchmarks/graph_ops.py: ops of a decode step and a vision block, ours vs mlx-vlm
 #   decode-gap.json      benchmarks/decode_gap.py: decode and first token against mlx-vlm, interleaved (needs mlx-vlm)
+#   host-overlap.json    benchmarks/host_overlap.py: a decode step with 0, 5 and 20 ms of the caller's work per
+#                        token, queued ahead (the GPU computes meanwhile) and not
 #   server-text-agents.json  benchmarks/bench_server.py --text: 16 agents sending text-only turns to our server
 #                        (h-mid checkpoint), short prompts prefilled together
 #
@@ -101,6 +103,10 @@ if python -c "import mlx_vlm" 2>/dev/null; then
   step "decode gap against mlx-vlm" \
     python benchmarks/decode_gap.py --model "$models/vision-memory/6x6/qwen3vl-h-mid-random" --out "$out-decode-gap.json"
 fi
+
+step "host work overlapped with decode" \
+  python benchmarks/host_overlap.py --model "$models/vision-memory/6x6/qwen3vl-h-mid-random" --host-ms 0,5,20 \
+    --out "$out-host-overlap.json"
 
 step "server, 16 agents' text-only turns" \
   python benchmarks/bench_server.py --model "$models/vision-memory/6x6/qwen3vl-h-mid-random" --servers ours --text \
