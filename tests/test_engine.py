@@ -3,6 +3,9 @@ budget (a screenshot's prefill spread over steps while a stream decodes, the vis
 below whole blocks), memory admission, the prefix cache's index, entries sized to their tokens,
 and time limits. Every answer is compared with generate() on the same conversation."""
 
+import importlib
+import re
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -147,6 +150,34 @@ def test_a_first_token_goes_out_in_the_step_of_its_prefill_and_lookahead_changes
         assert np.allclose([t[1] for t in a], [t[1] for t in b], atol=1e-5)
         assert np.allclose([[p for _, p in t[2]] for t in a], [[p for _, p in t[2]] for t in b], atol=1e-5)
         assert all(np.allclose(x[3], y[3], atol=1e-5) and x[1] == x[3][x[0]] for x, y in zip(a, b))
+
+
+def test_with_lookahead_every_read_is_queued_before_the_work_queued_after_it(processor, monkeypatch):
+    """A read queued behind other work waits for it: in every step, the tokens to hand out are
+    queued before any batch's next decode (a float and an 8-bit batch), and this step's tokens
+    before any prefill chunk (a budgeted prefill runs asynchronously while rows decode)."""
+    batch_mod, core, prefill_mod = (importlib.import_module(f"mlx_qwen3vl.engine.{m}") for m in ("batch", "core", "prefill"))
+    order = []
+    for owner, name, mark in ((core.Engine, "_queue_reads", "R"), (batch_mod.Batch, "decode", "D"),
+                              (prefill_mod.PrefillJob, "_run_one", "P"), (core.Engine, "_step", "|")):
+        def logged(*a, _f=getattr(owner, name), _m=mark, **k):
+            order.append(_m)
+            return _f(*a, **k)
+        monkeypatch.setattr(owner, name, logged)
+    model = load_fixture_model("tiny-a", backend="mlx")
+    engine = Engine(model, processor, max_batch=4, lookahead=True, prefill_budget=64)
+    ask = lambda text, n, kv=None: Request(encode_prompt(processor, messages=conversation(text)),  # noqa: E731
+                                           M.SamplingParams(max_tokens=n, ignore_eos=True), kv=kv)
+    ids = [engine.add(ask("Say something.", 12)), engine.add(ask("Say more things.", 12, KVSettings.build(8, 32, 0)))]
+    out = drive(engine, until=lambda out: len(tokens_of(out.get(ids[0], []))) >= 3)
+    ids.append(engine.add(ask("word " * 300, 2)))
+    drive(engine, out=out)
+    steps = "".join(order).split("|")[1:]
+    assert sum(s.count("P") > 1 for s in steps) >= 2 and any("DD" in s for s in steps)  # spread; two batches
+    bad = [s for s in steps if not re.fullmatch("R*D*R*P*", s)]
+    assert not bad, bad
+    for rid, n in zip(ids, (12, 12, 2)):
+        assert len(tokens_of(out[rid])) == n and tokens_of(out[rid]) == done_of(out[rid]).token_ids
 
 
 def test_screenshot_prefill_is_spread_over_steps_while_a_stream_decodes(processor):

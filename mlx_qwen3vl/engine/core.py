@@ -436,7 +436,14 @@ class Engine:
             self._apply_cancels(events)
         pending = []
         tic = time.perf_counter()
-        for batch in self._running():
+        running = self._running()
+        ahead = {}
+        if self.lookahead:  # every batch's reads before any batch's next decode: none waits for another's
+            for batch in running:
+                unread = [i for i, r in enumerate(batch.rows) if r.unread]
+                if unread and not any(r.num_draft for r in batch.rows):
+                    ahead[id(batch)] = self._queue_reads(list(batch.rows), unread, batch.y, batch.lp)
+        for batch in running:
             if any(r.num_draft for r in batch.rows):
                 self._speculate(batch, events)
                 continue
@@ -444,9 +451,8 @@ class Engine:
             queued = len(pending)
             try:
                 if self.lookahead:  # the next step is queued before this one's tokens are read
-                    unread = [i for i, r in enumerate(rows) if r.unread]  # not those read at their prefill
-                    if unread:
-                        pending.append(self._queue_reads(rows, unread, batch.y, batch.lp))
+                    if id(batch) in ahead:
+                        pending.append(ahead[id(batch)])
                     batch.measure()  # the cache the pending tokens came from
                     y, lp = batch.decode()
                     mx.async_eval(y, lp)
@@ -461,6 +467,14 @@ class Engine:
                 del pending[queued:]
                 self._fail_rows(batch.rows, e, events)
         self._requantize()
+        early = []
+        # This step's tokens, queued before any prefill work so that reading them after it waits
+        # for nothing queued since (a budgeted chunk runs asynchronously); handed out if it ran.
+        if self.lookahead and (self.jobs or self.waiting):
+            for batch in self._running():
+                unread = [i for i, r in enumerate(batch.rows) if r.unread]
+                if unread:
+                    early.append((batch, self._queue_reads(list(batch.rows), unread, batch.y, batch.lp)))
         self.metrics["decode_s"] += time.perf_counter() - tic
         tic = time.perf_counter()
         spent, budget, prefilled = self._prefill(events)
@@ -473,15 +487,15 @@ class Engine:
                 self._fail_rows([r for r in reads[0] if self._where(r) is not None], e, events)
         if prefilled and self.lookahead:
             # This step's decode ran before the prefill: its tokens go out now rather than after
-            # the next step's prefill too (the next decode is queued after this read: once per prefill).
-            for batch in self._running():
-                unread = [i for i, r in enumerate(batch.rows) if r.unread]
+            # the next step's prefill too (the next decode is then queued after this read).
+            for batch, (rows, index, *rest) in early:
+                keep = [(r, i) for r, i in zip(rows, index) if r.unread and self._where(r) is not None]
                 try:
-                    if unread:
+                    if keep:
                         batch.measure()
-                        got += self._emit(*self._queue_reads(batch.rows, unread, batch.y, batch.lp), events)
+                        got += self._emit([r for r, _ in keep], [i for _, i in keep], *rest, events)
                 except Exception as e:  # noqa: BLE001
-                    self._fail_rows(batch.rows, e, events)
+                    self._fail_rows([r for r, _ in keep], e, events)
         self.log.append(StepRecord(got, spent, budget, tuple(j.id for j in self.jobs)))
         self.metrics["steps"] += 1
         if self.flush_when_idle and self.prefix.disk is not None and not self.busy:
