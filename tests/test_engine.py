@@ -155,7 +155,8 @@ def test_a_first_token_goes_out_in_the_step_of_its_prefill_and_lookahead_changes
 def test_with_lookahead_every_read_is_queued_before_the_work_queued_after_it(processor, monkeypatch):
     """A read queued behind other work waits for it: in every step, the tokens to hand out are
     queued before any batch's next decode (a float and an 8-bit batch), and this step's tokens
-    before any prefill chunk (a budgeted prefill runs asynchronously while rows decode)."""
+    before any prefill chunk (a budgeted prefill runs asynchronously while rows decode); each
+    Token's row of log-probabilities is evaluated or queued with it."""
     batch_mod, core, prefill_mod = (importlib.import_module(f"mlx_qwen3vl.engine.{m}") for m in ("batch", "core", "prefill"))
     order = []
     for owner, name, mark in ((core.Engine, "_queue_reads", "R"), (batch_mod.Batch, "decode", "D"),
@@ -164,6 +165,15 @@ def test_with_lookahead_every_read_is_queued_before_the_work_queued_after_it(pro
             order.append(_m)
             return _f(*a, **k)
         monkeypatch.setattr(owner, name, logged)
+    evaluated = set()  # every array the engine evaluates or queues, by identity
+
+    def recorded(f):
+        def run(*arrays):
+            evaluated.update(id(a) for a in arrays if isinstance(a, mx.array))
+            return f(*arrays)
+        return run
+    monkeypatch.setattr(core.mx, "eval", recorded(mx.eval))
+    monkeypatch.setattr(core.mx, "async_eval", recorded(mx.async_eval))
     model = load_fixture_model("tiny-a", backend="mlx")
     engine = Engine(model, processor, max_batch=4, lookahead=True, prefill_budget=64)
     ask = lambda text, n, kv=None: Request(encode_prompt(processor, messages=conversation(text)),  # noqa: E731
@@ -178,6 +188,8 @@ def test_with_lookahead_every_read_is_queued_before_the_work_queued_after_it(pro
     assert not bad, bad
     for rid, n in zip(ids, (12, 12, 2)):
         assert len(tokens_of(out[rid])) == n and tokens_of(out[rid]) == done_of(out[rid]).token_ids
+    # and each Token's row of log-probabilities was queued with its token (reading it waits for no later step)
+    assert all(id(e.logprobs) in evaluated for events in out.values() for e in events if isinstance(e, Token))
 
 
 def test_screenshot_prefill_is_spread_over_steps_while_a_stream_decodes(processor):

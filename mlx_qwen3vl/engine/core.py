@@ -611,19 +611,20 @@ class Engine:
         index = list(index)
         chosen = mx.take_along_axis(lp, y[:, None], axis=-1)[:, 0].astype(mx.float32)
         top = lp.astype(mx.float32) if any(rows[i].request.params.top_logprobs for i in index) else None
-        mx.async_eval(y, chosen, *([top] if top is not None else []))
-        return [rows[i] for i in index], index, y, lp, chosen, top
+        own = {i: lp[i] for i in index}  # each Token's logprobs, which its reader may evaluate
+        mx.async_eval(y, chosen, *own.values(), *([top] if top is not None else []))
+        return [rows[i] for i in index], index, y, own, chosen, top
 
-    def _emit(self, rows, index, y, lp, chosen, top, events) -> tuple:
-        """Hand out a decode step's tokens of `rows`, rows `index` of its y (B,), with lp (B, V),
-        the chosen tokens' log-probabilities `chosen` (B,) and, when a row wants top
-        log-probabilities, lp in float32 (`top`), as `_queue_reads` queued them. Rows that finish
-        leave their batch."""
+    def _emit(self, rows, index, y, own, chosen, top, events) -> tuple:
+        """Hand out a decode step's tokens of `rows`, rows `index` of its y (B,), with their rows of
+        its log-probabilities (`own`, by index), the chosen tokens' log-probabilities `chosen` (B,)
+        and, when a row wants top log-probabilities, all of them in float32 (`top`), as
+        `_queue_reads` queued them. Rows that finish leave their batch."""
         tokens, chosen = y.tolist(), chosen.tolist()
         top = np.asarray(top) if top is not None else None
         got, done = [], []
         for row, b in zip(rows, index):
-            self._token(row, tokens[b], lp[b], events, chosen[b], top=top[b] if top is not None else None)
+            self._token(row, tokens[b], own[b], events, chosen[b], top=top[b] if top is not None else None)
             got.append(row.id)
             if row.answer.finish:
                 done.append(row)
@@ -935,9 +936,10 @@ class Engine:
             row.made, row.kv_bytes = 1, share
             rows.append(row)
         batch = self._batch(cache[0].kind)
-        mx.eval(y, lp)  # read at once, as _complete's
+        own = [lp[b] for b in range(len(rows))]  # each Token's logprobs, read later
+        mx.eval(y, lp, *own)  # read at once, as _complete's
         for b, (row, token) in enumerate(zip(rows, y.tolist())):
-            self._token(row, token, lp[b], events)
+            self._token(row, token, own[b], events)
         keep = [b for b, row in enumerate(rows) if not row.answer.finish]
         for b, row in enumerate(rows):
             if row.answer.finish:
@@ -972,8 +974,9 @@ class Engine:
         batch = self._batch(cache[0].kind)
         # Read at once, lookahead or not: its first token goes out with this step's events rather
         # than behind the next decode step (one step sooner to the first token).
-        mx.eval(y, lp)
-        self._token(row, int(y.item()), lp[0], events)
+        own = lp[0]  # its Token's logprobs, read later
+        mx.eval(y, lp, own)
+        self._token(row, int(y.item()), own, events)
         if answer.finish:
             if r.cache is None:
                 if self.prefix.max_bytes:
