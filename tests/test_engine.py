@@ -165,11 +165,11 @@ def test_with_lookahead_every_read_is_queued_before_the_work_queued_after_it(pro
             order.append(_m)
             return _f(*a, **k)
         monkeypatch.setattr(owner, name, logged)
-    evaluated = set()  # every array the engine evaluates or queues, by identity
+    evaluated = {}  # every array the engine evaluates or queues, by identity (held, so no id is reused)
 
     def recorded(f):
         def run(*arrays):
-            evaluated.update(id(a) for a in arrays if isinstance(a, mx.array))
+            evaluated.update((id(a), a) for a in arrays if isinstance(a, mx.array))
             return f(*arrays)
         return run
     monkeypatch.setattr(core.mx, "eval", recorded(mx.eval))
@@ -189,7 +189,8 @@ def test_with_lookahead_every_read_is_queued_before_the_work_queued_after_it(pro
     for rid, n in zip(ids, (12, 12, 2)):
         assert len(tokens_of(out[rid])) == n and tokens_of(out[rid]) == done_of(out[rid]).token_ids
     # and each Token's row of log-probabilities was queued with its token (reading it waits for no later step)
-    assert all(id(e.logprobs) in evaluated for events in out.values() for e in events if isinstance(e, Token))
+    assert all(evaluated.get(id(e.logprobs)) is e.logprobs for events in out.values() for e in events
+               if isinstance(e, Token))
 
 
 def test_screenshot_prefill_is_spread_over_steps_while_a_stream_decodes(processor):
