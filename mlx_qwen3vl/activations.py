@@ -15,7 +15,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import language, rope, vision
+from . import spread, language, rope, vision
 
 
 @partial(mx.compile, shapeless=True)
@@ -38,20 +38,18 @@ def gelu_tanh(x):
 # memory bandwidth; its weight's row blocks on separate CPU streams (each its own thread) are read
 # by every core. Each output element is the same dot product, so the result is bit for bit the
 # same (benchmarks/README.md, "The plain MLX graph").
-PARTS = 2
 FEW_ROWS = 4  # beyond this many rows BLAS threads the product itself
 # Narrower weights stay whole: a narrow product goes to other BLAS kernels (their sums in another
 # order, so not bit for bit: a 4 x 17 product split 9 + 8) and gains nothing from a second core.
 MIN_ROWS = 64
-_streams = []
 
 
 def row_blocks(w):
-    """w's PARTS row blocks, views of it (no copy); a tuple, which nn.Module neither counts among its
+    """w's spread.PARTS row blocks, views of it (no copy); a tuple, which nn.Module neither counts among its
     parameters nor walks as children. None for a weight of fewer than MIN_ROWS rows."""
     if w.shape[0] < MIN_ROWS:
         return None
-    step = -(-w.shape[0] // PARTS)
+    step = -(-w.shape[0] // spread.PARTS)
     blocks = tuple(w[a:a + step] for a in range(0, w.shape[0], step))
     mx.eval(blocks)
     return blocks
@@ -61,14 +59,12 @@ def matmul(x, w, blocks=None):
     """x @ w.T; for a few rows of x, as one product per row block of w, each on its own CPU stream."""
     if blocks is None or x.size // x.shape[-1] > FEW_ROWS:
         return x @ w.T
-    if not _streams:
-        _streams.extend(mx.new_stream(mx.cpu) for _ in range(PARTS))
-    return mx.concatenate([mx.matmul(x, b.T, stream=s) for b, s in zip(blocks, _streams)], axis=-1)
+    return mx.concatenate([mx.matmul(x, b.T, stream=s) for b, s in zip(blocks, spread.streams())], axis=-1)
 
 
 class MLP(language.MLP):
     def __call__(self, x):
-        return self.down_proj(swiglu(*self.gate_up(x)))
+        return self.down_proj(spread.by_rows(swiglu, *self.gate_up(x)))
 
     def gate_up(self, x):
         blocks = self.get("_gate_up_blocks")
@@ -99,7 +95,7 @@ class VisionMLP(vision.VisionMLP):
     def __call__(self, x):
         if vision.ACTIVATIONS[self.hidden_act] is not vision.gelu_tanh:  # a config's exact GELU
             return super().__call__(x)
-        return self.linear_fc2(gelu_tanh(self.linear_fc1(x)))
+        return self.linear_fc2(spread.by_rows(gelu_tanh, self.linear_fc1(x)))
 
 
 class TextRotary(rope.TextRotary):

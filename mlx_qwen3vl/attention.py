@@ -6,9 +6,14 @@ heads of the 4B/8B/30B vision towers on a Mac) MLX computes heads × queries × 
 their softmax as whole arrays: one 1080p screenshot is 16 × 8160² floats per vision layer. Each
 query's row of the softmax sees the same keys in any split of the queries, so chunking is exact
 up to float summation order.
+
+On the CPU device MLX runs that unfused path as plain ops, one thread each; here the same ops run
+with the softmax's rows split over CPU streams (spread.py), so both cores share it.
 """
 
 import mlx.core as mx
+
+from . import spread
 
 # The most bytes the scores and probabilities of one query chunk may hold (override per call
 # with `budget`, or set this module default).
@@ -35,7 +40,7 @@ def scaled_dot_product_attention(q, k, v, scale, mask=None, budget=None):
     L, S = q.shape[2], k.shape[2]
     rows = query_chunk(q, k, budget)
     if rows >= L or fused(q):
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        return attend(q, k, v, scale, mask)
     outs = []
     for a in range(0, L, rows):
         b = min(L, a + rows)
@@ -44,8 +49,36 @@ def scaled_dot_product_attention(q, k, v, scale, mask=None, budget=None):
         else:
             ks, vs = k, v
             m = mask[..., a:b, :] if mask is not None and mask.shape[-2] == L else mask
-        outs.append(mx.fast.scaled_dot_product_attention(q[:, :, a:b], ks, vs, scale=scale, mask=m))
+        outs.append(attend(q[:, :, a:b], ks, vs, scale, m))
         # Evaluated one by one: in one lazy graph MLX dispatches several chunks ahead of the
         # computation and holds all their scores at once.
         mx.eval(outs[-1])
     return mx.concatenate(outs, axis=2)
+
+
+def attend(q, k, v, scale, mask=None):
+    """mx.fast.scaled_dot_product_attention; on the CPU device, for many scores, the ops of its
+    fallback there (mlx/fast.cpp) with the softmax split by rows over CPU streams: the same numbers."""
+    B, H, L, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if mx.default_device().type != mx.DeviceType.cpu or B * H * L * S < spread.MIN_ELEMENTS:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    repeats = H // Hkv
+    q = q * scale
+    if repeats > 1:  # grouped heads: each kv head's queries as one block
+        q, k, v = q.reshape(B, Hkv, repeats, L, D), k[:, :, None], v[:, :, None]
+    scores = q @ k.swapaxes(-1, -2)
+    if isinstance(mask, str):  # "causal", lower-right aligned
+        mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
+    elif mask is not None and repeats > 1 and mask.ndim >= 3:
+        mask = mx.expand_dims(mask, -3) if mask.shape[-3] == 1 else mask.reshape(*mask.shape[:-3], Hkv, repeats, L, S)
+    if mask is not None and mask.dtype == mx.bool_:
+        scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+    elif mask is not None:
+        scores = scores + mask.astype(scores.dtype)
+    probs = spread.by_rows(_softmax, scores)
+    return (probs @ v).reshape(B, H, L, -1)
+
+
+def _softmax(scores):
+    return mx.softmax(scores, axis=-1, precise=True)

@@ -194,7 +194,7 @@ def test_plain_graph_on_cpu_splits_decode_matmuls_bit_for_bit(on_cpu, monkeypatc
     unsplit products' to the bit."""
     from mlx.utils import tree_flatten
 
-    from mlx_qwen3vl import activations
+    from mlx_qwen3vl import activations, spread
     from mlx_qwen3vl.engine.step import decode_step
 
     model = load_model(FIXTURES / "tiny-a", dtype="float32", backend="mlx")
@@ -203,7 +203,7 @@ def test_plain_graph_on_cpu_splits_decode_matmuls_bit_for_bit(on_cpu, monkeypatc
     assert type(text.embed_tokens) is activations.Embedding
     for blocks in (layer.self_attn._qkv_blocks, layer.mlp._gate_up_blocks, layer.mlp.down_proj._blocks,
                    text.embed_tokens._blocks):
-        assert len(blocks) == activations.PARTS  # each of them split
+        assert len(blocks) == spread.PARTS  # each of them split
     assert not [k for k, _ in tree_flatten(model.parameters()) if "_blocks" in k]
     cache = model.make_cache()
     inputs = case_inputs("text")

@@ -1,0 +1,38 @@
+"""Work spread over MLX's CPU streams. MLX's CPU device runs each op on one thread (BLAS threads
+its own matmuls); ops on separate CPU streams run on separate threads, so work split over
+`PARTS` streams uses every core of a two-core machine. Used by the plain graph on the CPU device
+only (activations.py, attention.py); on a GPU an op already fills the device.
+
+Each part computes its rows exactly as the whole op would, so a split result is bit for bit the
+unsplit one (benchmarks/README.md, "The plain MLX graph")."""
+
+import mlx.core as mx
+
+PARTS = 2
+# Below this many elements a split costs more than it saves (a decode step's activations).
+MIN_ELEMENTS = 1 << 16
+_streams = []
+
+
+def streams():
+    """PARTS CPU streams, made once."""
+    if not _streams:
+        _streams.extend(mx.new_stream(mx.cpu) for _ in range(PARTS))
+    return _streams
+
+
+def by_rows(fn, *arrays):
+    """fn(*arrays) for an fn that treats each row (last axis) on its own (elementwise work, a softmax
+    over the last axis): arrays of one shape, from MIN_ELEMENTS elements split into PARTS blocks of
+    rows, each on its own CPU stream; the blocks' results concatenated."""
+    shape = arrays[0].shape
+    if arrays[0].size < MIN_ELEMENTS or len(shape) < 2 or mx.default_device().type != mx.DeviceType.cpu:
+        return fn(*arrays)
+    flat = [a.reshape(-1, shape[-1]) for a in arrays]
+    rows = flat[0].shape[0]
+    step = -(-rows // PARTS)
+    parts = []
+    for start, stream in zip(range(0, rows, step), streams()):
+        with mx.stream(stream):
+            parts.append(fn(*(a[start:start + step] for a in flat)))
+    return mx.concatenate(parts, axis=0).reshape(*shape[:-1], parts[0].shape[-1])

@@ -1,0 +1,87 @@
+"""Work split by rows over MLX's CPU streams (spread.py) gives the unsplit result bit for bit: the
+plain graph's activations, its attention's softmax, and a whole prefill with an image."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import FIXTURES, case_inputs
+from mlx_qwen3vl import activations, attention, spread
+from mlx_qwen3vl.weights import load_model
+
+
+def recording(fn, seen):
+    """fn, noting the default CPU stream each call runs under."""
+    def run(*arrays):
+        seen.append(mx.default_stream(mx.cpu))
+        return fn(*arrays)
+
+    return run
+
+
+@pytest.mark.parametrize("shape", [(7, 33), (2, 5, 64), (1, 3, 1000)])
+@pytest.mark.parametrize("name", ["swiglu", "gelu_tanh", "softmax"])
+def test_rows_on_two_streams_equal_the_whole_op(name, shape, monkeypatch, on_cpu):
+    fn = {"swiglu": activations.swiglu, "gelu_tanh": activations.gelu_tanh,
+          "softmax": lambda x: mx.softmax(x, axis=-1, precise=True)}[name]
+    arrays = [mx.random.normal(shape, key=mx.random.key(i)) * 4 for i in range(2 if name == "swiglu" else 1)]
+    whole = np.array(fn(*arrays))
+    seen = []
+    monkeypatch.setattr(spread, "MIN_ELEMENTS", 1)
+    split = spread.by_rows(recording(fn, seen), *arrays)
+    assert split.shape == whole.shape and np.array_equal(np.array(split), whole)
+    assert seen == spread.streams()  # an odd count of rows too: two parts, one per stream
+    monkeypatch.setattr(spread, "MIN_ELEMENTS", mx.array(arrays[0]).size + 1)
+    seen.clear()
+    assert np.array_equal(np.array(spread.by_rows(recording(fn, seen), *arrays)), whole)
+    assert seen == [mx.default_stream(mx.cpu)]  # below the threshold: one op, on the caller's stream
+
+
+CASES = {  # B, H, Hkv, L, S, D, mask
+    "causal prefill, grouped heads": (1, 8, 2, 29, 29, 128, "causal"),
+    "causal after a cache": (2, 4, 2, 9, 40, 128, "causal"),
+    "left-padded rows (boolean, one head)": (2, 4, 2, 12, 30, 64, "bool1"),
+    "boolean per head": (2, 4, 4, 12, 30, 64, "boolH"),
+    "additive": (1, 4, 1, 10, 25, 64, "float"),
+    "vision windows, head dim 72": (3, 4, 4, 20, 20, 72, None),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_attention_on_the_cpu_device_equals_mlx_fast_bit_for_bit(case, monkeypatch, on_cpu):
+    """attention.attend writes out the ops of mx.fast's CPU fallback with the softmax split by rows;
+    its result is that of mx.fast.scaled_dot_product_attention, to the bit."""
+    B, H, Hkv, L, S, D, kind = CASES[case]
+    keys = mx.random.split(mx.random.key(L * S), 4)
+    q, k, v = (mx.random.normal(shape, key=key) * 2 for shape, key in
+               zip(((B, H, L, D), (B, Hkv, S, D), (B, Hkv, S, D)), keys))
+    mask = {"bool1": lambda: mx.random.uniform(shape=(B, 1, L, S), key=keys[3]) > 0.3,
+            "boolH": lambda: mx.random.uniform(shape=(B, H, L, S), key=keys[3]) > 0.3,
+            "float": lambda: mx.random.normal((B, 1, L, S), key=keys[3])}.get(kind, lambda: kind)()
+    if kind in ("bool1", "boolH"):
+        mask[..., -1] = True  # every query sees a key
+    fast = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=mask))
+    monkeypatch.setattr(spread, "MIN_ELEMENTS", 1)
+    seen = []
+    monkeypatch.setattr(attention, "_softmax", recording(attention._softmax, seen))
+    ours = attention.attend(q, k, v, D**-0.5, mask)
+    assert np.array_equal(np.array(ours), fast)
+    assert seen == spread.streams()
+
+
+def test_a_plain_graph_prefill_split_over_streams_equals_it_unsplit(monkeypatch, on_cpu):
+    """tiny-a on the plain graph, a prompt with an image: every MLP activation, vision GELU and
+    softmax split (threshold 1 element) gives the unsplit logits bit for bit."""
+    model = load_model(FIXTURES / "tiny-a", dtype="float32", backend="mlx")
+    inputs = case_inputs("image")
+    whole = np.array(model(**inputs))
+    calls = []
+    by_rows = spread.by_rows
+    monkeypatch.setattr(spread, "by_rows", lambda fn, *a: calls.append(fn) or by_rows(fn, *a))
+    monkeypatch.setattr(spread, "MIN_ELEMENTS", 1)
+    split = np.array(model(**inputs))
+    assert np.array_equal(split, whole)
+    layers = len(model.language_model.layers) + len(model.visual.blocks)
+    assert sum(fn is attention._softmax for fn in calls) == layers
+    assert sum(fn is activations.swiglu for fn in calls) == len(model.language_model.layers)
+    assert sum(fn is activations.gelu_tanh for fn in calls) == len(model.visual.blocks)
