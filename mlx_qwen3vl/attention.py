@@ -58,15 +58,17 @@ def scaled_dot_product_attention(q, k, v, scale, mask=None, budget=None):
 
 def attend(q, k, v, scale, mask=None):
     """mx.fast.scaled_dot_product_attention; on the CPU device, for many scores, the ops of its
-    fallback there (mlx/fast.cpp) with the softmax split by rows over CPU streams: the same numbers."""
+    fallback there (mlx/fast.cpp) with each block of heads' softmax on its own CPU stream and
+    that block's product with the values on this one (no second copy of the probabilities):
+    the same numbers."""
     B, H, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    if mx.default_device().type != mx.DeviceType.cpu or B * H * L * S < spread.MIN_ELEMENTS:
+    if mx.default_device().type != mx.DeviceType.cpu or B * H * L * S < spread.MIN_ELEMENTS or B * Hkv < 2:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     repeats = H // Hkv
     q = q * scale
     if repeats > 1:  # grouped heads: each kv head's queries as one block
-        q, k, v = q.reshape(B, Hkv, repeats, L, D), k[:, :, None], v[:, :, None]
+        q, k = q.reshape(B, Hkv, repeats, L, D), k[:, :, None]
     scores = q @ k.swapaxes(-1, -2)
     if isinstance(mask, str):  # "causal", lower-right aligned
         mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
@@ -76,8 +78,13 @@ def attend(q, k, v, scale, mask=None):
         scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
     elif mask is not None:
         scores = scores + mask.astype(scores.dtype)
-    probs = spread.by_rows(_softmax, scores)
-    return (probs @ v).reshape(B, H, L, -1)
+    scores, v = scores.reshape(B * Hkv, repeats * L, S), v.reshape(B * Hkv, S, -1)
+    outs = []
+    for a, b, stream in spread.blocks(B * Hkv):
+        with mx.stream(stream):
+            probs = _softmax(scores[a:b])
+        outs.append(probs.reshape(b - a, repeats, L, S) @ v[a:b, None])  # the fallback's products, to the bit
+    return mx.concatenate(outs).reshape(B, H, L, -1)
 
 
 def _softmax(scores):

@@ -10,7 +10,7 @@ import mlx.core as mx
 
 PARTS = 2
 # Below this many elements a split costs more than it saves (a decode step's activations).
-MIN_ELEMENTS = 1 << 16
+MIN_ELEMENTS = 1 << 18
 _streams = []
 
 
@@ -21,18 +21,27 @@ def streams():
     return _streams
 
 
+def blocks(n):
+    """(start, stop, stream): n items in at most PARTS blocks, each with its CPU stream."""
+    step = -(-n // PARTS)
+    return [(a, min(n, a + step), s) for a, s in zip(range(0, n, step), streams())]
+
+
+def worth(array) -> bool:
+    """Whether splitting work over `array` pays: many elements, on the CPU device."""
+    return array.size >= MIN_ELEMENTS and mx.default_device().type == mx.DeviceType.cpu
+
+
 def by_rows(fn, *arrays):
-    """fn(*arrays) for an fn that treats each row (last axis) on its own (elementwise work, a softmax
-    over the last axis): arrays of one shape, from MIN_ELEMENTS elements split into PARTS blocks of
-    rows, each on its own CPU stream; the blocks' results concatenated."""
+    """fn(*arrays) for an fn that treats each row (last axis) on its own (elementwise work):
+    arrays of one shape, split into blocks of rows, each on its own CPU stream (where `worth` it);
+    the blocks' results concatenated."""
     shape = arrays[0].shape
-    if arrays[0].size < MIN_ELEMENTS or len(shape) < 2 or mx.default_device().type != mx.DeviceType.cpu:
+    if len(shape) < 2 or not worth(arrays[0]):
         return fn(*arrays)
     flat = [a.reshape(-1, shape[-1]) for a in arrays]
-    rows = flat[0].shape[0]
-    step = -(-rows // PARTS)
     parts = []
-    for start, stream in zip(range(0, rows, step), streams()):
+    for a, b, stream in blocks(flat[0].shape[0]):
         with mx.stream(stream):
-            parts.append(fn(*(a[start:start + step] for a in flat)))
+            parts.append(fn(*(x[a:b] for x in flat)))
     return mx.concatenate(parts, axis=0).reshape(*shape[:-1], parts[0].shape[-1])

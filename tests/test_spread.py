@@ -42,7 +42,7 @@ CASES = {  # B, H, Hkv, L, S, D, mask
     "causal after a cache": (2, 4, 2, 9, 40, 128, "causal"),
     "left-padded rows (boolean, one head)": (2, 4, 2, 12, 30, 64, "bool1"),
     "boolean per head": (2, 4, 4, 12, 30, 64, "boolH"),
-    "additive": (1, 4, 1, 10, 25, 64, "float"),
+    "additive": (1, 4, 2, 10, 25, 64, "float"),
     "vision windows, head dim 72": (3, 4, 4, 20, 20, 72, None),
 }
 
@@ -76,12 +76,13 @@ def test_a_plain_graph_prefill_split_over_streams_equals_it_unsplit(monkeypatch,
     inputs = case_inputs("image")
     whole = np.array(model(**inputs))
     calls = []
-    by_rows = spread.by_rows
+    by_rows, softmax = spread.by_rows, attention._softmax
     monkeypatch.setattr(spread, "by_rows", lambda fn, *a: calls.append(fn) or by_rows(fn, *a))
+    monkeypatch.setattr(attention, "_softmax", lambda s: calls.append(softmax) or softmax(s))
     monkeypatch.setattr(spread, "MIN_ELEMENTS", 1)
     split = np.array(model(**inputs))
     assert np.array_equal(split, whole)
     layers = len(model.language_model.layers) + len(model.visual.blocks)
-    assert sum(fn is attention._softmax for fn in calls) == layers
+    assert sum(fn is softmax for fn in calls) == 2 * layers  # two blocks of heads in each
     assert sum(fn is activations.swiglu for fn in calls) == len(model.language_model.layers)
     assert sum(fn is activations.gelu_tanh for fn in calls) == len(model.visual.blocks)
