@@ -64,7 +64,7 @@ def matmul(x, w, blocks=None):
 
 class MLP(language.MLP):
     def __call__(self, x):
-        return self.down_proj(spread.by_rows(swiglu, *self.gate_up(x)))
+        return spread.by_rows(swiglu, *self.gate_up(x), then=self.down_proj)
 
     def gate_up(self, x):
         blocks = self.get("_gate_up_blocks")
@@ -95,7 +95,7 @@ class VisionMLP(vision.VisionMLP):
     def __call__(self, x):
         if vision.ACTIVATIONS[self.hidden_act] is not vision.gelu_tanh:  # a config's exact GELU
             return super().__call__(x)
-        return self.linear_fc2(spread.by_rows(gelu_tanh, self.linear_fc1(x)))
+        return spread.by_rows(gelu_tanh, self.linear_fc1(x), then=self.linear_fc2)
 
 
 class TextRotary(rope.TextRotary):

@@ -4,13 +4,18 @@ its own matmuls); ops on separate CPU streams run on separate threads, so work s
 only (activations.py, attention.py); on a GPU an op already fills the device.
 
 Each part computes its rows exactly as the whole op would, so a split result is bit for bit the
-unsplit one (benchmarks/README.md, "The plain MLX graph")."""
+unsplit one (BLAS too: MKL gives a row of a product the same bits whatever rows it is computed
+with, which tests/test_spread.py holds; benchmarks/README.md, "The plain MLX graph")."""
 
 import mlx.core as mx
 
 PARTS = 2
 # Below this many elements a split costs more than it saves (a decode step's activations).
 MIN_ELEMENTS = 1 << 18
+# Nor fewer rows per block: MKL computes a product of 4 to 23 rows with other kernels, rounding a
+# row otherwise than among more rows (a block's linear in `by_rows` would then differ from the
+# whole's).
+MIN_ROWS = 32
 _streams = []
 
 
@@ -32,16 +37,22 @@ def worth(array) -> bool:
     return array.size >= MIN_ELEMENTS and mx.default_device().type == mx.DeviceType.cpu
 
 
-def by_rows(fn, *arrays):
-    """fn(*arrays) for an fn that treats each row (last axis) on its own (elementwise work):
-    arrays of one shape, split into blocks of rows, each on its own CPU stream (where `worth` it);
-    the blocks' results concatenated."""
+def by_rows(fn, *arrays, then=None):
+    """fn(*arrays) for an fn that treats each row (last axis) on its own (elementwise work), or
+    then(fn(*arrays)) for a `then` that does too (a linear): arrays of one shape split into blocks
+    of rows where `worth` it, fn of each block on its own CPU stream, `then` of each on the caller's,
+    the blocks' results concatenated. With `then`, fn's output is never copied whole."""
     shape = arrays[0].shape
     if len(shape) < 2 or not worth(arrays[0]):
-        return fn(*arrays)
+        out = fn(*arrays)
+        return out if then is None else then(out)
     flat = [a.reshape(-1, shape[-1]) for a in arrays]
+    if flat[0].shape[0] < PARTS * MIN_ROWS:
+        out = fn(*arrays)
+        return out if then is None else then(out)
     parts = []
     for a, b, stream in blocks(flat[0].shape[0]):
         with mx.stream(stream):
-            parts.append(fn(*(x[a:b] for x in flat)))
+            part = fn(*(x[a:b] for x in flat))
+        parts.append(part if then is None else then(part))
     return mx.concatenate(parts, axis=0).reshape(*shape[:-1], parts[0].shape[-1])

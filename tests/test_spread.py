@@ -19,7 +19,7 @@ def recording(fn, seen):
     return run
 
 
-@pytest.mark.parametrize("shape", [(7, 33), (2, 5, 64), (1, 3, 1000)])
+@pytest.mark.parametrize("shape", [(65, 33), (2, 40, 64), (1, 99, 1000)])
 @pytest.mark.parametrize("name", ["swiglu", "gelu_tanh", "softmax"])
 def test_rows_on_two_streams_equal_the_whole_op(name, shape, monkeypatch, on_cpu):
     fn = {"swiglu": activations.swiglu, "gelu_tanh": activations.gelu_tanh,
@@ -35,6 +35,22 @@ def test_rows_on_two_streams_equal_the_whole_op(name, shape, monkeypatch, on_cpu
     seen.clear()
     assert np.array_equal(np.array(spread.by_rows(recording(fn, seen), *arrays)), whole)
     assert seen == [mx.default_stream(mx.cpu)]  # below the threshold: one op, on the caller's stream
+
+
+@pytest.mark.parametrize("rows", [9, 64, 301])
+def test_then_runs_on_each_block_as_on_the_whole(rows, monkeypatch, on_cpu):
+    """by_rows(fn, x, then=linear): each block's activation goes through the linear on the caller's
+    stream; the rows equal linear(fn(x)) to the bit (MKL rounds a row alike whatever rows it is with)."""
+    x = mx.random.normal((1, rows, 96), key=mx.random.key(rows)) * 3
+    w = mx.random.normal((40, 96), key=mx.random.key(7))
+    linear = lambda h: h @ w.T  # noqa: E731
+    whole = np.array(linear(activations.gelu_tanh(x)))
+    monkeypatch.setattr(spread, "MIN_ELEMENTS", 1)
+    seen = []
+    split = spread.by_rows(recording(activations.gelu_tanh, seen), x, then=linear)
+    assert split.shape == (1, rows, 40) and np.array_equal(np.array(split), whole)
+    # fewer than MIN_ROWS a block (MKL's few-row kernels round otherwise): not split
+    assert seen == (spread.streams() if rows >= spread.PARTS * spread.MIN_ROWS else [mx.default_stream(mx.cpu)])
 
 
 CASES = {  # B, H, Hkv, L, S, D, mask
@@ -75,14 +91,16 @@ def test_a_plain_graph_prefill_split_over_streams_equals_it_unsplit(monkeypatch,
     model = load_model(FIXTURES / "tiny-a", dtype="float32", backend="mlx")
     inputs = case_inputs("image")
     whole = np.array(model(**inputs))
-    calls = []
-    by_rows, softmax = spread.by_rows, attention._softmax
-    monkeypatch.setattr(spread, "by_rows", lambda fn, *a: calls.append(fn) or by_rows(fn, *a))
+    calls, split_calls = [], []
+    by_rows, softmax, blocks = spread.by_rows, attention._softmax, spread.blocks
+    monkeypatch.setattr(spread, "by_rows", lambda fn, *a, **kw: calls.append(fn) or by_rows(fn, *a, **kw))
     monkeypatch.setattr(attention, "_softmax", lambda s: calls.append(softmax) or softmax(s))
+    monkeypatch.setattr(spread, "blocks", lambda n: split_calls.append(n) or blocks(n))
     monkeypatch.setattr(spread, "MIN_ELEMENTS", 1)
     split = np.array(model(**inputs))
     assert np.array_equal(split, whole)
     layers = len(model.language_model.layers) + len(model.visual.blocks)
+    assert len(split_calls) == 2 * layers  # each layer's activation and attention split
     assert sum(fn is softmax for fn in calls) == 2 * layers  # two blocks of heads in each
     assert sum(fn is activations.swiglu for fn in calls) == len(model.language_model.layers)
     assert sum(fn is activations.gelu_tanh for fn in calls) == len(model.visual.blocks)
