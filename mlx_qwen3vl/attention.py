@@ -58,33 +58,43 @@ def scaled_dot_product_attention(q, k, v, scale, mask=None, budget=None):
 
 def attend(q, k, v, scale, mask=None):
     """mx.fast.scaled_dot_product_attention; on the CPU device, for many scores, the ops of its
-    fallback there (mlx/fast.cpp) with each block of heads' softmax on its own CPU stream and
-    that block's product with the values on this one (no second copy of the probabilities):
-    the same numbers."""
+    fallback there (mlx/fast.cpp) over blocks of the batch (or, for one sequence, of the kv
+    heads): each block's scores and product with the values on this stream, its softmax on a CPU
+    stream of its own, in place as the fallback's is. The same numbers and memory, both cores."""
     B, H, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    if mx.default_device().type != mx.DeviceType.cpu or B * H * L * S < spread.MIN_ELEMENTS or B * Hkv < 2:
+    axis = 0 if B >= spread.PARTS else 1
+    if mx.default_device().type != mx.DeviceType.cpu or B * H * L * S < spread.MIN_ELEMENTS or (B, Hkv)[axis] < 2:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     repeats = H // Hkv
-    q = q * scale
-    if repeats > 1:  # grouped heads: each kv head's queries as one block
-        q, k = q.reshape(B, Hkv, repeats, L, D), k[:, :, None]
-    scores = q @ k.swapaxes(-1, -2)
+    # (B, Hkv, repeats, L, D) against (B, Hkv, 1, S, D), as the fallback groups heads
+    q, k, v = (q * scale).reshape(B, Hkv, repeats, L, D), k[:, :, None], v[:, :, None]
     if isinstance(mask, str):  # "causal", lower-right aligned
         mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
-    elif mask is not None and repeats > 1 and mask.ndim >= 3:
+    elif mask is not None and mask.ndim >= 3:
         mask = mx.expand_dims(mask, -3) if mask.shape[-3] == 1 else mask.reshape(*mask.shape[:-3], Hkv, repeats, L, S)
-    if mask is not None and mask.dtype == mx.bool_:
-        scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
-    elif mask is not None:
-        scores = scores + mask.astype(scores.dtype)
-    scores, v = scores.reshape(B * Hkv, repeats * L, S), v.reshape(B * Hkv, S, -1)
     outs = []
-    for a, b, stream in spread.blocks(B * Hkv):
+    for a, b, stream in spread.blocks((B, Hkv)[axis]):
+        block = lambda x: x[a:b] if axis == 0 else x[:, a:b]  # noqa: E731
+        scores = block(q) @ block(k).swapaxes(-1, -2)
+        if mask is not None:
+            m = _block_of(mask, axis, a, b)
+            if m.dtype == mx.bool_:
+                scores = mx.where(m, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+            else:
+                scores = scores + m.astype(scores.dtype)
         with mx.stream(stream):
-            probs = _softmax(scores[a:b])
-        outs.append(probs.reshape(b - a, repeats, L, S) @ v[a:b, None])  # the fallback's products, to the bit
-    return mx.concatenate(outs).reshape(B, H, L, -1)
+            probs = _softmax(scores)
+        outs.append(probs @ block(v))
+    return mx.concatenate(outs, axis=axis).reshape(B, H, L, -1)
+
+
+def _block_of(mask, axis, a, b):
+    """The rows [a, b) along the scores' `axis` of a mask aligned to their 5 axes from the right."""
+    i = axis - (5 - mask.ndim)
+    if i < 0 or mask.shape[i] == 1:
+        return mask
+    return mask[(slice(None),) * i + (slice(a, b),)]
 
 
 def _softmax(scores):

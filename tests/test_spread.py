@@ -58,6 +58,7 @@ CASES = {  # B, H, Hkv, L, S, D, mask
     "causal after a cache": (2, 4, 2, 9, 40, 128, "causal"),
     "left-padded rows (boolean, one head)": (2, 4, 2, 12, 30, 64, "bool1"),
     "boolean per head": (2, 4, 4, 12, 30, 64, "boolH"),
+    "boolean per head, one sequence (blocks of kv heads)": (1, 8, 4, 12, 30, 64, "boolH"),
     "additive": (1, 4, 2, 10, 25, 64, "float"),
     "vision windows, head dim 72": (3, 4, 4, 20, 20, 72, None),
 }
