@@ -1,7 +1,8 @@
 """SwiGLU and the tanh GELU as MLX's CPU device computes them fastest, put in place of the model's
 standard ones when its plain MLX graph runs on the CPU (backend.plain_graph_on_cpu); with them the
-decoder's text rotary by its tables (TextRotary below), and, once the plain graph is chosen, the
-decode step's matmuls over row blocks of their weights on two CPU streams (split_matmuls).
+decoder's text rotary by its tables (TextRotary below), the vision blocks' GELU by blocks of rows
+on two CPU streams (spread.by_rows), and, once the plain graph is chosen, the decode step's
+matmuls over row blocks of their weights on two CPU streams (split_matmuls).
 
 MLX's CPU backend evaluates exp with vectorized code but sigmoid and tanh with scalar code, so
 both are written through exp, each one compiled kernel in float32 inside (benchmarks/README.md,
@@ -15,7 +16,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import spread, language, rope, vision
+from . import language, rope, spread, vision
 
 
 @partial(mx.compile, shapeless=True)
@@ -64,7 +65,7 @@ def matmul(x, w, blocks=None):
 
 class MLP(language.MLP):
     def __call__(self, x):
-        return spread.by_rows(swiglu, *self.gate_up(x), then=self.down_proj)
+        return self.down_proj(swiglu(*self.gate_up(x)))
 
     def gate_up(self, x):
         blocks = self.get("_gate_up_blocks")

@@ -93,12 +93,9 @@ class MLP(nn.Module):
         return self.down_proj(swiglu(*self.gate_up(x)))
 
     def gate_up(self, x):
-        """gate and up projections: for a decode step one matmul, where backend.fuse built their
-        stacked weight at load. A prefill chunk's products are compute-bound, so the stack saves
-        nothing there, and its halves would be strided for the activation: the two weights (views
-        of the stack) then go apart (benchmarks/README.md, "The plain MLX graph")."""
+        """gate and up projections: one matmul when backend.fuse built their stacked weight at load."""
         w = self.get("_gate_up")
-        if w is None or x.shape[-2] > 1:
+        if w is None:
             return self.gate_proj(x), self.up_proj(x)
         return mx.split(x @ w.T, 2, axis=-1)
 

@@ -32,26 +32,21 @@ def blocks(n):
     return [(a, min(n, a + step), s) for a, s in zip(range(0, n, step), streams())]
 
 
-def worth(array) -> bool:
-    """Whether splitting work over `array` pays: many elements, on the CPU device."""
-    return array.size >= MIN_ELEMENTS and mx.default_device().type == mx.DeviceType.cpu
-
-
 def by_rows(fn, *arrays, then=None):
     """fn(*arrays) for an fn that treats each row (last axis) on its own (elementwise work), or
-    then(fn(*arrays)) for a `then` that does too (a linear): arrays of one shape split into blocks
-    of rows where `worth` it, fn of each block on its own CPU stream, `then` of each on the caller's,
-    the blocks' results concatenated. With `then`, fn's output is never copied whole."""
+    then(fn(*arrays)) for a `then` that does too (a linear). On the CPU device, from MIN_ELEMENTS
+    elements and PARTS * MIN_ROWS rows, the arrays (of one shape) go in blocks of rows: fn of each
+    on its own CPU stream, `then` of each on the caller's, the results concatenated. With `then`,
+    fn's output is never copied whole."""
     shape = arrays[0].shape
-    if len(shape) < 2 or not worth(arrays[0]):
+    rows = arrays[0].size // shape[-1] if len(shape) >= 2 else 0
+    if (rows < PARTS * MIN_ROWS or arrays[0].size < MIN_ELEMENTS
+            or mx.default_device().type != mx.DeviceType.cpu):
         out = fn(*arrays)
         return out if then is None else then(out)
-    flat = [a.reshape(-1, shape[-1]) for a in arrays]
-    if flat[0].shape[0] < PARTS * MIN_ROWS:
-        out = fn(*arrays)
-        return out if then is None else then(out)
+    flat = [a.reshape(rows, shape[-1]) for a in arrays]
     parts = []
-    for a, b, stream in blocks(flat[0].shape[0]):
+    for a, b, stream in blocks(rows):
         with mx.stream(stream):
             part = fn(*(x[a:b] for x in flat))
         parts.append(part if then is None else then(part))

@@ -1,5 +1,5 @@
-"""Work split by rows over MLX's CPU streams (spread.py) gives the unsplit result bit for bit: the
-plain graph's activations, its attention's softmax, and a whole prefill with an image."""
+"""Work split by rows over MLX's CPU streams (spread.py) gives the unsplit result bit for bit:
+elementwise work, the plain graph's attention, and a whole prefill with an image."""
 
 import mlx.core as mx
 import numpy as np
@@ -87,8 +87,9 @@ def test_attention_on_the_cpu_device_equals_mlx_fast_bit_for_bit(case, monkeypat
 
 
 def test_a_plain_graph_prefill_split_over_streams_equals_it_unsplit(monkeypatch, on_cpu):
-    """tiny-a on the plain graph, a prompt with an image: every MLP activation, vision GELU and
-    softmax split (threshold 1 element) gives the unsplit logits bit for bit."""
+    """tiny-a on the plain graph, a prompt with an image: every attention's softmax (vision and
+    decoder) and every vision block's GELU split (threshold 1 element) give the unsplit logits bit
+    for bit."""
     model = load_model(FIXTURES / "tiny-a", dtype="float32", backend="mlx")
     inputs = case_inputs("image")
     whole = np.array(model(**inputs))
@@ -100,8 +101,7 @@ def test_a_plain_graph_prefill_split_over_streams_equals_it_unsplit(monkeypatch,
     monkeypatch.setattr(spread, "MIN_ELEMENTS", 1)
     split = np.array(model(**inputs))
     assert np.array_equal(split, whole)
-    layers = len(model.language_model.layers) + len(model.visual.blocks)
-    assert len(split_calls) == 2 * layers  # each layer's activation and attention split
-    assert sum(fn is softmax for fn in calls) == 2 * layers  # two blocks of heads in each
-    assert sum(fn is activations.swiglu for fn in calls) == len(model.language_model.layers)
-    assert sum(fn is activations.gelu_tanh for fn in calls) == len(model.visual.blocks)
+    text, blocks_ = len(model.language_model.layers), len(model.visual.blocks)
+    assert len(split_calls) == text + 2 * blocks_  # each attention, each vision GELU
+    assert sum(fn is softmax for fn in calls) == 2 * (text + blocks_)  # two blocks of heads in each
+    assert sum(fn is activations.gelu_tanh for fn in calls) == blocks_
