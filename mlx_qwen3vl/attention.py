@@ -7,8 +7,9 @@ their softmax as whole arrays: one 1080p screenshot is 16 × 8160² floats per v
 query's row of the softmax sees the same keys in any split of the queries, so chunking is exact
 up to float summation order.
 
-On the CPU device MLX runs that unfused path as plain ops, one thread each; here the same ops run
-with the softmax's rows split over CPU streams (spread.py), so both cores share it.
+On the CPU device MLX runs that unfused path as plain ops, one thread each; `attend` runs the same
+ops over blocks of heads, each block's softmax on a CPU stream of its own (spread.py), so both
+cores share the exps that dominate it.
 """
 
 import mlx.core as mx

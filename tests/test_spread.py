@@ -105,3 +105,27 @@ def test_a_plain_graph_prefill_split_over_streams_equals_it_unsplit(monkeypatch,
     assert len(split_calls) == text + 2 * blocks_  # each attention, each vision GELU
     assert sum(fn is softmax for fn in calls) == 2 * (text + blocks_)  # two blocks of heads in each
     assert sum(fn is activations.gelu_tanh for fn in calls) == blocks_
+
+
+def test_rows_finishing_at_different_steps_split_equal_unsplit(monkeypatch, on_cpu):
+    """Through the engine on the plain graph: an image prompt beside text prompts of other lengths
+    (left-padded rows, a boolean mask), sampled, finishing at different steps: with every attention
+    split (threshold 1 element) each row's tokens and log-probabilities equal the unsplit run's."""
+    import mlx_qwen3vl as M
+
+    model = load_model(FIXTURES / "tiny-a", dtype="float32", backend="mlx")
+    processor = M.Processor.from_pretrained(FIXTURES / "tiny-a")
+    picture = str(FIXTURES / "media" / "img_123x77.png")
+    asks = [dict(prompt="What is drawn?", images=[picture], max_tokens=5, seed=1),
+            dict(prompt="Click the blue button on the left of the screen, then wait.", max_tokens=3, seed=2),
+            dict(prompt="Hi", max_tokens=7, seed=3)]
+    run = lambda: [(r.token_ids, r.logprobs) for r in M.batch_generate(model, processor, asks, temperature=1.0, ignore_eos=True)]  # noqa: E731
+    monkeypatch.setattr(spread, "MIN_ELEMENTS", 1 << 62)
+    whole = run()
+    assert [len(t) for t, _ in whole] == [5, 3, 7]
+    splits = []
+    blocks = spread.blocks
+    monkeypatch.setattr(spread, "blocks", lambda n: splits.append(n) or blocks(n))
+    monkeypatch.setattr(spread, "MIN_ELEMENTS", 1)
+    assert run() == whole
+    assert len(splits) > 3 * len(model.language_model.layers)  # the decode steps' attention too
