@@ -46,8 +46,8 @@ MIN_ROWS = 64
 
 
 def row_blocks(w):
-    """w's spread.PARTS row blocks, views of it (no copy); a tuple, which nn.Module neither counts among its
-    parameters nor walks as children. None for a weight of fewer than MIN_ROWS rows."""
+    """w's spread.PARTS row blocks, views of it (no copy); a tuple, which nn.Module neither counts
+    among its parameters nor walks as children. None for a weight of fewer than MIN_ROWS rows."""
     if w.shape[0] < MIN_ROWS:
         return None
     step = -(-w.shape[0] // spread.PARTS)

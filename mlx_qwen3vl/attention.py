@@ -65,7 +65,8 @@ def attend(q, k, v, scale, mask=None):
     B, H, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     axis = 0 if B >= spread.PARTS else 1
-    if mx.default_device().type != mx.DeviceType.cpu or B * H * L * S < spread.MIN_ELEMENTS or (B, Hkv)[axis] < 2:
+    cpu = mx.default_device().type == mx.DeviceType.cpu
+    if not cpu or B * H * L * S < spread.MIN_ELEMENTS or (B, Hkv)[axis] < 2:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     repeats = H // Hkv
     # (B, Hkv, repeats, L, D) against (B, Hkv, 1, S, D), as the fallback groups heads
@@ -73,7 +74,8 @@ def attend(q, k, v, scale, mask=None):
     if isinstance(mask, str):  # "causal", lower-right aligned
         mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
     elif mask is not None and mask.ndim >= 3:
-        mask = mx.expand_dims(mask, -3) if mask.shape[-3] == 1 else mask.reshape(*mask.shape[:-3], Hkv, repeats, L, S)
+        one = mask.shape[-3] == 1
+        mask = mx.expand_dims(mask, -3) if one else mask.reshape(*mask.shape[:-3], Hkv, repeats, L, S)
     outs = []
     for a, b, stream in spread.blocks((B, Hkv)[axis]):
         block = lambda x: x[a:b] if axis == 0 else x[:, a:b]  # noqa: E731

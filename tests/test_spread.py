@@ -119,7 +119,10 @@ def test_rows_finishing_at_different_steps_split_equal_unsplit(monkeypatch, on_c
     asks = [dict(prompt="What is drawn?", images=[picture], max_tokens=5, seed=1),
             dict(prompt="Click the blue button on the left of the screen, then wait.", max_tokens=3, seed=2),
             dict(prompt="Hi", max_tokens=7, seed=3)]
-    run = lambda: [(r.token_ids, r.logprobs) for r in M.batch_generate(model, processor, asks, temperature=1.0, ignore_eos=True)]  # noqa: E731
+    def run():
+        results = M.batch_generate(model, processor, asks, temperature=1.0, ignore_eos=True)
+        return [(r.token_ids, r.logprobs) for r in results]
+
     monkeypatch.setattr(spread, "MIN_ELEMENTS", 1 << 62)
     whole = run()
     assert [len(t) for t, _ in whole] == [5, 3, 7]
