@@ -19,6 +19,11 @@ from . import spread
 # The most bytes the scores and probabilities of one query chunk may hold (override per call
 # with `budget`, or set this module default).
 SCORE_BUDGET = 1 << 29
+# A decoder prompt's chunks, less: evaluated with the lazy work of their layer and those before
+# it, their scores share the peak with more than a vision window's do (one 1080p screenshot's
+# prompt on h-mid: 4.13 GB at SCORE_BUDGET, 3.86 GB at this; no slower). Vision windows keep
+# SCORE_BUDGET: halving theirs cost ~12% of their attention's time on the CPU.
+PROMPT_BUDGET = 1 << 28
 FUSED_HEAD_DIMS = (64, 80, 128)  # mx.fast's Metal kernel for many queries
 
 

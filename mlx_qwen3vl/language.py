@@ -6,7 +6,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from .attention import scaled_dot_product_attention
+from .attention import PROMPT_BUDGET, scaled_dot_product_attention
 from .config import TextConfig
 from .moe import SparseMoeBlock
 from .packed import PackedRows
@@ -66,7 +66,7 @@ class Attention(nn.Module):
         """softmax(q k^T * scale, masked) v over grouped heads; mask None, "causal" (lower-right
         aligned, so it holds with a KV cache) or boolean (B, 1, L, S); in query chunks of bounded
         memory over a long prompt (attention.py)."""
-        return scaled_dot_product_attention(q, k, v, self.scale, mask)
+        return scaled_dot_product_attention(q, k, v, self.scale, mask, budget=PROMPT_BUDGET)
 
     def attend_quantized(self, q, k, v, mask, bits, group_size):
         """`attend` over quantized keys and values: mlx-lm's quantized attention (MLX's quantized

@@ -360,11 +360,11 @@ class VisionRun:
         joined = [p[0] if len(p) == 1 else mx.concatenate(list(p)) for p in zip(*self.parts)]
         stage = self.phase[0]
         if stage in ("embed", "out"):
-            self.x = joined[0]
+            self.x, self.o = joined[0], None
         elif stage == "qkv":
             self.qkv = joined
         elif stage == "attend":
-            self.o = joined[0]
+            self.o, self.qkv = joined[0], None  # q, k, v done with: freed before the MLP's activations
         elif stage == "tap":
             self.deepstack.append(joined[0])
         else:

@@ -127,11 +127,15 @@ class PrefillJob:
         visual = self.model.visual
         state = {}
         items = vision_items(self.model.config.vision_config, grids, self.item_budget)
-        if self.item_budget is None:  # the whole tower at once, as the model's own call
-            encode = self.model.get_image_features if kind == IMAGE else self.model.get_video_features
-
+        if self.item_budget is None:  # the whole tower at once
             def whole():
-                state["features"] = encode(pixels, grids)
+                # Stage by stage, each evaluated before the next is built: as one lazy graph (the
+                # model's own call) MLX holds several stages' intermediates at once (one 1080p
+                # screenshot on h-mid's plain graph: 1.21 GB above the weights, 0.71 stage by stage).
+                run = visual.start(pixels, grids)
+                for item in items:
+                    mx.eval(visual.run(run, item))
+                state["features"] = VisualFeatures(*visual.finish(run))
                 return []
 
             self._items.append((sum(item.cost for item in items), whole))
