@@ -97,8 +97,8 @@ def test_multi_turn_reuses_prefix_and_matches_from_scratch(loaded, checkpoint, m
     img1 = Image.open(FIXTURES / "media" / "img_300x200.png")
     img2 = Image.open(FIXTURES / "media" / "img_90x260.png")
     encoded = []
-    original = model.get_image_features
-    monkeypatch.setattr(model, "get_image_features",
+    original = model.visual.start  # where every run of the tower begins, whole or spread over steps
+    monkeypatch.setattr(model.visual, "start",
                         lambda px, grid: encoded.append(np.asarray(grid).tolist()) or original(px, grid))
     session = M.ChatSession(model, processor, system="You are a GUI agent.", max_tokens=8)
     session.send("Where is the search box?", images=[img1])
