@@ -309,8 +309,8 @@ def main(argv=None):
         try:
             serve(app, **run)  # returns once SIGTERM / SIGINT has stopped it: a success
         finally:
-            engine.close()
-        return 0
+            engine.close()  # joins the model thread (its last disk-tier writes), as the rank's below
+        _leave(0)  # MLX's teardown sometimes aborted here too (status -6 after a clean SIGINT stop, 1 CI run in 4)
 
     # Stopped on request (Ctrl-C, SIGTERM) is a success (serve returns); these handlers cover a
     # signal outside serve: a rank dying of it would make mlx.launch report a failure and kill the
@@ -334,10 +334,11 @@ def main(argv=None):
 
 
 def _leave(status):
-    """End a rank of several at once, once its model thread has ended (no collective is then in
-    flight): the interpreter's own teardown destroys MLX's distributed runtime with its threads
-    still joinable on some runs ("terminate called without an active exception", status -6),
-    and can wait on ranks that are leaving too."""
+    """End the process at once, once its model thread has ended (on a rank of several, no
+    collective is then in flight): the interpreter's own teardown destroys MLX's runtime (streams,
+    and a rank's distributed group) with its threads still joinable on some runs ("terminate
+    called without an active exception", status -6), and a rank's can wait on ranks that are
+    leaving too."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
