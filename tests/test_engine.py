@@ -1,7 +1,8 @@
 """The library's engine (mlx_qwen3vl.engine): continuous batching through its API, the prefill
 budget (a screenshot's prefill spread over steps while a stream decodes, the vision tower split
 below whole blocks), memory admission, the prefix cache's index, entries sized to their tokens,
-and time limits. Every answer is compared with generate() on the same conversation."""
+and time limits, and a lone screenshot's tower evaluated stage by stage. Every answer is compared
+with generate() on the same conversation."""
 
 import importlib
 import re
@@ -495,3 +496,43 @@ def test_short_prompts_waiting_together_are_prefilled_in_one_forward_each_equal_
     assert max(seen) <= len(asks)  # a packed forward's final layer ran each row's last position only
     assert done_of(out[ids[0]]).cached_tokens > turn1.prompt_tokens - 2  # its prefix came from the cache
     assert engine.metrics["prefills_together"] == 3 and engine.metrics["prefilled_together"] == len(asks)
+
+
+def test_a_lone_requests_vision_tower_is_evaluated_stage_by_stage(processor, monkeypatch, on_cpu):
+    """The engine runs a screenshot's tower (nothing else decoding: the whole tower in one step) as
+    its stages, each evaluated before the next is built, so their intermediates are never held
+    together as one lazy graph (the full-depth 1080p peak, benchmarks/README.md "Vision memory");
+    the features equal the model's own whole-tower call."""
+    from mlx_qwen3vl.weights import load_model
+
+    model = load_model(FIXTURES / "tiny-a", dtype="float32", backend="mlx")
+    inputs = case_inputs("image")
+    want = model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+    order, made, features = [], [], []
+    run, evaluate, finish = model.visual.run, mx.eval, model.visual.finish
+
+    def staged(state, item):
+        assert all(evaluated for _, evaluated in made), "a stage was built before the one before it ran"
+        out = run(state, item)
+        made.extend([a, False] for a in out)
+        order.append(item.stage)
+        return out
+
+    def counted(*arrays):
+        flat = [a for x in arrays for a in (x if isinstance(x, (list, tuple)) else [x])]
+        for entry in made:
+            entry[1] = entry[1] or any(entry[0] is a for a in flat)
+        return evaluate(*arrays)
+
+    monkeypatch.setattr(model.visual, "run", staged)
+    monkeypatch.setattr(model.visual, "finish", lambda state: features.append(finish(state)) or features[-1])
+    monkeypatch.setattr(mx, "eval", counted)
+    M.generate(model, processor, inputs=inputs, max_tokens=1)
+    monkeypatch.undo()
+    blocks = len(model.visual.blocks)
+    assert order[0] == "embed" and order[-1] == "merge" and order.count("attend") == blocks
+    assert all(evaluated for _, evaluated in made)
+    # the same features, to the bit, as the model's own whole-tower call
+    (merged, deepstack), = features
+    assert np.array_equal(np.array(merged), np.array(want.embeds))
+    assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(deepstack, want.deepstack, strict=True))
