@@ -50,8 +50,7 @@ def row_blocks(w):
     among its parameters nor walks as children. None for a weight of fewer than MIN_ROWS rows."""
     if w.shape[0] < MIN_ROWS:
         return None
-    step = -(-w.shape[0] // spread.PARTS)
-    blocks = tuple(w[a:a + step] for a in range(0, w.shape[0], step))
+    blocks = tuple(w[a:b] for a, b, _ in spread.blocks(w.shape[0]))
     mx.eval(blocks)
     return blocks
 
